@@ -1,0 +1,442 @@
+"""Typed, frozen configuration tree: YAML presets with inheritance, dotted overrides, validation.
+
+A config is built in three steps:
+
+1. a preset (``configs/<name>.yaml`` or a path) is read with ``yaml.safe_load``; a top-level
+   ``inherits: <name or path>`` key merges it over its parent, recursively;
+2. dotted overrides (``model.num_layers=4``) are applied, values parsed as YAML scalars/lists;
+3. the merged dict is converted into frozen dataclasses, checking every key and type, and the
+   result is validated for impossible combinations.
+
+Every problem raises :class:`ConfigError` with the offending key and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+_INHERITS = "inherits"
+_REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+_PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
+
+
+class ConfigError(ValueError):
+    """A configuration value, key or combination that cannot work; the message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """Where a run lives: ``dir`` defaults to ``runs/<name>``."""
+
+    name: str = "zaya"
+    dir: str | None = None
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir) if self.dir else Path("runs") / self.name
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """ZAYA1 architecture (spec §1.1). Defaults are the Hugging Face ``ZayaConfig`` defaults (ZAYA1-8B).
+
+    Names follow the HF fields except ``num_layers`` (HF ``num_hidden_layers``), ``num_heads``
+    (HF ``num_attention_heads``: query heads in the compressed latent) and the RoPE fields, which
+    flatten HF's per-layer-type ``rope_parameters``.
+    """
+
+    vocab_size: int = 262272
+    hidden_size: int = 2048
+    num_layers: int = 40
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+    cca_time0: int = 2
+    cca_time1: int = 2
+    attention_bias: bool = False
+    rope_theta: float = 5_000_000.0
+    rope_theta_sliding: float = 10_000.0
+    partial_rotary_factor: float = 0.5
+    layer_types: tuple[Literal["hybrid", "hybrid_sliding"], ...] | None = None
+    sliding_window: int | None = None
+    max_position_embeddings: int = 131072
+    num_experts: int = 16
+    num_experts_per_tok: int = 1
+    moe_intermediate_size: int = 2048
+    router_hidden_size: int = 256
+    hidden_act: Literal["silu", "gelu", "relu"] = "silu"
+    rms_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+    tie_word_embeddings: bool = True
+    lm_head_bias: bool = False
+    pad_token_id: int = 0
+    bos_token_id: int = 2
+    eos_token_id: int = 106
+    # What a token routed to the MOD skip class receives from the MoE (spec §7 Q1):
+    # "zero" (HF >= 5.13, ZAYA1-8B) or "scaled_input" (p_skip * normed input; legacy fork, SGLang).
+    mod_skip_output: Literal["zero", "scaled_input"] = "zero"
+    # MoE compute path: "dense" (every expert, a reference for tests), "sorted" (dropless,
+    # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
+    moe_impl: Literal["dense", "sorted", "capacity"] = "sorted"
+    capacity_factor: float = 1.25
+    # Mixed precision: parameters are stored in param_dtype, matmuls run in dtype; the residual
+    # stream is always float32 (spec §2.1).
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    # ---- derived sizes (spec §2.3 notation) ----
+    @property
+    def num_kv_groups(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def q_width(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def conv_channels(self) -> int:
+        """C = (nq + nk) * d, the channels of the two-stage q/k convolution."""
+        return self.q_width + self.kv_width
+
+    @property
+    def conv_context(self) -> int:
+        """P = (k0 - 1) + (k1 - 1), raw q/k columns a token's convolution reads from the past."""
+        return self.cca_time0 - 1 + self.cca_time1 - 1
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def resolved_layer_types(self) -> tuple[str, ...]:
+        return self.layer_types if self.layer_types is not None else ("hybrid",) * self.num_layers
+
+    def validate(self) -> None:
+        positive = [
+            "vocab_size",
+            "hidden_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "cca_time0",
+            "cca_time1",
+            "max_position_embeddings",
+            "num_experts",
+            "moe_intermediate_size",
+            "router_hidden_size",
+        ]
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be a positive integer")
+        for name in ("rope_theta", "rope_theta_sliding", "rms_norm_eps", "capacity_factor"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.num_experts_per_tok != 1:
+            raise ConfigError(
+                f"model.num_experts_per_tok={self.num_experts_per_tok}: ZAYA1 routes each token to exactly "
+                "one expert (the router scores E+1 classes incl. the skip); set model.num_experts_per_tok=1"
+            )
+        if self.num_heads % self.num_kv_heads:
+            divisors = [d for d in range(1, self.num_heads + 1) if self.num_heads % d == 0]
+            raise ConfigError(
+                f"model.num_kv_heads={self.num_kv_heads} does not divide model.num_heads={self.num_heads}; "
+                f"use one of {divisors}"
+            )
+        if self.kv_width % 2:
+            raise ConfigError(
+                f"model.num_kv_heads * model.head_dim = {self.kv_width} must be even: the value is split into "
+                "a current-token half and a previous-token half; use an even model.head_dim"
+            )
+        if not 0.0 <= self.partial_rotary_factor <= 1.0 or self.rotary_dim % 2:
+            raise ConfigError(
+                f"model.partial_rotary_factor={self.partial_rotary_factor} gives a rotary width of "
+                f"{self.rotary_dim} of head_dim={self.head_dim}; choose a factor in [0, 1] giving an even width"
+            )
+        types_ = self.resolved_layer_types
+        if len(types_) != self.num_layers:
+            raise ConfigError(
+                f"model.layer_types has {len(types_)} entries but model.num_layers={self.num_layers}; "
+                "give one type per layer or set model.layer_types=null (all 'hybrid')"
+            )
+        if "hybrid_sliding" in types_ and self.sliding_window is None:
+            raise ConfigError(
+                "model.layer_types contains 'hybrid_sliding' but model.sliding_window is null; "
+                "set model.sliding_window (the span including the current token, e.g. 4097)"
+            )
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ConfigError(f"model.sliding_window={self.sliding_window} must be >= 1 (or null)")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if not 0 <= value < self.vocab_size:
+                raise ConfigError(f"model.{name}={value} must be in [0, model.vocab_size={self.vocab_size})")
+
+    def capacity(self, tokens_per_group: int) -> int:
+        """Per-expert slots of the capacity path for a group of ``tokens_per_group`` tokens."""
+        return max(1, math.ceil(self.capacity_factor * tokens_per_group / self.num_experts))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Training-loop knobs used by ``zaya train``."""
+
+    seed: int = 0
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    log_every: int = 10
+
+    def validate(self) -> None:
+        for name in ("steps", "batch_size", "seq_len", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"train.learning_rate={self.learning_rate} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run: ``run``, ``model`` and ``train`` sections."""
+
+    run: RunConfig = dataclasses.field(default_factory=RunConfig)
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.train.validate()
+        if self.train.seq_len > self.model.max_position_embeddings:
+            raise ConfigError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
+                f"{self.model.max_position_embeddings}; lower train.seq_len or raise the limit"
+            )
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def config_dirs() -> list[Path]:
+    """Directories searched for bare preset names: the repository's ``configs/``, then the wheel's copy."""
+    return [d for d in (_REPO_CONFIGS, _PACKAGED_CONFIGS) if d.is_dir()]
+
+
+def available_presets() -> list[str]:
+    return sorted({p.stem for d in config_dirs() for p in d.glob("*.yaml")})
+
+
+def _preset_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or "/" in text:
+        path = Path(text)
+        if not path.is_absolute() and relative_to is not None and not path.exists():
+            path = relative_to / path
+        if not path.is_file():
+            raise ConfigError(f"config file {text!r} does not exist")
+        return path
+    for directory in config_dirs():
+        candidate = directory / f"{text}.yaml"
+        if candidate.is_file():
+            return candidate
+    raise ConfigError(f"unknown preset {text!r}; available presets: {', '.join(available_presets())}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_preset(name_or_path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = _preset_path(name_or_path, relative_to=seen[-1].parent if seen else None).resolve()
+    if path in seen:
+        chain = " -> ".join(str(p.name) for p in (*seen, path))
+        raise ConfigError(f"config inheritance cycle: {chain}")
+    data = _read_yaml(path)
+    parent = data.pop(_INHERITS, None)
+    if parent is None:
+        return data
+    return _deep_merge(_resolve_preset(parent, (*seen, path)), data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.num_layers=4"`` -> (["model", "num_layers"], 4); the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. model.num_layers=4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {err}") from None
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override of {'.'.join(keys)}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert lists to tuples; raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a section (mapping), got {value!r}")
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {_type_name(tp)}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {full!r}{hint} (valid: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from a plain (YAML-like) mapping."""
+    cfg = _build(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
+    cfg = _build(ModelConfig, data, "model")
+    cfg.validate()
+    return cfg
+
+
+def load_config(name_or_path: str | Path | None = "tiny", overrides: Sequence[str] = ()) -> Config:
+    """Load a preset (bare name -> ``configs/<name>.yaml``, or a YAML path) and apply dotted overrides."""
+    data = _resolve_preset(name_or_path) if name_or_path is not None else {}
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(data, keys, value)
+    return config_from_dict(data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A YAML-safe dict of a config dataclass (tuples become lists)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple):
+            return [plain(v) for v in value]
+        return value
+
+    return {
+        f.name: to_dict(getattr(cfg, f.name))
+        if dataclasses.is_dataclass(getattr(cfg, f.name))
+        else plain(getattr(cfg, f.name))
+        for f in dataclasses.fields(cfg)
+    }
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(dump_config(cfg))
+    tmp.replace(path)
+    return path

@@ -1,0 +1,192 @@
+"""Compressed Convolutional Attention (CCA), spec §2.3.
+
+Queries and keys live in a compressed latent (nq*d and nk*d wide), are mixed over time by a
+two-stage causal convolution (depthwise, then grouped per head) padded once, keep "mean" residual
+paths, are L2-normalised (keys scaled by a raw per-KV-head ``temp``) and get partial NeoX RoPE.
+Values are half current-token, half previous-token projections. Attention is causal GQA, optionally
+sliding-window; only ``o_proj`` returns to the residual width.
+
+Packed sequences: with ``segment_ids`` every temporal path (attention, both convolutions, the
+delayed value) restarts at a document boundary exactly as it does at t = 0.
+"""
+
+from __future__ import annotations
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.layers import Dense, param_with_axes
+from zaya_jax.model.rope import apply_rope, rope_tables
+
+
+def shift_right(x: jax.Array, shift: int) -> jax.Array:
+    """x[:, t - shift] along axis 1, zero for t < shift. x: (batch, seq, ...)."""
+    if shift == 0:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (shift, 0)
+    return jnp.pad(x, pad)[:, : x.shape[1]]
+
+
+def same_document(segment_ids: jax.Array | None, seq_len: int, shift: int) -> jax.Array:
+    """(batch or 1, seq) bool: position t - shift exists and belongs to the same document as t."""
+    exists = (jnp.arange(seq_len) >= shift)[None, :]
+    if segment_ids is None or shift == 0:
+        return exists
+    return exists & (shift_right(segment_ids, shift) == segment_ids)
+
+
+def two_stage_conv(
+    z: jax.Array,
+    depthwise_kernel: jax.Array,
+    depthwise_bias: jax.Array,
+    grouped_kernel: jax.Array,
+    grouped_bias: jax.Array,
+    segment_ids: jax.Array | None,
+) -> jax.Array:
+    """The CCA q/k convolution with the P = (k0-1)+(k1-1) left context padded *once* (spec §2.3 step 3).
+
+    z: (batch, seq, C) raw [q0 || k0]; depthwise_kernel: (k0, C); grouped_kernel: (k1, heads, d, d)
+    as [tap, group, in, out]; biases: (C,). Tap j reads time t - (K-1) + j (cross-correlation, no flip).
+    Stage 1 reads zeros before the document start; stage 2 reads the stage-1 output of those
+    negative times, which is the stage-1 bias (not zero). Returns (batch, seq, C).
+    """
+    batch, seq, channels = z.shape
+    k0, k1 = depthwise_kernel.shape[0], grouped_kernel.shape[0]
+    heads, head_dim = grouped_kernel.shape[1], grouped_kernel.shape[2]
+
+    stage1 = depthwise_bias
+    for tap in range(k0):
+        shift = k0 - 1 - tap
+        keep = same_document(segment_ids, seq, shift)[..., None]
+        stage1 = stage1 + depthwise_kernel[tap] * jnp.where(keep, shift_right(z, shift), 0)
+
+    stage2 = grouped_bias
+    for tap in range(k1):
+        shift = k1 - 1 - tap
+        keep = same_document(segment_ids, seq, shift)[..., None]
+        past = jnp.where(keep, shift_right(stage1, shift), depthwise_bias)
+        past = past.reshape(batch, seq, heads, head_dim)
+        stage2 = stage2 + jnp.einsum("btgi,gio->btgo", past, grouped_kernel[tap]).reshape(batch, seq, channels)
+    return stage2
+
+
+def attention_mask(
+    seq_len: int, segment_ids: jax.Array | None, token_mask: jax.Array | None
+) -> jax.Array:
+    """(batch or 1, seq_q, seq_k) bool: causal, same document, key not padding."""
+    idx = jnp.arange(seq_len)
+    mask = (idx[:, None] >= idx[None, :])[None]
+    if segment_ids is not None:
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if token_mask is not None:
+        mask = mask & token_mask.astype(bool)[:, None, :]
+    return mask
+
+
+def sliding_window_mask(seq_len: int, window: jax.Array) -> jax.Array:
+    """(1, seq_q, seq_k) bool: key within ``window`` tokens (incl. the query); window <= 0 = unlimited."""
+    idx = jnp.arange(seq_len)
+    return ((window <= 0) | (idx[:, None] - idx[None, :] < window))[None]
+
+
+def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """Causal GQA softmax attention, scale d^-1/2, softmax in float32 (spec §2.3 step 7).
+
+    q: (batch, seq, nq, d); k, v: (batch, seq_k, nk, d); mask: (batch|1, seq, seq_k) bool.
+    Fully masked rows (padding queries) get a uniform softmax instead of NaN.
+    Returns (batch, seq, nq * d).
+    """
+    batch, seq, nq, d = q.shape
+    nk = k.shape[2]
+    q = q.reshape(batch, seq, nk, nq // nk, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * jnp.asarray(d**-0.5, q.dtype)
+    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, seq, nq * d)
+
+
+class CCAAttention(nn.Module):
+    """One CCA attention layer. a: (batch, seq, embed) normed input -> (batch, seq, embed)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(
+        self,
+        a: jax.Array,
+        inv_freq: jax.Array,
+        window: jax.Array,
+        *,
+        positions: jax.Array,
+        mask: jax.Array,
+        segment_ids: jax.Array | None,
+        token_mask: jax.Array | None,
+    ) -> jax.Array:
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        batch, seq, _ = a.shape
+        nq, nk, d, groups = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_groups
+        std = cfg.initializer_range
+
+        def dense(name: str, features: int, axes: tuple[str, str]) -> Dense:
+            return Dense(features, axes, cfg.attention_bias, std, dtype, pdtype, name=name)
+
+        if token_mask is not None:  # padded positions become exact zeros before every projection
+            a = a * token_mask[:, :, None].astype(a.dtype)
+        q0 = dense("q_proj", cfg.q_width, ("embed", "heads"))(a)
+        k0 = dense("k_proj", cfg.kv_width, ("embed", "kv"))(a)
+        v_current = dense("v_current", cfg.kv_width // 2, ("embed", "kv"))(a)
+        v_delayed_proj = dense("v_delayed", cfg.kv_width // 2, ("embed", "kv"))
+
+        # q/k "mean" residual paths: each q head averaged with its KV head, each KV head with its q group.
+        q_heads = q0.reshape(batch, seq, nq, d)
+        k_heads = k0.reshape(batch, seq, nk, d)
+        q_res = (q_heads + jnp.repeat(k_heads, groups, axis=2)) * jnp.asarray(0.5, dtype)
+        k_res = jnp.mean(q_res.reshape(batch, seq, nk, groups, d), axis=3)
+
+        normal = nn.initializers.normal(std)
+        zeros = nn.initializers.zeros
+        channels = cfg.conv_channels
+        dw_kernel = param_with_axes(self, "conv_dw_kernel", normal, (cfg.cca_time0, channels), ("conv", "qk"), pdtype)
+        dw_bias = param_with_axes(self, "conv_dw_bias", zeros, (channels,), ("qk",), pdtype)
+        grouped_shape = (cfg.cca_time1, nq + nk, d, d)
+        g_kernel = param_with_axes(
+            self, "conv_grouped_kernel", normal, grouped_shape, ("conv", "qk_heads", "head_dim", None), pdtype
+        )
+        g_bias = param_with_axes(self, "conv_grouped_bias", zeros, (channels,), ("qk",), pdtype)
+        conv = two_stage_conv(
+            jnp.concatenate([q0, k0], axis=-1),
+            dw_kernel.astype(dtype),
+            dw_bias.astype(dtype),
+            g_kernel.astype(dtype),
+            g_bias.astype(dtype),
+            segment_ids,
+        ).reshape(batch, seq, nq + nk, d)
+        q = conv[:, :, :nq] + q_res
+        k = conv[:, :, nq:] + k_res
+
+        # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
+        vd = v_delayed_proj(a)
+        vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
+        vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
+        v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
+
+        # QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
+        temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype)
+        eps = jnp.finfo(dtype).eps
+        sqrt_d = jnp.asarray(math.sqrt(d), dtype)
+        q = q * (sqrt_d / jnp.maximum(jnp.linalg.norm(q, axis=-1, keepdims=True), eps))
+        k = k * (sqrt_d / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), eps))
+        k = k * temp.astype(dtype)[None, None, :, None]
+
+        cos, sin = rope_tables(positions, inv_freq, dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        out = dot_product_attention(q, k, v, mask & sliding_window_mask(seq, window))
+        return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out)

@@ -1,0 +1,94 @@
+"""SwiGLU experts and the three MoE compute paths (spec §2.4), all equal where nothing is dropped.
+
+* ``dense``: every expert on every token, combined with a one-hot; the reference for tests.
+* ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot``. Skip-routed
+  tokens sort after every real expert and fall outside all groups, so they cost nothing.
+* ``capacity``: per-sequence einsum dispatch/combine with ``capacity_factor``; tokens past an
+  expert's capacity get no expert output and are counted in ``dropped``.
+
+Tokens routed to the skip class (``choice == E``) get 0 from every path; ``Block`` adds the
+``scaled_input`` variant on top when configured.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.layers import param_with_axes
+
+_ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "relu": jax.nn.relu,
+}
+
+
+def _swiglu(h: jax.Array, act: str) -> jax.Array:
+    gate, up = jnp.split(h, 2, axis=-1)
+    return _ACTIVATIONS[act](gate) * up
+
+
+def dense_experts(x, choice, weight, wi, wo, act):
+    """x: (tokens, embed); choice, weight: (tokens,); wi: (E, embed, 2I); wo: (E, I, embed)."""
+    hidden = _swiglu(jnp.einsum("th,ehf->tef", x, wi), act)
+    out = jnp.einsum("tei,eih->teh", hidden, wo)
+    combine = jax.nn.one_hot(choice, wi.shape[0], dtype=x.dtype) * weight[:, None]
+    return jnp.einsum("teh,te->th", out, combine)
+
+
+def sorted_experts(x, choice, weight, wi, wo, act):
+    """Dropless grouped matmul over tokens sorted by expert (skip class E sorts last, outside groups)."""
+    num_experts = wi.shape[0]
+    order = jnp.argsort(choice, stable=True)
+    group_sizes = jnp.bincount(choice, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+    hidden = _swiglu(jax.lax.ragged_dot(x[order], wi, group_sizes), act)
+    out = jax.lax.ragged_dot(hidden, wo, group_sizes) * weight[order][:, None]
+    return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
+
+
+def capacity_experts(x, choice, weight, wi, wo, act, capacity: int):
+    """Einsum dispatch with ``capacity`` slots per expert per group.
+
+    x: (groups, tokens, embed); choice, weight: (groups, tokens). Returns (out, dropped) where
+    ``dropped`` (groups, tokens) marks routed tokens that found no free slot.
+    """
+    num_experts = wi.shape[0]
+    routed = jax.nn.one_hot(choice, num_experts, dtype=jnp.int32)  # skip class -> all zeros
+    slot = jnp.cumsum(routed, axis=1) * routed - 1  # position of each token in its expert's queue
+    kept = routed * (slot < capacity)
+    dispatch = kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)  # (g, t, E, C)
+    dispatch = dispatch.astype(x.dtype)
+    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
+    hidden = _swiglu(jnp.einsum("egch,ehf->egcf", expert_in, wi), act)
+    expert_out = jnp.einsum("egcf,efh->egch", hidden, wo)
+    out = jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
+    dropped = (choice < num_experts) & (kept.sum(-1) == 0)
+    return out, dropped
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts; m: (batch, seq, embed); choice, weight: (batch, seq) -> (out, dropped (batch, seq))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, m: jax.Array, choice: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        experts, embed, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        init = nn.initializers.normal(cfg.initializer_range)
+        # wi fuses [gate | up] along its last axis (HF gate_up_proj rows [0, I) and [I, 2I)).
+        wi = param_with_axes(self, "wi", init, (experts, embed, 2 * inner), ("experts", "embed", "expert_mlp"), pdtype)
+        wo = param_with_axes(self, "wo", init, (experts, inner, embed), ("experts", "expert_mlp", "embed"), pdtype)
+        wi, wo = wi.astype(dtype), wo.astype(dtype)
+        m, weight = m.astype(dtype), weight.astype(dtype)
+        batch, seq, _ = m.shape
+
+        if cfg.moe_impl == "capacity":
+            return capacity_experts(m, choice, weight, wi, wo, cfg.hidden_act, cfg.capacity(seq))
+        flat = (m.reshape(batch * seq, embed), choice.reshape(-1), weight.reshape(-1), wi, wo, cfg.hidden_act)
+        out = dense_experts(*flat) if cfg.moe_impl == "dense" else sorted_experts(*flat)
+        return out.reshape(batch, seq, embed), jnp.zeros((batch, seq), bool)

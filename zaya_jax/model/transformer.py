@@ -1,0 +1,190 @@
+"""The ZAYA1 decoder: embedding with input scale/bias, L blocks scanned over depth, final norm, tied
+LM head (spec §2.1-§2.2). Block: CCA attention and a top-1 MoE, each merged into the float32
+residual stream by a learned residual scaling; the router state r is carried across blocks (EDA).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.cca import CCAAttention, attention_mask
+from zaya_jax.model.experts import Experts
+from zaya_jax.model.layers import Dense, param_with_axes
+from zaya_jax.model.norms import RMSNorm, ResidualScaling
+from zaya_jax.model.rope import inverse_frequencies
+from zaya_jax.model.router import BALANCING, Router
+
+
+def _embedding_init(pad_token_id: int, std: float):
+    """N(0, std) with the padding row zeroed, as HF initialises ``embed_tokens``."""
+
+    def init(key, shape, dtype=jnp.float32):
+        table = jax.random.normal(key, shape, dtype) * std
+        return table.at[pad_token_id].set(0)
+
+    return init
+
+
+def positions_in_document(segment_ids: jax.Array) -> jax.Array:
+    """(batch, seq) index of each token within its document (segments are contiguous runs)."""
+    seq = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(seq), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class Block(nn.Module):
+    """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R)).
+
+    ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window),
+    ``ctx`` the inputs shared by every layer (positions, masks). Returns the new carry and this
+    layer's routing statistics.
+    """
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        h, r = carry
+        token_mask = ctx["token_mask"]
+
+        a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
+        o = CCAAttention(cfg, name="attn")(
+            a,
+            layer["inv_freq"],
+            layer["window"],
+            positions=ctx["positions"],
+            mask=ctx["mask"],
+            segment_ids=ctx["segment_ids"],
+            token_mask=token_mask,
+        )
+        h = ResidualScaling(dtype, pdtype, name="post_attn_scale")(o, h)
+
+        m = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")(h.astype(dtype))
+        routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
+        is_skip = routing.choice == cfg.num_experts
+        weight = jnp.where(is_skip, 0, routing.weight)
+        f, dropped = Experts(cfg, name="experts")(m, routing.choice, weight)
+        if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
+            f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
+        h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
+
+        valid = jnp.ones(routing.choice.shape, jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+        stats = {
+            "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
+            "dropped": jnp.sum(dropped * valid),
+            "mean_prob": jnp.einsum("bt,btc->c", valid, routing.probs.astype(jnp.float32))
+            / jnp.maximum(valid.sum(), 1.0),
+        }
+        return (h, routing.state), stats
+
+
+class Zaya(nn.Module):
+    """ZAYA1 causal LM.
+
+    tokens: (batch, seq) int. Optional: ``token_mask`` (batch, seq) 1 = real token, 0 = padding
+    (HF's 2-D ``attention_mask``); ``segment_ids`` (batch, seq) ids of packed documents;
+    ``positions`` (batch, seq) RoPE positions (default: arange, or the index within the document
+    when ``segment_ids`` is given).
+
+    Returns ``(logits, aux)``: logits (batch, seq, vocab) in the compute dtype; aux holds per-layer
+    routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
+    capacity path dropped, ``mean_prob`` (layers, E+1) mean router probabilities.
+    """
+
+    cfg: ModelConfig
+
+    def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
+        cfg = self.cfg
+        theta = {"hybrid": cfg.rope_theta, "hybrid_sliding": cfg.rope_theta_sliding}
+        types = cfg.resolved_layer_types
+        return {
+            # Block 0 has no EDA: a zero scale row adds an exact zero to its router state.
+            "eda_scale": jnp.concatenate([jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]),
+            "inv_freq": jnp.asarray(np.stack([inverse_frequencies(theta[t], cfg.rotary_dim) for t in types])),
+            "window": jnp.asarray(
+                [cfg.sliding_window if t == "hybrid_sliding" else 0 for t in types], dtype=jnp.int32
+            ),
+        }
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        token_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        batch, seq = tokens.shape
+        embed_shape = (cfg.hidden_size,)
+
+        embedding = param_with_axes(
+            self,
+            "embedding",
+            _embedding_init(cfg.pad_token_id, cfg.initializer_range),
+            (cfg.vocab_size, cfg.hidden_size),
+            ("vocab", "embed"),
+            pdtype,
+        )
+        input_scale = param_with_axes(self, "input_scale", nn.initializers.ones, embed_shape, ("embed",), pdtype)
+        input_bias = param_with_axes(self, "input_bias", nn.initializers.zeros, embed_shape, ("embed",), pdtype)
+        eda_scale = param_with_axes(
+            self,
+            "router_states_scale",
+            nn.initializers.ones,
+            (cfg.num_layers - 1, cfg.router_hidden_size),
+            ("layers", "router"),
+            pdtype,
+        )
+
+        if positions is None:
+            positions = (
+                positions_in_document(segment_ids)
+                if segment_ids is not None
+                else jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+            )
+        ctx = {
+            "positions": positions,
+            "mask": attention_mask(seq, segment_ids, token_mask),
+            "segment_ids": segment_ids,
+            "token_mask": token_mask,
+        }
+
+        e = jnp.take(embedding, tokens, axis=0).astype(dtype)
+        h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
+        r = jnp.zeros((batch, seq, cfg.router_hidden_size), dtype)
+
+        blocks = nn.scan(
+            Block,
+            variable_axes={"params": 0, BALANCING: 0},
+            split_rngs={"params": True},
+            in_axes=(0, nn.broadcast),
+            length=cfg.num_layers,
+            metadata_params={nn.PARTITION_NAME: "layers"},
+        )(cfg, name="layers")
+        (h, _), stats = blocks((h, r), self._layer_inputs(eda_scale), ctx)
+
+        y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
+        if cfg.tie_word_embeddings:
+            logits = jnp.dot(y, embedding.astype(dtype).T)
+            if cfg.lm_head_bias:
+                bias = param_with_axes(self, "lm_head_bias", nn.initializers.zeros, (cfg.vocab_size,), ("vocab",), pdtype)
+                logits = logits + bias.astype(dtype)
+        else:
+            logits = Dense(
+                cfg.vocab_size, ("embed", "vocab"), cfg.lm_head_bias, cfg.initializer_range, dtype, pdtype, name="lm_head"
+            )(y)
+        return logits, stats
