@@ -15,14 +15,13 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
 from zaya_jax.interop.safetensors_io import read_directory
-from zaya_jax.model import BALANCING, Zaya
+from zaya_jax.model import BALANCING, abstract_variables
 
 
 class ConversionError(ValueError):
@@ -282,13 +281,6 @@ def weight_layout(cfg: ModelConfig) -> list[_Entry]:
         layer += _residual_entries(p, "post_mlp_residual_scale", "post_moe_scale", i)
         entries += layer
     return entries
-
-
-def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
-    """Shapes and dtypes of the model's variables (no memory is allocated)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    boxed = jax.eval_shape(lambda t: Zaya(cfg).init(jax.random.key(0), t), tokens)
-    return nn.unbox(boxed)
 
 
 def _get(tree: Mapping[str, Any], path: tuple[str, ...]) -> Any:

@@ -188,3 +188,9 @@ class Zaya(nn.Module):
                 cfg.vocab_size, ("embed", "vocab"), cfg.lm_head_bias, cfg.initializer_range, dtype, pdtype, name="lm_head"
             )(y)
         return logits, stats
+
+
+def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
+    """Unboxed shapes and dtypes of the model's variables (``jax.eval_shape``: nothing is allocated)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return nn.unbox(jax.eval_shape(lambda t: Zaya(cfg).init(jax.random.key(0), t), tokens))

@@ -1,0 +1,124 @@
+"""Orbax checkpoints behind a small interface.
+
+Layout of a run directory::
+
+    <run>/config.yaml                 the resolved config
+    <run>/checkpoints/<step>/         one Orbax checkpoint per step, items:
+        params/                       the model parameters
+        balancing/                    the router balancing biases (non-gradient state)
+        config/                       the resolved config again, so a step directory stands alone
+
+Only committed checkpoints (Orbax's atomic rename) are listed and restored. Restoring builds the
+target shapes from the saved metadata with the *current* devices' sharding, so a checkpoint saved on
+any mesh loads on a single CPU.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zaya_jax.config import Config, config_from_dict, save_config, to_dict
+
+MODEL_ITEMS = ("params", "balancing")
+_ITEMS = (*MODEL_ITEMS, "config")
+CHECKPOINTS = "checkpoints"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was expected; the message says where it looked."""
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "balancing": ocp.StandardCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+    }
+
+
+def manager(checkpoints_dir: str | Path, *, async_save: bool = False) -> ocp.CheckpointManager:
+    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save, create=True)
+    return ocp.CheckpointManager(Path(checkpoints_dir).absolute(), options=options, item_handlers=_handlers())
+
+
+def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step: int = 0) -> Path:
+    """Write ``config.yaml`` and a model-only checkpoint at ``step``; returns the step directory.
+
+    Refuses to overwrite an existing step: nothing already saved is replaced.
+    """
+    run_dir = Path(run_dir)
+    mgr = manager(run_dir / CHECKPOINTS)
+    if step in mgr.all_steps():
+        raise FileExistsError(f"{run_dir / CHECKPOINTS / str(step)} already exists; choose another destination")
+    save_config(cfg, run_dir / "config.yaml")
+    items = {name: ocp.args.StandardSave(variables[name]) for name in MODEL_ITEMS}
+    mgr.save(step, args=ocp.args.Composite(config=ocp.args.JsonSave(to_dict(cfg)), **items))
+    mgr.wait_until_finished()
+    mgr.close()
+    return run_dir / CHECKPOINTS / str(step)
+
+
+def resolve(path: str | Path) -> tuple[Path, int]:
+    """(checkpoints dir, step) for a run directory (latest step) or a step directory."""
+    path = Path(path)
+    if (path / CHECKPOINTS).is_dir():
+        checkpoints, step = path / CHECKPOINTS, None
+    elif path.parent.name == CHECKPOINTS and path.name.isdigit():
+        checkpoints, step = path.parent, int(path.name)
+    else:
+        raise CheckpointNotFoundError(
+            f"{path} is neither a run directory (with {CHECKPOINTS}/) nor a step directory ({CHECKPOINTS}/<step>)"
+        )
+    steps = manager(checkpoints).all_steps()
+    if step is None:
+        if not steps:
+            raise CheckpointNotFoundError(f"{checkpoints} holds no complete checkpoint")
+        step = max(steps)
+    elif step not in steps:
+        raise CheckpointNotFoundError(f"{checkpoints / str(step)} is not a complete checkpoint (complete: {sorted(steps)})")
+    return checkpoints, step
+
+
+def read_config(path: str | Path) -> tuple[Config, int]:
+    """The config and step of a checkpoint, without reading any array."""
+    checkpoints, step = resolve(path)
+    data = manager(checkpoints).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    return config_from_dict(data), step
+
+
+def array_metadata(path: str | Path) -> tuple[int, dict[str, Any]]:
+    """(step, {item: tree of (shape, dtype)}) from the checkpoint metadata only."""
+    checkpoints, step = resolve(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = manager(checkpoints).item_metadata(step)
+    trees = {}
+    for name in MODEL_ITEMS:
+        tree = meta[name]
+        trees[name] = jax.tree.map(lambda m: (tuple(m.shape), str(np.dtype(m.dtype))), dict(tree))
+    return step, trees
+
+
+def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
+    """(config, variables, step) of a checkpoint, placed on the first local device."""
+    checkpoints, step = resolve(path)
+    mgr = manager(checkpoints)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = mgr.item_metadata(step)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    args = {
+        name: ocp.args.StandardRestore(
+            jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), dict(meta[name]))
+        )
+        for name in MODEL_ITEMS
+    }
+    restored = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), **args))
+    variables = {name: restored[name] for name in MODEL_ITEMS}
+    return config_from_dict(restored["config"]), variables, step

@@ -1,0 +1,111 @@
+"""The ``zaya`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=False))
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from zaya_jax import checkpoint
+    from zaya_jax.config import RunConfig
+    from zaya_jax.interop.hf import load_hf_directory
+
+    if args.direction != "hf-to-zaya":
+        raise SystemExit(f"zaya convert: direction {args.direction!r} is not available; use hf-to-zaya")
+    dst = Path(args.dst)
+    if dst.exists() and any(dst.iterdir()):
+        raise SystemExit(f"zaya convert: {dst} exists and is not empty; choose a new destination")
+    overrides = {}
+    for text in args.set:
+        keys, value = parse_override(text)
+        if len(keys) != 2 or keys[0] != "model":
+            raise ConfigError(f"--set {text!r} must look like model.KEY=VALUE")
+        overrides[keys[1]] = value
+    model_cfg, variables = load_hf_directory(args.src, **overrides)
+    cfg = Config(run=RunConfig(name=dst.name, dir=str(dst)), model=model_cfg)
+    cfg.validate()
+    step_dir = checkpoint.save_model(dst, cfg, variables, step=0)
+    print(f"wrote {step_dir} ({model_cfg.num_layers} layers, {model_cfg.num_experts} experts)")
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from zaya_jax import checkpoint
+    from zaya_jax.model import param_counts
+
+    if (args.path is None) == (args.config is None):
+        raise SystemExit("zaya inspect: give a checkpoint PATH or --config NAME (not both)")
+    report: dict[str, Any]
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+        report = {"config": to_dict(cfg), **param_counts(cfg.model)}
+    else:
+        cfg, step = checkpoint.read_config(args.path)
+        _, arrays = checkpoint.array_metadata(args.path)
+        report = {"step": step, "config": to_dict(cfg), **param_counts(cfg.model), "arrays": arrays}
+    if args.json:
+        _print_json(report)
+        return 0
+    for key in ("step", "total_params", "non_embedding_params", "active_params"):
+        if key in report:
+            print(f"{key:>22}: {report[key]:,}")
+    if "arrays" in report:
+        import jax
+
+        for item, tree in report["arrays"].items():
+            leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+            for keypath, (shape, dtype) in leaves:
+                print(f"  {item}{jax.tree_util.keystr(keypath)}: {dtype}{list(shape)}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zaya", description="ZAYA1-style MoE language models in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    convert = sub.add_parser("convert", help="convert Hugging Face weights into a zaya-jax checkpoint")
+    convert.add_argument("direction", choices=["hf-to-zaya"], help="conversion direction")
+    convert.add_argument("src", help="HF save_pretrained directory (new or legacy ZAYA1 layout)")
+    convert.add_argument("dst", help="new run directory to write (config.yaml + checkpoints/0)")
+    convert.add_argument(
+        "--set", action="append", default=[], metavar="model.KEY=VALUE", help="override a model config value"
+    )
+    convert.set_defaults(func=_cmd_convert)
+
+    inspect = sub.add_parser("inspect", help="parameter counts, config, and checkpoint contents")
+    inspect.add_argument("path", nargs="?", help="run or checkpoint directory (arrays are not loaded)")
+    inspect.add_argument("--config", help=f"preset name or YAML path ({', '.join(available_presets())})")
+    inspect.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.num_layers=4")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.set_defaults(func=_cmd_inspect)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "inspect" and args.path and "=" in args.path:
+        args.overrides, args.path = [args.path, *args.overrides], None
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"zaya {args.command}: configuration error: {err}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, FileExistsError, ValueError) as err:
+        print(f"zaya {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
