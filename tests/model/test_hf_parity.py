@@ -45,8 +45,8 @@ def test_sliding_window_changes_the_output():
     cfg = hf_config_to_model(hf.config.to_dict())
     variables = hf_to_variables(state_dict_numpy(hf), cfg)
     full = dataclasses.replace(cfg, layer_types=None, sliding_window=None)
-    a = Zaya(cfg).apply(variables, jnp.asarray(ids))[0]
-    b = Zaya(full).apply(variables, jnp.asarray(ids))[0]
+    a = jax.jit(Zaya(cfg).apply)(variables, jnp.asarray(ids))[0]
+    b = jax.jit(Zaya(full).apply)(variables, jnp.asarray(ids))[0]
     assert np.abs(np.asarray(a) - np.asarray(b))[:, 4:].max() > 1e-3
 
 

@@ -169,7 +169,7 @@ class Zaya(nn.Module):
 
         blocks = nn.scan(
             Block,
-            variable_axes={"params": 0, BALANCING: 0},
+            variable_axes={"params": 0, BALANCING: 0, "intermediates": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
@@ -194,3 +194,11 @@ def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
     """Unboxed shapes and dtypes of the model's variables (``jax.eval_shape``: nothing is allocated)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     return nn.unbox(jax.eval_shape(lambda t: Zaya(cfg).init(jax.random.key(0), t), tokens))
+
+
+def init_variables(cfg: ModelConfig, seed: int | jax.Array = 0) -> dict[str, Any]:
+    """Freshly initialised, unboxed ``{"params", "balancing"}`` (HF init: N(0, initializer_range) weights,
+    unit norms and scales, zero biases and ``temp``, balancing biases 0 / -1 for the skip class)."""
+    key = jax.random.key(seed) if isinstance(seed, int) else seed
+    init = jax.jit(lambda k: nn.unbox(Zaya(cfg).init(k, jnp.zeros((1, 1), jnp.int32))))
+    return init(key)

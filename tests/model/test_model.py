@@ -1,0 +1,106 @@
+"""Structural properties of the Flax model: logical axis names, depth-independent tracing, the
+non-gradient balancing collection, mixed precision and the two MOD-skip semantics."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tests.random_model import random_variables, tiny_config
+from zaya_jax.model import BALANCING, Zaya, init_variables
+
+LOGICAL_AXES = {
+    "vocab", "embed", "heads", "kv", "kv_heads", "qk", "qk_heads", "head_dim", "conv", "router",
+    "router_mlp", "router_classes", "experts", "expert_mlp", "layers", None,
+}  # fmt: skip
+
+
+def test_every_variable_carries_logical_axis_names():
+    cfg = tiny_config(attention_bias=True, tie_word_embeddings=False, lm_head_bias=True)
+    boxed = jax.eval_shape(lambda: Zaya(cfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
+    leaves = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+    assert len(leaves) > 30
+    for path, leaf in leaves:
+        assert isinstance(leaf, nn.LogicallyPartitioned), jax.tree_util.keystr(path)
+        assert len(leaf.names) == leaf.value.ndim, jax.tree_util.keystr(path)
+        assert set(leaf.names) <= LOGICAL_AXES, (jax.tree_util.keystr(path), leaf.names)
+    experts = boxed["params"]["layers"]["experts"]["wi"]
+    assert experts.names == ("layers", "experts", "embed", "expert_mlp")
+
+
+def test_traced_program_does_not_grow_with_depth():
+    sizes = []
+    for layers in (2, 9):
+        cfg = tiny_config(num_layers=layers)
+        variables = jax.eval_shape(lambda cfg=cfg: init_variables(cfg))
+        jaxpr = jax.make_jaxpr(lambda v, t, cfg=cfg: Zaya(cfg).apply(v, t))(variables, jnp.ones((1, 5), jnp.int32))
+        sizes.append(len(jaxpr.eqns))
+    assert sizes[0] == sizes[1]
+
+
+def test_balancing_biases_are_a_separate_non_gradient_collection():
+    cfg = tiny_config()
+    variables = random_variables(cfg)
+    assert set(variables) == {"params", BALANCING}
+    assert variables[BALANCING]["layers"]["router"]["biases"].shape == (cfg.num_layers, cfg.num_experts + 1)
+    tokens = jnp.asarray(np.arange(3, 19)[None])
+
+    def loss(params, balancing):
+        logits, _ = Zaya(cfg).apply({"params": params, BALANCING: balancing}, tokens)
+        return jnp.mean(logits**2)
+
+    _, g_balancing = jax.jit(jax.grad(loss, argnums=(0, 1)))(variables["params"], variables[BALANCING])
+    assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(g_balancing))
+
+    # ... yet the biases steer selection: force everything into expert 2 in layer 0.
+    forced = jax.tree.map(lambda b: b.at[0, 2].set(5.0), variables[BALANCING])
+    _, aux = jax.jit(Zaya(cfg).apply)({"params": variables["params"], BALANCING: forced}, tokens)
+    assert aux["load"][0, 2] == tokens.size
+
+
+def test_bfloat16_compute_keeps_float32_params_and_residual():
+    cfg = tiny_config(dtype="bfloat16")
+    variables = random_variables(dataclasses.replace(cfg, dtype="float32"))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(variables))
+    tokens = jnp.asarray(np.arange(3, 19)[None])
+    logits, _, inter = _run_with_intermediates(cfg, variables, tokens)
+    assert logits.dtype == jnp.bfloat16
+    assert inter["post_moe_scale"]["__call__"][0].dtype == jnp.float32
+    ref, _, _ = _run_with_intermediates(dataclasses.replace(cfg, dtype="float32"), variables, tokens)
+    assert np.abs(np.asarray(logits, np.float32) - np.asarray(ref)).mean() < 0.02 * np.abs(np.asarray(ref)).max()
+
+
+def _run_with_intermediates(cfg, variables, tokens):
+    apply = jax.jit(functools.partial(Zaya(cfg).apply, capture_intermediates=True, mutable=["intermediates"]))
+    (logits, aux), state = apply(variables, tokens)
+    return logits, aux, state["intermediates"]["layers"]
+
+
+@pytest.mark.parametrize("moe_impl", ["dense", "sorted", "capacity"])
+def test_scaled_input_skip_adds_p_skip_times_normed_input(moe_impl):
+    """Legacy MOD semantics: a skip-routed token's MoE output is p_skip * m instead of 0 (spec §7 Q1)."""
+    zero = tiny_config(num_layers=1, moe_impl=moe_impl, capacity_factor=4.0)
+    scaled = dataclasses.replace(zero, mod_skip_output="scaled_input")
+    variables = random_variables(zero, seed=3)
+    tokens = jnp.asarray(np.arange(3, 15)[None])
+    logits_zero, aux, _ = _run_with_intermediates(zero, variables, tokens)
+    logits_scaled, _, _ = _run_with_intermediates(scaled, variables, tokens)
+    assert aux["load"][0, -1] == 0  # default skip bias -1: nobody skips, so both semantics agree
+    np.testing.assert_array_equal(logits_zero, logits_scaled)
+
+    forced = {**variables, BALANCING: jax.tree.map(lambda b: b.at[:, -1].set(2.0), variables[BALANCING])}
+    _, aux, inter_zero = _run_with_intermediates(zero, forced, tokens)
+    _, _, inter_scaled = _run_with_intermediates(scaled, forced, tokens)
+    assert aux["load"][0, -1] == tokens.size
+    m = inter_zero["post_attn_norm"]["__call__"][0][0]
+    p_skip = inter_zero["router"]["__call__"][0].probs[0][..., -1]
+    scale = forced["params"]["layers"]["post_moe_scale"]["hidden_scale"][0]
+    delta = inter_scaled["post_moe_scale"]["__call__"][0][0] - inter_zero["post_moe_scale"]["__call__"][0][0]
+    np.testing.assert_allclose(delta, p_skip[..., None] * m * scale, atol=1e-5)
+    assert np.abs(delta).max() > 1e-2

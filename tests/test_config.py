@@ -1,0 +1,121 @@
+"""The config tree: presets, inheritance, dotted overrides, validation errors that name the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from zaya_jax.config import ConfigError, ModelConfig, config_from_dict, dump_config, load_config, to_dict
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "zaya1-8b"])
+def test_presets_load_and_validate(name):
+    cfg = load_config(name)
+    assert cfg.run.name == name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.model.num_layers = 1  # type: ignore[misc]
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config("tiny", ["model.num_layers=4", "train.learning_rate=1e-3", "model.layer_types=null"])
+    assert cfg.model.num_layers == 4
+    assert cfg.train.learning_rate == pytest.approx(1e-3)
+    assert isinstance(cfg.train.learning_rate, float)
+
+
+def test_override_of_list_becomes_tuple():
+    cfg = load_config("tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=8"])
+    assert cfg.model.layer_types == ("hybrid", "hybrid_sliding", "hybrid", "hybrid")
+
+
+def test_inheritance_merges_over_parent(tmp_path):
+    child = tmp_path / "child.yaml"
+    child.write_text("inherits: tiny\nmodel:\n  num_experts: 8\nrun:\n  name: child\n")
+    cfg = load_config(str(child))
+    tiny = load_config("tiny")
+    assert cfg.model.num_experts == 8
+    assert cfg.model.hidden_size == tiny.model.hidden_size  # untouched keys come from the parent
+    assert cfg.run.name == "child"
+
+
+def test_inheritance_cycle_is_reported(tmp_path):
+    (tmp_path / "a.yaml").write_text(f"inherits: {tmp_path / 'b.yaml'}\n")
+    (tmp_path / "b.yaml").write_text(f"inherits: {tmp_path / 'a.yaml'}\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(str(tmp_path / "a.yaml"))
+
+
+def test_unknown_key_suggests_the_closest_name():
+    with pytest.raises(ConfigError, match=r"'model\.num_layer'.*did you mean model\.num_layers"):
+        load_config("tiny", ["model.num_layer=3"])
+
+
+def test_unknown_section_is_an_error():
+    with pytest.raises(ConfigError, match="unknown config key 'optimiser'"):
+        load_config("tiny", ["optimiser.lr=1"])
+
+
+def test_unknown_preset_lists_the_available_ones():
+    with pytest.raises(ConfigError, match="available presets: .*tiny"):
+        load_config("no-such-preset")
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("model.num_layers=four", r"model\.num_layers='four' must be an integer"),
+        ("model.num_layers=true", r"model\.num_layers=True must be an integer"),
+        ("model.attention_bias=1", r"model\.attention_bias=1 must be true or false"),
+        ("model.moe_impl=fast", r"model\.moe_impl='fast' is not allowed; choose one of 'dense' \| 'sorted'"),
+        ("model.dtype=float16", r"model\.dtype='float16' is not allowed"),
+    ],
+)
+def test_wrong_types_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", [override])
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.num_kv_heads=3"], r"num_kv_heads=3 does not divide model\.num_heads=4; use one of \[1, 2, 4\]"),
+        (["model.num_experts_per_tok=2"], r"num_experts_per_tok=2.*set model\.num_experts_per_tok=1"),
+        (["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]"], r"sliding_window is null; set model\.sliding_window"),
+        (["model.layer_types=[hybrid]"], r"layer_types has 1 entries but model\.num_layers=4"),
+        (["model.partial_rotary_factor=0.3"], r"partial_rotary_factor=0.3 gives a rotary width of 9"),
+        (["model.eos_token_id=512"], r"eos_token_id=512 must be in \[0, model\.vocab_size=512\)"),
+        (["model.hidden_size=0"], r"hidden_size=0 must be a positive integer"),
+        (["train.seq_len=4096"], r"train\.seq_len=4096 exceeds model\.max_position_embeddings=2048"),
+    ],
+)
+def test_impossible_combinations_raise_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+def test_bad_override_syntax_is_explained():
+    with pytest.raises(ConfigError, match="must look like section.key=value"):
+        load_config("tiny", ["model.num_layers"])
+
+
+def test_resolved_config_round_trips_through_yaml():
+    import yaml
+
+    cfg = load_config("tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=5"])
+    again = config_from_dict(yaml.safe_load(dump_config(cfg)))
+    assert again == cfg
+
+
+def test_zaya1_8b_preset_holds_every_hf_zaya_config_default():
+    transformers = pytest.importorskip("transformers")
+    from zaya_jax.interop.hf import hf_config_to_model
+
+    preset = load_config("zaya1-8b").model
+    from_hf = hf_config_to_model(transformers.ZayaConfig().to_dict())
+    ours_only = {"mod_skip_output", "moe_impl", "capacity_factor", "dtype", "param_dtype"}
+    differing = {
+        k: (v, getattr(from_hf, k)) for k, v in to_dict(preset).items() if k not in ours_only and getattr(from_hf, k) != v
+    }
+    assert not differing
+    assert ModelConfig() == dataclasses.replace(from_hf, dtype=ModelConfig.dtype)  # code defaults = HF defaults
