@@ -25,7 +25,9 @@ def test_dotted_overrides_are_typed():
 
 
 def test_override_of_list_becomes_tuple():
-    cfg = load_config("tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=8"])
+    cfg = load_config(
+        "tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=8"]
+    )
     assert cfg.model.layer_types == ("hybrid", "hybrid_sliding", "hybrid", "hybrid")
 
 
@@ -57,7 +59,7 @@ def test_unknown_section_is_an_error():
 
 
 def test_unknown_preset_lists_the_available_ones():
-    with pytest.raises(ConfigError, match="available presets: .*tiny"):
+    with pytest.raises(ConfigError, match=r"available presets: .*tiny"):
         load_config("no-such-preset")
 
 
@@ -79,9 +81,15 @@ def test_wrong_types_name_the_key(override, message):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["model.num_kv_heads=3"], r"num_kv_heads=3 does not divide model\.num_heads=4; use one of \[1, 2, 4\]"),
+        (
+            ["model.num_kv_heads=3"],
+            r"num_kv_heads=3 does not divide model\.num_heads=4; use one of \[1, 2, 4\]",
+        ),
         (["model.num_experts_per_tok=2"], r"num_experts_per_tok=2.*set model\.num_experts_per_tok=1"),
-        (["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]"], r"sliding_window is null; set model\.sliding_window"),
+        (
+            ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]"],
+            r"sliding_window is null; set model\.sliding_window",
+        ),
         (["model.layer_types=[hybrid]"], r"layer_types has 1 entries but model\.num_layers=4"),
         (["model.partial_rotary_factor=0.3"], r"partial_rotary_factor=0.3 gives a rotary width of 9"),
         (["model.eos_token_id=512"], r"eos_token_id=512 must be in \[0, model\.vocab_size=512\)"),
@@ -95,14 +103,16 @@ def test_impossible_combinations_raise_config_error(overrides, message):
 
 
 def test_bad_override_syntax_is_explained():
-    with pytest.raises(ConfigError, match="must look like section.key=value"):
+    with pytest.raises(ConfigError, match=r"must look like section\.key=value"):
         load_config("tiny", ["model.num_layers"])
 
 
 def test_resolved_config_round_trips_through_yaml():
     import yaml
 
-    cfg = load_config("tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=5"])
+    cfg = load_config(
+        "tiny", ["model.layer_types=[hybrid, hybrid_sliding, hybrid, hybrid]", "model.sliding_window=5"]
+    )
     again = config_from_dict(yaml.safe_load(dump_config(cfg)))
     assert again == cfg
 
@@ -115,7 +125,11 @@ def test_zaya1_8b_preset_holds_every_hf_zaya_config_default():
     from_hf = hf_config_to_model(transformers.ZayaConfig().to_dict())
     ours_only = {"mod_skip_output", "moe_impl", "capacity_factor", "dtype", "param_dtype"}
     differing = {
-        k: (v, getattr(from_hf, k)) for k, v in to_dict(preset).items() if k not in ours_only and getattr(from_hf, k) != v
+        k: (v, getattr(from_hf, k))
+        for k, v in to_dict(preset).items()
+        if k not in ours_only and getattr(from_hf, k) != v
     }
     assert not differing
-    assert ModelConfig() == dataclasses.replace(from_hf, dtype=ModelConfig.dtype)  # code defaults = HF defaults
+    assert ModelConfig() == dataclasses.replace(
+        from_hf, dtype=ModelConfig.dtype
+    )  # code defaults = HF defaults

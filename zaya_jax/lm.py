@@ -38,9 +38,13 @@ class LanguageModel:
         if ids.ndim == 1:
             ids = ids[None]
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"ids must be integer token ids of shape (batch, seq), got {ids.dtype} {ids.shape}")
+            raise ValueError(
+                f"ids must be integer token ids of shape (batch, seq), got {ids.dtype} {ids.shape}"
+            )
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}")
+            raise ValueError(
+                f"token ids must be in [0, {self.config.vocab_size}); got {ids.min()}..{ids.max()}"
+            )
         mask = None
         if attention_mask is not None:
             mask = jnp.asarray(np.asarray(attention_mask).reshape(ids.shape), jnp.int32)

@@ -9,7 +9,7 @@ import pytest
 
 from zaya_jax.model.experts import capacity_experts, dense_experts, sorted_experts
 
-E, H, I, T = 4, 8, 6, 24
+E, H, INNER, T = 4, 8, 6, 24
 
 
 def _inputs(seed=0, skip_fraction=0.25):
@@ -18,8 +18,8 @@ def _inputs(seed=0, skip_fraction=0.25):
     choice = rng.integers(0, E, size=T)
     choice[rng.random(T) < skip_fraction] = E  # the MOD skip class
     weight = jnp.asarray(rng.random(T), jnp.float32)
-    wi = jnp.asarray(rng.standard_normal((E, H, 2 * I)) / np.sqrt(H), jnp.float32)
-    wo = jnp.asarray(rng.standard_normal((E, I, H)) / np.sqrt(I), jnp.float32)
+    wi = jnp.asarray(rng.standard_normal((E, H, 2 * INNER)) / np.sqrt(H), jnp.float32)
+    wo = jnp.asarray(rng.standard_normal((E, INNER, H)) / np.sqrt(INNER), jnp.float32)
     return x, jnp.asarray(choice, jnp.int32), weight, wi, wo
 
 

@@ -24,7 +24,9 @@ LOGICAL_AXES = {
 def test_every_variable_carries_logical_axis_names():
     cfg = tiny_config(attention_bias=True, tie_word_embeddings=False, lm_head_bias=True)
     boxed = jax.eval_shape(lambda: Zaya(cfg).init(jax.random.key(0), jnp.zeros((1, 2), jnp.int32)))
-    leaves = jax.tree_util.tree_flatten_with_path(boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))[0]
+    leaves = jax.tree_util.tree_flatten_with_path(
+        boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned)
+    )[0]
     assert len(leaves) > 30
     for path, leaf in leaves:
         assert isinstance(leaf, nn.LogicallyPartitioned), jax.tree_util.keystr(path)
@@ -39,7 +41,9 @@ def test_traced_program_does_not_grow_with_depth():
     for layers in (2, 9):
         cfg = tiny_config(num_layers=layers)
         variables = jax.eval_shape(lambda cfg=cfg: init_variables(cfg))
-        jaxpr = jax.make_jaxpr(lambda v, t, cfg=cfg: Zaya(cfg).apply(v, t))(variables, jnp.ones((1, 5), jnp.int32))
+        jaxpr = jax.make_jaxpr(lambda v, t, cfg=cfg: Zaya(cfg).apply(v, t))(
+            variables, jnp.ones((1, 5), jnp.int32)
+        )
         sizes.append(len(jaxpr.eqns))
     assert sizes[0] == sizes[1]
 
@@ -73,7 +77,9 @@ def test_bfloat16_compute_keeps_float32_params_and_residual():
     assert logits.dtype == jnp.bfloat16
     assert inter["post_moe_scale"]["__call__"][0].dtype == jnp.float32
     ref, _, _ = _run_with_intermediates(dataclasses.replace(cfg, dtype="float32"), variables, tokens)
-    assert np.abs(np.asarray(logits, np.float32) - np.asarray(ref)).mean() < 0.02 * np.abs(np.asarray(ref)).max()
+    assert (
+        np.abs(np.asarray(logits, np.float32) - np.asarray(ref)).mean() < 0.02 * np.abs(np.asarray(ref)).max()
+    )
 
 
 def _run_with_intermediates(cfg, variables, tokens):

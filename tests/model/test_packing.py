@@ -36,7 +36,10 @@ def test_document_logits_identical_packed_and_alone(k0, k1):
         alone = np.concatenate([doc, np.full(packed.shape[1] - len(doc), 3)])[None]
         logits_alone, _ = model(variables, jnp.asarray(alone))
         np.testing.assert_allclose(
-            logits_packed[start : start + len(doc)], np.asarray(logits_alone)[0, : len(doc)], atol=2e-6, rtol=0
+            logits_packed[start : start + len(doc)],
+            np.asarray(logits_alone)[0, : len(doc)],
+            atol=2e-6,
+            rtol=0,
         )
         start += len(doc)
 

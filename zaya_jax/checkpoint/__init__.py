@@ -55,7 +55,9 @@ def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step
     run_dir = Path(run_dir)
     mgr = manager(run_dir / CHECKPOINTS)
     if step in mgr.all_steps():
-        raise FileExistsError(f"{run_dir / CHECKPOINTS / str(step)} already exists; choose another destination")
+        raise FileExistsError(
+            f"{run_dir / CHECKPOINTS / str(step)} already exists; choose another destination"
+        )
     save_config(cfg, run_dir / "config.yaml")
     items = {name: ocp.args.StandardSave(variables[name]) for name in MODEL_ITEMS}
     mgr.save(step, args=ocp.args.Composite(config=ocp.args.JsonSave(to_dict(cfg)), **items))
@@ -81,14 +83,18 @@ def resolve(path: str | Path) -> tuple[Path, int]:
             raise CheckpointNotFoundError(f"{checkpoints} holds no complete checkpoint")
         step = max(steps)
     elif step not in steps:
-        raise CheckpointNotFoundError(f"{checkpoints / str(step)} is not a complete checkpoint (complete: {sorted(steps)})")
+        raise CheckpointNotFoundError(
+            f"{checkpoints / str(step)} is not a complete checkpoint (complete: {sorted(steps)})"
+        )
     return checkpoints, step
 
 
 def read_config(path: str | Path) -> tuple[Config, int]:
     """The config and step of a checkpoint, without reading any array."""
     checkpoints, step = resolve(path)
-    data = manager(checkpoints).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"]
+    data = manager(checkpoints).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+        "config"
+    ]
     return config_from_dict(data), step
 
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
@@ -46,11 +45,15 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         if entry is None:
             continue
         if entry.get("rope_type", "default") != "default":
-            raise ConfigError(f"rope_parameters[{layer_type!r}].rope_type={entry['rope_type']!r}: only 'default' RoPE is supported")
+            raise ConfigError(
+                f"rope_parameters[{layer_type!r}].rope_type={entry['rope_type']!r}: only 'default' RoPE is supported"
+            )
         out[key] = float(entry["rope_theta"])
         factors.add(float(entry.get("partial_rotary_factor", 1.0)))
     if len(factors) > 1:
-        raise ConfigError(f"rope_parameters use different partial_rotary_factor per layer type {sorted(factors)}; one value is supported")
+        raise ConfigError(
+            f"rope_parameters use different partial_rotary_factor per layer type {sorted(factors)}; one value is supported"
+        )
     if factors:
         out["partial_rotary_factor"] = factors.pop()
     return out
@@ -102,9 +105,13 @@ def _legacy_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelCon
     """Legacy ``Zyphra/transformers@zaya`` configs: attention/MoE half-layers listed in ``zaya_layers``."""
     layers = hf["zaya_layers"]
     if len(layers) % 2 or any(layers[i] != "a" for i in range(0, len(layers), 2)):
-        raise ConfigError("legacy zaya_layers must alternate attention ('a') and MoE (expert count) half-layers")
+        raise ConfigError(
+            "legacy zaya_layers must alternate attention ('a') and MoE (expert count) half-layers"
+        )
     if any(hf.get(key) for key in ("swa_layers", "sliding_window")):
-        raise ConfigError("legacy configs with sliding-window layers are not supported; convert with transformers first")
+        raise ConfigError(
+            "legacy configs with sliding-window layers are not supported; convert with transformers first"
+        )
     hidden = hf["hidden_size"]
     fields = {
         "vocab_size": hf["vocab_size"],
@@ -131,7 +138,11 @@ def _legacy_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelCon
 def model_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The HF ``ZayaConfig`` keyword arguments describing ``cfg``."""
     rope = {
-        "hybrid": {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.partial_rotary_factor},
+        "hybrid": {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        },
         "hybrid_sliding": {
             "rope_type": "default",
             "rope_theta": cfg.rope_theta_sliding,
@@ -216,7 +227,9 @@ def _residual_entries(prefix: str, hf_module: str, ours: str, layer: int) -> lis
         ("residual_scale", "residual_scale"),
         ("residual_bias", "residual_bias"),
     ]
-    return [_Entry(f"{prefix}{hf_module}.{h}", "params", ("layers", ours, o), "copy", layer) for h, o in pairs]
+    return [
+        _Entry(f"{prefix}{hf_module}.{h}", "params", ("layers", ours, o), "copy", layer) for h, o in pairs
+    ]
 
 
 def weight_layout(cfg: ModelConfig) -> list[_Entry]:
@@ -242,11 +255,31 @@ def weight_layout(cfg: ModelConfig) -> list[_Entry]:
         p = f"model.layers.{i}."
         layer = [
             _Entry(f"{p}input_layernorm.weight", "params", ("layers", "input_norm", "scale"), "copy", i),
-            _Entry(f"{p}post_attention_layernorm.weight", "params", ("layers", "post_attn_norm", "scale"), "copy", i),
-            _Entry(f"{p}self_attn.o_proj.weight", "params", ("layers", "attn", "o_proj", "kernel"), "linear", i),
+            _Entry(
+                f"{p}post_attention_layernorm.weight",
+                "params",
+                ("layers", "post_attn_norm", "scale"),
+                "copy",
+                i,
+            ),
+            _Entry(
+                f"{p}self_attn.o_proj.weight", "params", ("layers", "attn", "o_proj", "kernel"), "linear", i
+            ),
             _Entry(f"{p}self_attn.qk_norm.temp", "params", ("layers", "attn", "temp"), "copy", i),
-            _Entry(f"{p}self_attn.qkv_proj.conv_qk_depthwise.weight", "params", ("layers", "attn", "conv_dw_kernel"), "conv_dw", i),
-            _Entry(f"{p}self_attn.qkv_proj.conv_qk_depthwise.bias", "params", ("layers", "attn", "conv_dw_bias"), "copy", i),
+            _Entry(
+                f"{p}self_attn.qkv_proj.conv_qk_depthwise.weight",
+                "params",
+                ("layers", "attn", "conv_dw_kernel"),
+                "conv_dw",
+                i,
+            ),
+            _Entry(
+                f"{p}self_attn.qkv_proj.conv_qk_depthwise.bias",
+                "params",
+                ("layers", "attn", "conv_dw_bias"),
+                "copy",
+                i,
+            ),
             _Entry(
                 f"{p}self_attn.qkv_proj.conv_qk_grouped.weight",
                 "params",
@@ -254,28 +287,68 @@ def weight_layout(cfg: ModelConfig) -> list[_Entry]:
                 "conv_grouped",
                 i,
             ),
-            _Entry(f"{p}self_attn.qkv_proj.conv_qk_grouped.bias", "params", ("layers", "attn", "conv_grouped_bias"), "copy", i),
-            _Entry(f"{p}mlp.gate.down_proj.weight", "params", ("layers", "router", "down", "kernel"), "linear", i),
+            _Entry(
+                f"{p}self_attn.qkv_proj.conv_qk_grouped.bias",
+                "params",
+                ("layers", "attn", "conv_grouped_bias"),
+                "copy",
+                i,
+            ),
+            _Entry(
+                f"{p}mlp.gate.down_proj.weight", "params", ("layers", "router", "down", "kernel"), "linear", i
+            ),
             _Entry(f"{p}mlp.gate.down_proj.bias", "params", ("layers", "router", "down", "bias"), "copy", i),
-            _Entry(f"{p}mlp.gate.router_mlp.norm.weight", "params", ("layers", "router", "norm", "scale"), "copy", i),
-            _Entry(f"{p}mlp.gate.router_mlp.out_proj.weight", "params", ("layers", "router", "out", "kernel"), "linear", i),
+            _Entry(
+                f"{p}mlp.gate.router_mlp.norm.weight",
+                "params",
+                ("layers", "router", "norm", "scale"),
+                "copy",
+                i,
+            ),
+            _Entry(
+                f"{p}mlp.gate.router_mlp.out_proj.weight",
+                "params",
+                ("layers", "router", "out", "kernel"),
+                "linear",
+                i,
+            ),
             _Entry(f"{p}mlp.gate.balancing_biases", BALANCING, ("layers", "router", "biases"), "copy", i),
             _Entry(f"{p}mlp.experts.gate_up_proj", "params", ("layers", "experts", "wi"), "experts", i),
             _Entry(f"{p}mlp.experts.down_proj", "params", ("layers", "experts", "wo"), "experts", i),
         ]
         for fc in ("fc1", "fc2"):
-            layer.append(_Entry(f"{p}mlp.gate.router_mlp.{fc}.weight", "params", ("layers", "router", fc, "kernel"), "linear", i))
-            layer.append(_Entry(f"{p}mlp.gate.router_mlp.{fc}.bias", "params", ("layers", "router", fc, "bias"), "copy", i))
+            layer.append(
+                _Entry(
+                    f"{p}mlp.gate.router_mlp.{fc}.weight",
+                    "params",
+                    ("layers", "router", fc, "kernel"),
+                    "linear",
+                    i,
+                )
+            )
+            layer.append(
+                _Entry(
+                    f"{p}mlp.gate.router_mlp.{fc}.bias", "params", ("layers", "router", fc, "bias"), "copy", i
+                )
+            )
         for hf_name, ours in attn_linears:
             base = f"{p}self_attn.qkv_proj.{hf_name}"
             layer.append(_Entry(f"{base}.weight", "params", ("layers", "attn", ours, "kernel"), "linear", i))
             if cfg.attention_bias:
                 layer.append(_Entry(f"{base}.bias", "params", ("layers", "attn", ours, "bias"), "copy", i))
         if cfg.attention_bias:
-            layer.append(_Entry(f"{p}self_attn.o_proj.bias", "params", ("layers", "attn", "o_proj", "bias"), "copy", i))
+            layer.append(
+                _Entry(f"{p}self_attn.o_proj.bias", "params", ("layers", "attn", "o_proj", "bias"), "copy", i)
+            )
         if i > 0:
             layer.append(
-                _Entry(f"{p}mlp.gate.router_states_scale", "params", ("router_states_scale",), "copy", eda_row=i - 1)
+                _Entry(
+                    f"{p}mlp.gate.router_states_scale",
+                    "params",
+                    ("router_states_scale",),
+                    "copy",
+                    eda_row=i - 1,
+                )
             )
         layer += _residual_entries(p, "post_attention_residual_scale", "post_attn_scale", i)
         layer += _residual_entries(p, "post_mlp_residual_scale", "post_moe_scale", i)
@@ -402,7 +475,9 @@ def legacy_to_hf(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[str
             out["model.norm.weight"] = value
             continue
         if name.startswith("model.res_scale."):
-            out[f"model.layers.{num_layers - 1}.post_mlp_residual_scale.{name.removeprefix('model.res_scale.')}"] = value
+            out[
+                f"model.layers.{num_layers - 1}.post_mlp_residual_scale.{name.removeprefix('model.res_scale.')}"
+            ] = value
             continue
         match = _LEGACY_LAYER.match(name)
         if match is None:
@@ -448,7 +523,9 @@ def legacy_to_hf(tensors: Mapping[str, np.ndarray], num_layers: int) -> dict[str
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
     if not path.is_file():
-        raise ConversionError(f"{directory} has no config.json; expected a Hugging Face save_pretrained directory")
+        raise ConversionError(
+            f"{directory} has no config.json; expected a Hugging Face save_pretrained directory"
+        )
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as err:

@@ -82,7 +82,9 @@ def safetensors_files(directory: str | Path) -> list[Path]:
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
-        raise SafetensorsError(f"{directory}: no *.safetensors files (only safetensors is read, never pickle)")
+        raise SafetensorsError(
+            f"{directory}: no *.safetensors files (only safetensors is read, never pickle)"
+        )
     return files
 
 
@@ -95,4 +97,3 @@ def read_directory(directory: str | Path) -> dict[str, np.ndarray]:
                 raise SafetensorsError(f"{directory}: tensor {name!r} appears in more than one shard")
             tensors[name] = array
     return tensors
-

@@ -71,13 +71,13 @@ def two_stage_conv(
         keep = same_document(segment_ids, seq, shift)[..., None]
         past = jnp.where(keep, shift_right(stage1, shift), depthwise_bias)
         past = past.reshape(batch, seq, heads, head_dim)
-        stage2 = stage2 + jnp.einsum("btgi,gio->btgo", past, grouped_kernel[tap]).reshape(batch, seq, channels)
+        stage2 = stage2 + jnp.einsum("btgi,gio->btgo", past, grouped_kernel[tap]).reshape(
+            batch, seq, channels
+        )
     return stage2
 
 
-def attention_mask(
-    seq_len: int, segment_ids: jax.Array | None, token_mask: jax.Array | None
-) -> jax.Array:
+def attention_mask(seq_len: int, segment_ids: jax.Array | None, token_mask: jax.Array | None) -> jax.Array:
     """(batch or 1, seq_q, seq_k) bool: causal, same document, key not padding."""
     idx = jnp.arange(seq_len)
     mask = (idx[:, None] >= idx[None, :])[None]
@@ -153,7 +153,9 @@ class CCAAttention(nn.Module):
         normal = nn.initializers.normal(std)
         zeros = nn.initializers.zeros
         channels = cfg.conv_channels
-        dw_kernel = param_with_axes(self, "conv_dw_kernel", normal, (cfg.cca_time0, channels), ("conv", "qk"), pdtype)
+        dw_kernel = param_with_axes(
+            self, "conv_dw_kernel", normal, (cfg.cca_time0, channels), ("conv", "qk"), pdtype
+        )
         dw_bias = param_with_axes(self, "conv_dw_bias", zeros, (channels,), ("qk",), pdtype)
         grouped_shape = (cfg.cca_time1, nq + nk, d, d)
         g_kernel = param_with_axes(

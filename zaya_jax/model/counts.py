@@ -20,8 +20,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     params = abstract_variables(cfg)["params"]
     size = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
     total = size(params)
-    embedding = size(params["embedding"]) + size(params.get("lm_head", {})) + size(params.get("lm_head_bias", {}))
+    embedding = (
+        size(params["embedding"]) + size(params.get("lm_head", {})) + size(params.get("lm_head_bias", {}))
+    )
     experts = size(params["layers"]["experts"])
     non_embedding = total - embedding
     inactive = experts * (cfg.num_experts - 1) // cfg.num_experts
-    return {"total_params": total, "non_embedding_params": non_embedding, "active_params": non_embedding - inactive}
+    return {
+        "total_params": total,
+        "non_embedding_params": non_embedding,
+        "active_params": non_embedding - inactive,
+    }

@@ -81,8 +81,12 @@ class Experts(nn.Module):
         experts, embed, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
         init = nn.initializers.normal(cfg.initializer_range)
         # wi fuses [gate | up] along its last axis (HF gate_up_proj rows [0, I) and [I, 2I)).
-        wi = param_with_axes(self, "wi", init, (experts, embed, 2 * inner), ("experts", "embed", "expert_mlp"), pdtype)
-        wo = param_with_axes(self, "wo", init, (experts, inner, embed), ("experts", "expert_mlp", "embed"), pdtype)
+        wi = param_with_axes(
+            self, "wi", init, (experts, embed, 2 * inner), ("experts", "embed", "expert_mlp"), pdtype
+        )
+        wo = param_with_axes(
+            self, "wo", init, (experts, inner, embed), ("experts", "expert_mlp", "embed"), pdtype
+        )
         wi, wo = wi.astype(dtype), wo.astype(dtype)
         m, weight = m.astype(dtype), weight.astype(dtype)
         batch, seq, _ = m.shape

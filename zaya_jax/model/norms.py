@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = param_with_axes(self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,), self.param_dtype)
+        scale = param_with_axes(
+            self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,), self.param_dtype
+        )
         return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps)
 
 

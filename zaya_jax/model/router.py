@@ -47,8 +47,12 @@ class Router(nn.Module):
         state = Dense(width, ("embed", "router"), True, std, dtype, pdtype, name="down")(m)
         state = state + eda_scale.astype(dtype) * prev_state.astype(dtype)
         u = RMSNorm(cfg.rms_norm_eps, "router", dtype, pdtype, name="norm")(state)
-        u = nn.gelu(Dense(width, ("router", "router_mlp"), True, std, dtype, pdtype, name="fc1")(u), approximate=False)
-        u = nn.gelu(Dense(width, ("router_mlp", "router"), True, std, dtype, pdtype, name="fc2")(u), approximate=False)
+        u = nn.gelu(
+            Dense(width, ("router", "router_mlp"), True, std, dtype, pdtype, name="fc1")(u), approximate=False
+        )
+        u = nn.gelu(
+            Dense(width, ("router_mlp", "router"), True, std, dtype, pdtype, name="fc2")(u), approximate=False
+        )
         logits = Dense(classes, ("router", "router_classes"), False, std, dtype, pdtype, name="out")(u)
         probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1).astype(dtype)
 
@@ -58,6 +62,8 @@ class Router(nn.Module):
             nn.with_logical_partitioning(lambda: init_balancing_biases(classes), ("router_classes",)),
         ).value
         # Biases shift *probabilities* for top-1 selection only; no gradient flows through the choice.
-        choice = jnp.argmax(jax.lax.stop_gradient(probs).astype(jnp.float32) + biases, axis=-1).astype(jnp.int32)
+        choice = jnp.argmax(jax.lax.stop_gradient(probs).astype(jnp.float32) + biases, axis=-1).astype(
+            jnp.int32
+        )
         weight = jnp.take_along_axis(probs, choice[..., None], axis=-1)[..., 0]
         return Routing(probs, choice, weight, state)

@@ -16,7 +16,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.cca import CCAAttention, attention_mask
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.layers import Dense, param_with_axes
-from zaya_jax.model.norms import RMSNorm, ResidualScaling
+from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router
 
@@ -79,7 +79,11 @@ class Block(nn.Module):
             f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
         h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
 
-        valid = jnp.ones(routing.choice.shape, jnp.float32) if token_mask is None else token_mask.astype(jnp.float32)
+        valid = (
+            jnp.ones(routing.choice.shape, jnp.float32)
+            if token_mask is None
+            else token_mask.astype(jnp.float32)
+        )
         stats = {
             "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
             "dropped": jnp.sum(dropped * valid),
@@ -110,7 +114,9 @@ class Zaya(nn.Module):
         types = cfg.resolved_layer_types
         return {
             # Block 0 has no EDA: a zero scale row adds an exact zero to its router state.
-            "eda_scale": jnp.concatenate([jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]),
+            "eda_scale": jnp.concatenate(
+                [jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]
+            ),
             "inv_freq": jnp.asarray(np.stack([inverse_frequencies(theta[t], cfg.rotary_dim) for t in types])),
             "window": jnp.asarray(
                 [cfg.sliding_window if t == "hybrid_sliding" else 0 for t in types], dtype=jnp.int32
@@ -139,8 +145,12 @@ class Zaya(nn.Module):
             ("vocab", "embed"),
             pdtype,
         )
-        input_scale = param_with_axes(self, "input_scale", nn.initializers.ones, embed_shape, ("embed",), pdtype)
-        input_bias = param_with_axes(self, "input_bias", nn.initializers.zeros, embed_shape, ("embed",), pdtype)
+        input_scale = param_with_axes(
+            self, "input_scale", nn.initializers.ones, embed_shape, ("embed",), pdtype
+        )
+        input_bias = param_with_axes(
+            self, "input_bias", nn.initializers.zeros, embed_shape, ("embed",), pdtype
+        )
         eda_scale = param_with_axes(
             self,
             "router_states_scale",
@@ -181,11 +191,19 @@ class Zaya(nn.Module):
         if cfg.tie_word_embeddings:
             logits = jnp.dot(y, embedding.astype(dtype).T)
             if cfg.lm_head_bias:
-                bias = param_with_axes(self, "lm_head_bias", nn.initializers.zeros, (cfg.vocab_size,), ("vocab",), pdtype)
+                bias = param_with_axes(
+                    self, "lm_head_bias", nn.initializers.zeros, (cfg.vocab_size,), ("vocab",), pdtype
+                )
                 logits = logits + bias.astype(dtype)
         else:
             logits = Dense(
-                cfg.vocab_size, ("embed", "vocab"), cfg.lm_head_bias, cfg.initializer_range, dtype, pdtype, name="lm_head"
+                cfg.vocab_size,
+                ("embed", "vocab"),
+                cfg.lm_head_bias,
+                cfg.initializer_range,
+                dtype,
+                pdtype,
+                name="lm_head",
             )(y)
         return logits, stats
 
