@@ -190,45 +190,227 @@ class ModelConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DataSource:
+    """One input of the data mixture.
+
+    ``kind``: ``stdlib`` (the built-in corpus: the running interpreter's standard-library source;
+    ``path`` unused), ``text`` (a file, directory or glob of UTF-8 text files, one document per
+    file), ``jsonl`` (one document per line, field ``text_field``), ``parquet`` (column
+    ``text_field``) or ``arrayrecord`` (a directory written by ``zaya data prepare``).
+    """
+
+    name: str = "stdlib"
+    kind: Literal["stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "stdlib"
+    path: str | None = None
+    weight: float = 1.0
+    text_field: str = "text"
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where training text comes from and how it becomes token rows."""
+
+    sources: tuple[DataSource, ...] = (DataSource(),)
+    # "byte" (no download; ids 0/1/2 = pad/eos/bos, byte b -> b + 3) or a path to an HF tokenizer.json.
+    tokenizer: str = "byte"
+    held_out_fraction: float = 0.02
+    # "error": an unreadable or undecodable document stops the run naming the file; "skip": counted.
+    on_bad_document: Literal["error", "skip"] = "error"
+    prefetch: int = 2
+
+    def validate(self) -> None:
+        if not self.sources:
+            raise ConfigError(
+                "data.sources is empty; list at least one source (e.g. {name: stdlib, kind: stdlib})"
+            )
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"data.sources names must be unique, got {names}")
+        for i, source in enumerate(self.sources):
+            if source.kind != "stdlib" and not source.path:
+                raise ConfigError(f"data.sources[{i}] ({source.name}) of kind {source.kind!r} needs a path")
+            if not source.weight > 0:
+                raise ConfigError(f"data.sources[{i}].weight={source.weight} must be > 0")
+        if not 0.0 < self.held_out_fraction < 0.5:
+            raise ConfigError(f"data.held_out_fraction={self.held_out_fraction} must be in (0, 0.5)")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Muon for hidden weight matrices, AdamW for everything else, in one optax chain.
+
+    Which leaves are Muon, and which of their axes form the matrix, is derived from the logical axis
+    names (``zaya inspect --config NAME --optimizer``). Learning rates follow ``schedule``:
+    ``wsd`` (linear warmup, constant, linear decay over the last ``decay_fraction`` of the steps),
+    ``cosine`` (warmup, then cosine to ``min_lr_ratio``) or ``constant`` (warmup only).
+    """
+
+    muon_lr: float = 0.02
+    adam_lr: float = 3e-3
+    muon_weight_decay: float = 0.0
+    adam_weight_decay: float = 0.1
+    muon_momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5
+    ns_coeffs: tuple[float, ...] = (3.4445, -4.775, 2.0315)
+    # Moonlight's update-RMS matching: scale Muon updates by this * sqrt(max(A, B)); null = off.
+    consistent_rms: float | None = None
+    adam_b1: float = 0.9
+    adam_b2: float = 0.95
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
+    warmup_steps: int = 20
+    decay_fraction: float = 0.2
+    min_lr_ratio: float = 0.0
+    # Learning rate under a batch-size ramp: unchanged, or scaled by (batch / final batch)^(1/2 or 1).
+    lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"
+    # The router's R x R MLP and down-projection are hidden matrices; "adamw" keeps them out of Muon.
+    router_group: Literal["muon", "adamw"] = "muon"
+
+    def validate(self) -> None:
+        for name in ("muon_lr", "adam_lr"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"optim.{name}={getattr(self, name)} must be > 0")
+        if len(self.ns_coeffs) != 3:
+            raise ConfigError(f"optim.ns_coeffs must hold 3 numbers (a, b, c), got {list(self.ns_coeffs)}")
+        if self.ns_steps < 1:
+            raise ConfigError(f"optim.ns_steps={self.ns_steps} must be >= 1")
+        if not 0.0 <= self.muon_momentum < 1.0:
+            raise ConfigError(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"optim.decay_fraction={self.decay_fraction} must be in [0, 1]")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.grad_clip < 0:
+            raise ConfigError(f"optim.grad_clip={self.grad_clip} must be >= 0 (0 disables clipping)")
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancingConfig:
+    """PID controller on the per-class load error that moves the router's balancing biases each step.
+
+    Targets: ``skip_target`` of the tokens to the skip class, the rest uniform over the E experts.
+    error = target - load (fractions); bias += kp*error + ki*integral(error) + kd*d(error)/dstep.
+    """
+
+    enabled: bool = True
+    kp: float = 0.01
+    ki: float = 0.001
+    kd: float = 0.0
+    skip_target: float = 0.0
+    max_bias: float = 1.0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.skip_target < 1.0:
+            raise ConfigError(f"balancing.skip_target={self.skip_target} must be in [0, 1)")
+        if min(self.kp, self.ki, self.kd) < 0:
+            raise ConfigError("balancing.kp, ki and kd must be >= 0")
+        if not self.max_bias > 0:
+            raise ConfigError(f"balancing.max_bias={self.max_bias} must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RampPoint:
+    """From ``tokens`` tokens seen on, the global batch is ``batch_size`` sequences."""
+
+    tokens: int
+    batch_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One curriculum stage: ``tokens`` of training at ``seq_len`` with per-source ``mixture`` weights
+    (one per ``data.sources`` entry; null keeps the sources' own weights)."""
+
+    tokens: int
+    seq_len: int
+    mixture: tuple[float, ...] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """Training-loop knobs used by ``zaya train``."""
+    """The training loop: ``batch_size`` is the global batch in sequences of ``seq_len`` tokens,
+    split into ``micro_batches`` accumulated inside the step. ``batch_ramp`` and ``stages`` override
+    batch size and sequence length/mixture as tokens are seen."""
 
     seed: int = 0
     steps: int = 200
     batch_size: int = 8
+    micro_batches: int = 1
     seq_len: int = 128
-    learning_rate: float = 3e-3
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
+    z_loss: float = 0.0
     log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 4
+    batch_ramp: tuple[RampPoint, ...] = ()
+    stages: tuple[Stage, ...] = ()
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "seq_len", "log_every"):
+        for name in (
+            "steps",
+            "batch_size",
+            "micro_batches",
+            "seq_len",
+            "log_every",
+            "eval_every",
+            "eval_batches",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"train.warmup_steps={self.warmup_steps} must be >= 0")
-        if not self.learning_rate > 0:
-            raise ConfigError(f"train.learning_rate={self.learning_rate} must be > 0")
+        if self.z_loss < 0:
+            raise ConfigError(f"train.z_loss={self.z_loss} must be >= 0")
+        sizes = [self.batch_size, *(p.batch_size for p in self.batch_ramp)]
+        for size in sizes:
+            if size % self.micro_batches:
+                raise ConfigError(
+                    f"batch size {size} is not divisible by train.micro_batches={self.micro_batches}; "
+                    "use batch sizes that are multiples of it"
+                )
+        thresholds = [p.tokens for p in self.batch_ramp]
+        if thresholds != sorted(thresholds) or len(set(thresholds)) != len(thresholds):
+            raise ConfigError(f"train.batch_ramp token thresholds must increase strictly, got {thresholds}")
+        for i, stage in enumerate(self.stages):
+            if stage.tokens < 1 or stage.seq_len < 1:
+                raise ConfigError(f"train.stages[{i}] needs positive tokens and seq_len")
+
+    @property
+    def max_seq_len(self) -> int:
+        return max([self.seq_len, *(s.seq_len for s in self.stages)])
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: ``run``, ``model`` and ``train`` sections."""
+    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing`` and ``data`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
 
     def validate(self) -> None:
         self.model.validate()
         self.train.validate()
-        if self.train.seq_len > self.model.max_position_embeddings:
+        self.optim.validate()
+        self.balancing.validate()
+        self.data.validate()
+        if self.train.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(
-                f"train.seq_len={self.train.seq_len} exceeds model.max_position_embeddings="
+                f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; lower train.seq_len or raise the limit"
             )
+        for i, stage in enumerate(self.train.stages):
+            if stage.mixture is not None and len(stage.mixture) != len(self.data.sources):
+                raise ConfigError(
+                    f"train.stages[{i}].mixture has {len(stage.mixture)} weights for "
+                    f"{len(self.data.sources)} data.sources; give one weight per source"
+                )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,17 +602,14 @@ def load_config(name_or_path: str | Path | None = "tiny", overrides: Sequence[st
 def to_dict(cfg: Any) -> dict[str, Any]:
     """A YAML-safe dict of a config dataclass (tuples become lists)."""
 
-    def plain(value: Any) -> Any:
+    def plain_value(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return to_dict(value)
         if isinstance(value, tuple):
-            return [plain(v) for v in value]
+            return [plain_value(v) for v in value]
         return value
 
-    return {
-        f.name: to_dict(getattr(cfg, f.name))
-        if dataclasses.is_dataclass(getattr(cfg, f.name))
-        else plain(getattr(cfg, f.name))
-        for f in dataclasses.fields(cfg)
-    }
+    return {f.name: plain_value(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
 
 
 def dump_config(cfg: Config) -> str:
