@@ -18,10 +18,10 @@ def test_presets_load_and_validate(name):
 
 
 def test_dotted_overrides_are_typed():
-    cfg = load_config("tiny", ["model.num_layers=4", "train.learning_rate=1e-3", "model.layer_types=null"])
+    cfg = load_config("tiny", ["model.num_layers=4", "optim.adam_lr=1e-3", "model.layer_types=null"])
     assert cfg.model.num_layers == 4
-    assert cfg.train.learning_rate == pytest.approx(1e-3)
-    assert isinstance(cfg.train.learning_rate, float)
+    assert cfg.optim.adam_lr == pytest.approx(1e-3)
+    assert isinstance(cfg.optim.adam_lr, float)
 
 
 def test_override_of_list_becomes_tuple():
@@ -92,7 +92,7 @@ def test_wrong_types_name_the_key(override, message):
         ),
         (["model.layer_types=[hybrid]"], r"layer_types has 1 entries but model\.num_layers=4"),
         (["model.partial_rotary_factor=0.3"], r"partial_rotary_factor=0.3 gives a rotary width of 9"),
-        (["model.eos_token_id=512"], r"eos_token_id=512 must be in \[0, model\.vocab_size=512\)"),
+        (["model.eos_token_id=264"], r"eos_token_id=264 must be in \[0, model\.vocab_size=264\)"),
         (["model.hidden_size=0"], r"hidden_size=0 must be a positive integer"),
         (["train.seq_len=4096"], r"train\.seq_len=4096 exceeds model\.max_position_embeddings=2048"),
     ],

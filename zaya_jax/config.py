@@ -299,8 +299,10 @@ class BalancingConfig:
     """
 
     enabled: bool = True
-    kp: float = 0.01
-    ki: float = 0.001
+    # Gains in probability units per unit of load error; tuned on a router that sends ~70% of
+    # tokens to one of 8 experts: balanced (max/min load < 1.5) within ~150 steps, no oscillation.
+    kp: float = 0.1
+    ki: float = 0.03
     kd: float = 0.0
     skip_target: float = 0.0
     max_bias: float = 1.0
