@@ -50,6 +50,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
         report = {"config": to_dict(cfg), **param_counts(cfg.model)}
+        if args.optimizer:
+            from zaya_jax.optim import describe_groups
+
+            report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
     else:
         cfg, step = checkpoint.read_config(args.path)
         _, arrays = checkpoint.array_metadata(args.path)
@@ -70,9 +74,45 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(args: argparse.Namespace) -> int:
+    from zaya_jax.train.loop import train
+
+    cfg = load_config(args.config, args.overrides)
+    summary = train(cfg, progress=not args.no_progress)
+    _print_json(summary)
+    return 0
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    from zaya_jax.data import prepare
+
+    manifest = prepare(args.inputs, args.out, tokenizer_spec=args.tokenizer, num_shards=args.shards)
+    _print_json({k: v for k, v in manifest.items() if k != "shards"})
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zaya", description="ZAYA1-style MoE language models in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus)")
+    train.add_argument(
+        "--config", default="tiny", help=f"preset name or YAML path ({', '.join(available_presets())})"
+    )
+    train.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.steps=50")
+    train.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)"
+    )
+    train.set_defaults(func=_cmd_train)
+
+    data = sub.add_parser("data", help="data preparation")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
+    prepare.add_argument("inputs", nargs="+", help="text files, directories, globs, .jsonl or .parquet files")
+    prepare.add_argument("--out", required=True, help="new output directory")
+    prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to an HF tokenizer.json")
+    prepare.add_argument("--shards", type=int, default=4, help="number of ArrayRecord shards")
+    prepare.set_defaults(func=_cmd_data_prepare)
 
     convert = sub.add_parser("convert", help="convert Hugging Face weights into a zaya-jax checkpoint")
     convert.add_argument("direction", choices=["hf-to-zaya"], help="conversion direction")
@@ -88,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--config", help=f"preset name or YAML path ({', '.join(available_presets())})")
     inspect.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.num_layers=4")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="each parameter's optimizer group (muon/adamw) and matrix axes",
+    )
     inspect.set_defaults(func=_cmd_inspect)
     return parser
 
@@ -95,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "inspect" and args.path and "=" in args.path:
+    if args.command in ("inspect",) and args.path and "=" in args.path:
         args.overrides, args.path = [args.path, *args.overrides], None
     try:
         return args.func(args)

@@ -35,8 +35,12 @@ class ControllerState:
 
 def init_controller(biases: jax.Array) -> ControllerState:
     """Start the controller from the current balancing biases (layers, E+1)."""
-    zeros = jnp.zeros_like(biases, jnp.float32)
-    return ControllerState(base=biases.astype(jnp.float32), integral=zeros, prev_error=zeros)
+    # Three distinct buffers (copies): a donated train state must not alias any of them.
+    return ControllerState(
+        base=jnp.array(biases, jnp.float32, copy=True),
+        integral=jnp.zeros_like(biases, jnp.float32),
+        prev_error=jnp.zeros_like(biases, jnp.float32),
+    )
 
 
 def target_load(num_experts: int, skip_target: float) -> jax.Array:

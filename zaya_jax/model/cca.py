@@ -77,6 +77,17 @@ def two_stage_conv(
     return stage2
 
 
+def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
+    """x * scale / max(||x||_2, eps) over the last axis, eps = machine epsilon of x's dtype (HF ``ZayaQKNorm``).
+
+    Written as sqrt(max(sum x^2, eps^2)) so that an all-zero head (a padding position) gets a zero
+    gradient instead of the NaN that differentiating ``norm`` at 0 gives.
+    """
+    eps = jnp.finfo(x.dtype).eps
+    sum_sq = jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    return x * (jnp.asarray(scale, x.dtype) / jnp.sqrt(jnp.maximum(sum_sq, jnp.asarray(eps * eps, x.dtype))))
+
+
 def attention_mask(seq_len: int, segment_ids: jax.Array | None, token_mask: jax.Array | None) -> jax.Array:
     """(batch or 1, seq_q, seq_k) bool: causal, same document, key not padding."""
     idx = jnp.arange(seq_len)
@@ -181,11 +192,8 @@ class CCAAttention(nn.Module):
 
         # QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
         temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype)
-        eps = jnp.finfo(dtype).eps
-        sqrt_d = jnp.asarray(math.sqrt(d), dtype)
-        q = q * (sqrt_d / jnp.maximum(jnp.linalg.norm(q, axis=-1, keepdims=True), eps))
-        k = k * (sqrt_d / jnp.maximum(jnp.linalg.norm(k, axis=-1, keepdims=True), eps))
-        k = k * temp.astype(dtype)[None, None, :, None]
+        q = l2_normalize(q, math.sqrt(d))
+        k = l2_normalize(k, math.sqrt(d)) * temp.astype(dtype)[None, None, :, None]
 
         cos, sin = rope_tables(positions, inv_freq, dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -1,0 +1,82 @@
+"""Tiny corpora written into a test's tmp_path, and the checks every packed row must pass."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from zaya_jax.config import DataConfig, DataSource
+from zaya_jax.data.pipeline import ROW_KEYS
+
+
+def write_jsonl(path: Path, texts: Sequence[str], field: str = "text") -> Path:
+    path.write_text("".join(json.dumps({field: t}) + "\n" for t in texts))
+    return path
+
+
+def write_parquet(path: Path, texts: Sequence[str | None], field: str = "text") -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({field: pa.array(texts, pa.string()), "id": list(range(len(texts)))}), path)
+    return path
+
+
+def jsonl_config(*sources: tuple[str, Path, float], held_out_fraction: float = 0.1) -> DataConfig:
+    """A DataConfig over JSONL files: one (name, path, weight) per source."""
+    return DataConfig(
+        sources=tuple(DataSource(name=n, kind="jsonl", path=str(p), weight=w) for n, p, w in sources),
+        held_out_fraction=held_out_fraction,
+    )
+
+
+def train_bpe_tokenizer(path: Path) -> Path:
+    """A byte-level BPE tokenizer.json (pad/eos/bos = <pad>, </s>, <s>) trained on a few strings."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<pad>", "</s>", "<s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["hello world", "héllo wörld", "the quick brown fox"] * 10, trainer)
+    tok.save(str(path))
+    return path
+
+
+def assert_valid_row(row: dict[str, np.ndarray], seq_len: int, pad_id: int) -> None:
+    """The row format of zaya_jax.data.pipeline: shapes, dtypes, segments, targets, masks."""
+    assert sorted(row) == sorted(ROW_KEYS)
+    for key in ROW_KEYS:
+        assert row[key].shape == (seq_len,), key
+    assert row["loss_mask"].dtype == np.float32
+    for key in ("inputs", "targets", "segment_ids", "positions"):
+        assert row[key].dtype == np.int32, key
+    seg = row["segment_ids"]
+    real = seg > 0
+    # Padding only at the end; segments numbered 1, 2, 3 ... in order.
+    assert np.all(real[: real.sum()]) and not np.any(real[real.sum() :])
+    ids = seg[real]
+    assert ids[0] == 1 and np.all(np.diff(ids) >= 0) and np.all(np.diff(ids) <= 1)
+    np.testing.assert_array_equal(row["loss_mask"], real.astype(np.float32))
+    assert np.all(row["inputs"][~real] == pad_id) and np.all(row["targets"][~real] == pad_id)
+    # Positions restart at 0 in every segment and count up.
+    starts = np.r_[True, seg[1:] != seg[:-1]]
+    expected = np.arange(seq_len) - np.maximum.accumulate(np.where(starts, np.arange(seq_len), 0))
+    np.testing.assert_array_equal(row["positions"][real], expected[real])
+    # Within a segment the target of position t is the input at t + 1.
+    same = (seg[:-1] == seg[1:]) & real[:-1]
+    np.testing.assert_array_equal(row["targets"][:-1][same], row["inputs"][1:][same])
+
+
+def pair_stream(rows: Sequence[dict[str, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """All real (input, target) pairs of ``rows``, in order."""
+    inputs = np.concatenate([r["inputs"][r["loss_mask"] > 0] for r in rows])
+    targets = np.concatenate([r["targets"][r["loss_mask"] > 0] for r in rows])
+    return inputs, targets

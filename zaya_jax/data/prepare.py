@@ -1,0 +1,283 @@
+"""Corpus preparation: tokenize documents once into ArrayRecord shards, and read them back verified.
+
+A prepared directory holds ``num_shards`` files ``shard-SSSSS-of-NNNNN.array_record`` and
+``manifest.json``. Each record is one document's token ids (no EOS: the pipeline appends it) as
+little-endian ``uint16`` (every id < 2**16) or ``uint32``. Documents are dealt round-robin: document
+``i`` is record ``i // num_shards`` of shard ``i % num_shards``, so reading the shards back gives
+the documents in input order and shards differ in size by at most one document.
+
+The manifest is written last, through a temporary file renamed into place: a directory without
+``manifest.json`` is an unfinished preparation and is never read. Reading verifies every shard's
+size and sha256 against the manifest and that the manifest's tokenizer is the one in use.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+
+from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
+from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
+
+FORMAT = "zaya-jax-tokens"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+# One record per chunk keeps random access to a single document to one read.
+_WRITER_OPTIONS = "group_size:1"
+_READER_OPTIONS = "readahead_buffer_size:0"
+_ENCODE_BATCH = 256
+# sha256 of shard files already verified by this process, keyed by (path, size, mtime_ns).
+_VERIFIED: dict[tuple[str, int, int], str] = {}
+
+
+def shard_name(index: int, num_shards: int) -> str:
+    return f"shard-{index:05d}-of-{num_shards:05d}.array_record"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_out_dir(out: Path) -> bool:
+    """Refuse anything but a new or empty directory; returns whether it must be created."""
+    if not out.exists():
+        return True
+    if not out.is_dir():
+        raise DataError(f"output directory {out} is a file; give a new directory for the prepared shards")
+    if any(out.iterdir()):
+        raise DataError(
+            f"output directory {out} already exists and is not empty; prepare never overwrites data: "
+            "choose a new directory or delete this one"
+        )
+    return False
+
+
+def prepare(
+    inputs: Sequence[str | Path],
+    out_dir: str | Path,
+    tokenizer_spec: str = "byte",
+    num_shards: int = 4,
+    on_bad_document: OnBadDocument = "error",
+) -> dict[str, Any]:
+    """Tokenize the documents of ``inputs`` into ``num_shards`` ArrayRecord shards in ``out_dir``.
+
+    ``inputs``: text files, directories (every file a document) or globs, ``*.jsonl`` files (field
+    ``text``) and ``*.parquet`` files (column ``text``); the kind follows the extension. Returns the
+    manifest (also written to ``out_dir/manifest.json``). On any error the files written so far are
+    removed, so the same command can be rerun.
+    """
+    if not inputs:
+        raise DataError("no inputs given; name the text, JSONL or Parquet files (or directories) to prepare")
+    if num_shards < 1:
+        raise DataError(f"num_shards={num_shards} must be >= 1")
+    tokenizer = load_tokenizer(tokenizer_spec)
+    dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
+    out = Path(out_dir)
+    create = _check_out_dir(out)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / shard_name(i, num_shards) for i in range(num_shards)]
+    tmp_manifest = out / (MANIFEST + ".tmp")
+    writers: list[ArrayRecordWriter] = []
+    started = time.perf_counter()
+    try:
+        writers = [ArrayRecordWriter(str(p), _WRITER_OPTIONS) for p in paths]
+        records = [0] * num_shards
+        tokens = [0] * num_shards
+        input_stats = []
+        document = 0
+
+        def write(texts: list[str]) -> None:
+            nonlocal document
+            for ids in tokenizer.encode_batch(texts):
+                if ids.size == 0:
+                    continue
+                shard = document % num_shards
+                writers[shard].write(ids.astype(dtype).tobytes())
+                records[shard] += 1
+                tokens[shard] += int(ids.size)
+                document += 1
+
+        for item in inputs:
+            source = source_for_path(item)
+            bad = BadDocuments(on_bad_document)
+            first = document
+            batch: list[str] = []
+            for _, text in iter_documents(source, bad):
+                batch.append(text)
+                if len(batch) == _ENCODE_BATCH:
+                    write(batch)
+                    batch = []
+            write(batch)
+            input_stats.append(
+                {
+                    "path": str(item),
+                    "kind": source.kind,
+                    "documents": document - first,
+                    "skipped_documents": bad.count,
+                    "problems": bad.problems,
+                }
+            )
+        for writer in writers:
+            writer.close()
+        shards = [
+            {
+                "file": p.name,
+                "records": records[i],
+                "tokens": tokens[i],
+                "bytes": p.stat().st_size,
+                "sha256": _sha256(p),
+            }
+            for i, p in enumerate(paths)
+        ]
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "tokenizer": tokenizer.spec,
+            "dtype": dtype.name,
+            "byte_order": "little",
+            "layout": "round_robin",
+            "eos_appended": False,
+            "shards": shards,
+            "documents": sum(records),
+            "tokens": sum(tokens),
+            "skipped_documents": sum(s["skipped_documents"] for s in input_stats),
+            "inputs": input_stats,
+            "seconds": round(time.perf_counter() - started, 3),
+        }
+        with tmp_manifest.open("w") as f:
+            json.dump(manifest, f, indent=2)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp_manifest.replace(out / MANIFEST)
+    except BaseException:
+        for writer in writers:
+            if writer.is_open():
+                writer.close()
+        for p in [*paths, tmp_manifest]:
+            p.unlink(missing_ok=True)
+        if create:
+            out.rmdir()
+        raise
+    return manifest
+
+
+def read_manifest(directory: str | Path) -> dict[str, Any]:
+    """The manifest of a prepared directory; :class:`DataError` when it is missing or unreadable."""
+    directory = Path(directory)
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise DataError(
+            f"{directory} has no {MANIFEST}: it is not a directory written by `zaya data prepare`, or "
+            "that preparation did not finish; rerun `zaya data prepare ... --out` into an empty directory"
+        )
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise DataError(
+            f"cannot read {path} ({err}); rerun `zaya data prepare` into an empty directory"
+        ) from None
+    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
+        raise DataError(
+            f"{path} is format {manifest.get('format')!r} version {manifest.get('format_version')!r}; this "
+            f"zaya-jax reads {FORMAT!r} version {FORMAT_VERSION}: prepare the data again with this version"
+        )
+    return manifest
+
+
+def verify_shards(directory: str | Path, manifest: dict[str, Any]) -> None:
+    """Check every shard's presence, size and sha256 against the manifest (cached per process by
+    size and modification time, so a verified shard is hashed once)."""
+    directory = Path(directory)
+    for shard in manifest["shards"]:
+        path = directory / shard["file"]
+        try:
+            stat = path.stat()
+        except OSError:
+            raise DataError(
+                f"shard {path} listed in {directory / MANIFEST} is missing; restore it or prepare the data again"
+            ) from None
+        if stat.st_size != shard["bytes"]:
+            raise DataError(
+                f"shard {path} has {stat.st_size} bytes but the manifest says {shard['bytes']}: it was "
+                "truncated or modified; restore it or prepare the data again"
+            )
+        key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+        if _VERIFIED.get(key) == shard["sha256"]:
+            continue
+        digest = _sha256(path)
+        if digest != shard["sha256"]:
+            raise DataError(
+                f"shard {path} is corrupt: its sha256 {digest[:16]}... differs from the manifest's "
+                f"{shard['sha256'][:16]}...; restore it or prepare the data again"
+            )
+        _VERIFIED[key] = digest
+
+
+class PreparedDocuments:
+    """Random access to the documents of a prepared directory, verified on open.
+
+    ``docs[i]`` is document ``i`` (in input order) as a (num_tokens,) array of the manifest's dtype.
+    """
+
+    def __init__(self, directory: str | Path, tokenizer: Tokenizer | None = None):
+        self.directory = Path(directory)
+        self.manifest = read_manifest(self.directory)
+        if tokenizer is not None and not same_tokenizer(self.manifest["tokenizer"], tokenizer.spec):
+            raise DataError(
+                f"{self.directory} was tokenized with {self.manifest['tokenizer']} but the tokenizer in use is "
+                f"{tokenizer.spec}; set data.tokenizer to the one the data was prepared with, or prepare it again"
+            )
+        verify_shards(self.directory, self.manifest)
+        self._dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        shards = self.manifest["shards"]
+        self._num_shards = len(shards)
+        self._len = int(self.manifest["documents"])
+        for s, shard in enumerate(shards):
+            expected = (self._len - s + self._num_shards - 1) // self._num_shards
+            if shard["records"] != expected:
+                raise DataError(
+                    f"{self.directory / MANIFEST} lists {shard['records']} records in {shard['file']} but the "
+                    f"round-robin layout of {self._len} documents gives {expected}; prepare the data again"
+                )
+        self._readers = [ArrayRecordReader(str(self.directory / s["file"]), _READER_OPTIONS) for s in shards]
+        for reader, shard in zip(self._readers, shards, strict=True):
+            if reader.num_records() != shard["records"]:
+                raise DataError(
+                    f"shard {self.directory / shard['file']} holds {reader.num_records()} records but the "
+                    f"manifest says {shard['records']}; prepare the data again"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["tokens"])
+
+    def fingerprint(self) -> str:
+        """Names these exact contents (the shard checksums), for checkpointed iterator states."""
+        return hashlib.sha256("".join(s["sha256"] for s in self.manifest["shards"]).encode()).hexdigest()[:16]
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        index = int(index)
+        if not 0 <= index < self._len:
+            raise IndexError(f"document {index} out of range for {self._len} documents")
+        (record,) = self._readers[index % self._num_shards].read([index // self._num_shards])
+        return np.frombuffer(record, dtype=self._dtype)
+
+
+def open_prepared(directory: str | Path, tokenizer: Tokenizer | None = None) -> PreparedDocuments:
+    """Open a prepared directory, verifying its shards and (when given) the tokenizer."""
+    return PreparedDocuments(directory, tokenizer)

@@ -1,0 +1,341 @@
+"""Read documents (strings) from a :class:`~zaya_jax.config.DataSource`.
+
+Kinds: ``text`` (a file, a directory walked recursively, or a glob; one document per file),
+``jsonl`` (one JSON object per line, the text in field ``text_field``), ``parquet`` (column
+``text_field``), ``stdlib`` (the built-in corpus, :mod:`zaya_jax.data.corpus`). Prepared token
+shards (``arrayrecord``) hold tokens, not text; :mod:`zaya_jax.data.prepare` reads them.
+
+Every document has a key, stable across machines, that decides its train/held-out split: the file's
+POSIX path relative to the source root (``text``, ``stdlib``), plus ``:line`` (``jsonl``) or
+``#row`` (``parquet``). Files are read in sorted key order, so document order is deterministic.
+
+Bad data (an unreadable file, bytes that are not strict UTF-8, a malformed JSON line, a missing or
+non-string field) raises :class:`DataError` naming the file (and line), unless
+``on_bad_document="skip"``: then the document (or the whole file, when the file itself cannot be
+read) is skipped and counted. A source without any document is always an error. Empty documents
+(no text) are dropped silently: they carry no tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+from zaya_jax.config import DataSource
+from zaya_jax.data import corpus
+
+logger = logging.getLogger(__name__)
+
+OnBadDocument = Literal["error", "skip"]
+
+_GLOB_CHARS = frozenset("*?[")
+# Kind of each input of `zaya data prepare`, by file extension; anything else is text.
+_KIND_BY_SUFFIX = {".jsonl": "jsonl", ".parquet": "parquet"}
+# Files a directory of a given kind contributes (text: every non-hidden file).
+_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl", "parquet": "*.parquet"}
+_PROBLEMS_KEPT = 20
+_SKIP_HINT = (
+    "or set data.on_bad_document=skip (prepare: on_bad_document='skip') to skip and count bad documents"
+)
+
+
+class DataError(ValueError):
+    """Input data that cannot be used as it is; the message names the file and what to change."""
+
+
+class BadDocuments:
+    """Applies the ``on_bad_document`` policy: raise, or count and remember the first problems."""
+
+    def __init__(self, policy: OnBadDocument = "error"):
+        if policy not in ("error", "skip"):
+            raise DataError(f"on_bad_document={policy!r} is not allowed; use 'error' or 'skip'")
+        self.policy = policy
+        self.count = 0
+        self.problems: list[str] = []
+
+    def report(self, problem: str, fix: str) -> None:
+        """One bad document (or unreadable file): ``problem`` says what, ``fix`` what to change."""
+        if self.policy == "error":
+            raise DataError(f"{problem}; {fix}, {_SKIP_HINT}")
+        self.count += 1
+        if len(self.problems) < _PROBLEMS_KEPT:
+            self.problems.append(problem)
+
+
+@dataclasses.dataclass(frozen=True)
+class Documents:
+    """All documents of one source, in order: ``keys[i]`` names ``texts[i]`` (see module doc);
+    ``skipped`` bad documents were left out, the first of them described in ``problems``."""
+
+    keys: list[str]
+    texts: list[str]
+    skipped: int
+    problems: list[str]
+
+
+def source_for_path(path: str | Path, name: str | None = None) -> DataSource:
+    """A :class:`DataSource` for one input of ``zaya data prepare``: ``*.jsonl`` -> jsonl,
+    ``*.parquet`` -> parquet (also as the last part of a glob), anything else (files, directories,
+    globs) -> text."""
+    text = str(path)
+    kind = _KIND_BY_SUFFIX.get(Path(text).suffix.lower(), "text")
+    return DataSource(name=name or text, kind=kind, path=text)  # type: ignore[arg-type]
+
+
+def _is_hidden(rel: Path) -> bool:
+    return any(part.startswith(".") for part in rel.parts)
+
+
+def _walk(root: Path, pattern: str) -> list[tuple[str, Path]]:
+    """Files under ``root`` matching ``pattern`` (hidden files and directories left out, since they
+    are editor and VCS state, not corpus text) as (relative POSIX key, path)."""
+    found = []
+    for path in root.rglob(pattern):
+        rel = path.relative_to(root)
+        if not _is_hidden(rel) and path.is_file():
+            found.append((rel.as_posix(), path))
+    return found
+
+
+def _glob_root(pattern: str) -> Path:
+    """The directory part of a glob before its first wildcard: keys are relative to it."""
+    parts = Path(pattern).parts
+    fixed = []
+    for part in parts:
+        if _GLOB_CHARS.intersection(part):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path(".")
+
+
+def resolve_files(source: DataSource) -> list[tuple[str, Path]]:
+    """The files of a ``text``/``jsonl``/``parquet`` source as (key, path), sorted by key.
+
+    A directory is walked recursively (``jsonl``/``parquet``: files with that extension); a glob
+    (``**`` allowed) is expanded and directories it matches are walked.
+    """
+    if not source.path:
+        raise DataError(f"data source {source.name!r} of kind {source.kind!r} needs a path")
+    text = str(Path(source.path).expanduser())
+    pattern = _PATTERN_BY_KIND[source.kind]
+    if _GLOB_CHARS.intersection(text):
+        root = _glob_root(text)
+        found = {}
+        for match in sorted(glob.glob(text, recursive=True)):
+            path = Path(match)
+            if path.is_dir():
+                for key, sub in _walk(path, pattern):
+                    found[(path.relative_to(root) / key).as_posix()] = sub
+            elif path.is_file():
+                found[path.relative_to(root).as_posix()] = path
+        if not found:
+            raise DataError(
+                f"data source {source.name!r}: the pattern {text!r} matches no files; check the path"
+            )
+        return sorted(found.items())
+    path = Path(text)
+    if path.is_dir():
+        files = _walk(path, pattern)
+        if not files:
+            what = "files" if source.kind == "text" else f"{pattern} files"
+            raise DataError(f"data source {source.name!r}: the directory {path} holds no {what}")
+        return sorted(files)
+    if path.exists():
+        return [(path.name, path)]
+    raise DataError(f"data source {source.name!r}: {path} does not exist; check the source's path")
+
+
+def _decode(data: bytes, where: str, bad: BadDocuments) -> str | None:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        bad.report(
+            f"{where} is not valid UTF-8 (byte {err.start}: {err.reason})",
+            "convert it to UTF-8 or remove it",
+        )
+        return None
+
+
+def _text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[tuple[str, str]]:
+    for key, path in files:
+        try:
+            data = path.read_bytes()
+        except OSError as err:
+            bad.report(f"cannot read {path} ({err.strerror or err})", "fix its permissions or remove it")
+            continue
+        text = _decode(data, str(path), bad)
+        if text:
+            yield key, text
+
+
+def _jsonl_documents(
+    files: list[tuple[str, Path]], field: str, bad: BadDocuments
+) -> Iterator[tuple[str, str]]:
+    for key, path in files:
+        line_no = 0
+        try:
+            with path.open("rb") as f:
+                for line_no, raw in enumerate(f, 1):
+                    if not raw.strip():
+                        continue
+                    where = f"{path}:{line_no}"
+                    line = _decode(raw, where, bad)
+                    if line is None:
+                        continue
+                    try:
+                        record = json.loads(line)
+                    except json.JSONDecodeError as err:
+                        bad.report(f"{where}: not valid JSON ({err.msg})", "fix or delete the line")
+                        continue
+                    if not isinstance(record, dict):
+                        bad.report(
+                            f"{where}: a JSON {type(record).__name__}, not an object",
+                            f'write one object per line, e.g. {{"{field}": "..."}}',
+                        )
+                        continue
+                    if field not in record:
+                        bad.report(
+                            f"{where}: no field {field!r} (fields: {', '.join(map(repr, record)) or 'none'})",
+                            "set the source's text_field to the field holding the text",
+                        )
+                        continue
+                    value = record[field]
+                    if not isinstance(value, str):
+                        bad.report(
+                            f"{where}: field {field!r} is a {type(value).__name__}, not a string",
+                            "store the document text as a JSON string",
+                        )
+                        continue
+                    if value:
+                        yield f"{key}:{line_no}", value
+        except OSError as err:
+            at = f" after line {line_no}" if line_no else ""
+            bad.report(f"cannot read {path}{at} ({err.strerror or err})", "fix its permissions or remove it")
+
+
+def _parquet_documents(
+    files: list[tuple[str, Path]], field: str, bad: BadDocuments
+) -> Iterator[tuple[str, str]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for key, path in files:
+        try:
+            parquet = pq.ParquetFile(path)
+            schema = parquet.schema_arrow
+        except (OSError, pa.ArrowException) as err:
+            bad.report(
+                f"cannot read {path} as Parquet ({err})", "rewrite it as a valid Parquet file or remove it"
+            )
+            continue
+        if field not in schema.names:
+            bad.report(
+                f"{path}: no column {field!r} (columns: {', '.join(map(repr, schema.names))})",
+                "set the source's text_field to the column holding the text",
+            )
+            continue
+        column_type = schema.field(field).type
+        is_binary = pa.types.is_binary(column_type) or pa.types.is_large_binary(column_type)
+        if not (is_binary or pa.types.is_string(column_type) or pa.types.is_large_string(column_type)):
+            bad.report(
+                f"{path}: column {field!r} has type {column_type}, not string",
+                "store the document text as a string column",
+            )
+            continue
+        row = 0
+        try:
+            for batch in parquet.iter_batches(columns=[field], batch_size=1024):
+                for value in batch.column(0).to_pylist():
+                    where = f"{path} row {row}"
+                    if value is None:
+                        bad.report(f"{where}: {field!r} is null", "drop the row or fill in its text")
+                    elif is_binary:
+                        text = _decode(value, where, bad)
+                        if text:
+                            yield f"{key}#{row}", text
+                    elif value:
+                        yield f"{key}#{row}", value
+                    row += 1
+        except (OSError, pa.ArrowException) as err:
+            bad.report(
+                f"cannot read {path} after row {row} ({err})",
+                "rewrite it as a valid Parquet file or remove it",
+            )
+
+
+def _stdlib_documents(bad: BadDocuments) -> Iterator[tuple[str, str]]:
+    keys, texts, skipped = corpus.read_stdlib()
+    # Undecodable stdlib files are skipped under either policy (see corpus.read_stdlib).
+    bad.count += len(skipped)
+    bad.problems.extend(f"{corpus.stdlib_root() / key} is not valid UTF-8" for key in skipped)
+    yield from zip(keys, texts, strict=True)
+
+
+def iter_documents(source: DataSource, bad: BadDocuments | None = None) -> Iterator[tuple[str, str]]:
+    """(key, text) for every document of ``source``, in order; bad documents go to ``bad``
+    (default: raise). Raises :class:`DataError` at the end when the source held no document."""
+    bad = BadDocuments() if bad is None else bad
+    if source.kind == "stdlib":
+        documents = _stdlib_documents(bad)
+    elif source.kind == "text":
+        documents = _text_documents(resolve_files(source), bad)
+    elif source.kind == "jsonl":
+        documents = _jsonl_documents(resolve_files(source), source.text_field, bad)
+    elif source.kind == "parquet":
+        documents = _parquet_documents(resolve_files(source), source.text_field, bad)
+    else:
+        raise DataError(
+            f"data source {source.name!r} of kind {source.kind!r} holds tokens, not text; "
+            "read it with zaya_jax.data.prepare.open_prepared"
+        )
+    count = 0
+    for item in documents:
+        count += 1
+        yield item
+    if count == 0:
+        where = f" ({source.path})" if source.path else ""
+        if bad.count:
+            detail = f"all {bad.count} bad documents were skipped; the first: {bad.problems[0]}"
+        else:
+            detail = "the files hold no text"
+        raise DataError(f"data source {source.name!r}{where} has no documents: {detail}")
+
+
+def read_documents(source: DataSource, on_bad_document: OnBadDocument = "error") -> Documents:
+    """Every document of ``source`` in memory (see :func:`iter_documents`)."""
+    bad = BadDocuments(on_bad_document)
+    keys, texts = [], []
+    for key, text in iter_documents(source, bad):
+        keys.append(key)
+        texts.append(text)
+    if bad.count:
+        # The built-in corpus always has a few non-UTF-8 test files; that is expected, not news.
+        log = logger.info if source.kind == "stdlib" else logger.warning
+        log(
+            "data source %r: skipped %d bad documents, e.g. %s",
+            source.name,
+            bad.count,
+            "; ".join(bad.problems[:3]),
+        )
+    return Documents(keys=keys, texts=texts, skipped=bad.count, problems=list(bad.problems))
+
+
+def file_signature(source: DataSource) -> tuple[tuple[str, int, int], ...]:
+    """(path, size, mtime_ns) of every file of ``source``: changes when its files change, so an
+    in-memory cache of tokenized documents can tell when it is stale."""
+    if source.kind == "stdlib":
+        return (("stdlib", 0, 0),)  # the interpreter's own files do not change under a running process
+    signature = []
+    for _, path in resolve_files(source):
+        try:
+            stat = path.stat()
+        except OSError:
+            signature.append((str(path), -1, -1))
+        else:
+            signature.append((str(path), stat.st_size, stat.st_mtime_ns))
+    return tuple(signature)

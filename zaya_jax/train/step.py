@@ -1,0 +1,150 @@
+"""The pure training step ``(state, batch, lr_scale) -> (state, metrics)`` and the loss.
+
+A batch is a dict of (batch, seq) arrays: ``inputs``, ``targets``, ``segment_ids`` (0 = padding),
+``positions`` and ``loss_mask``. The step splits it into ``micro_batches`` accumulated by a
+``lax.scan``; the loss is the token-weighted mean next-token cross-entropy over the whole batch
+(plus the optional z-loss), so accumulation gives the same gradient as one big batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from zaya_jax.config import Config
+from zaya_jax.model import BALANCING, Zaya
+from zaya_jax.model.balancing import ControllerState, init_controller, update_biases
+
+Batch = dict[str, jax.Array]
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    balancing: Any
+    controller: ControllerState
+
+
+def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
+    """Step 0: fresh optimizer state; the controller starts from the variables' balancing biases."""
+    biases = variables[BALANCING]["layers"]["router"]["biases"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=variables["params"],
+        opt_state=tx.init(variables["params"]),
+        balancing=variables[BALANCING],
+        controller=init_controller(biases),
+    )
+
+
+def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy and log-partition, both (batch, seq) float32; logits upcast first."""
+    logits = logits.astype(jnp.float32)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return log_z - target_logit, log_z
+
+
+def loss_and_stats(
+    model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Summed (not averaged) loss over the batch's real targets, and the statistics to accumulate."""
+    logits, aux = model.apply(
+        {"params": params, BALANCING: balancing},
+        batch["inputs"],
+        token_mask=batch["segment_ids"] > 0,
+        segment_ids=batch["segment_ids"],
+        positions=batch["positions"],
+    )
+    mask = batch["loss_mask"].astype(jnp.float32)
+    ce, log_z = token_losses(logits, batch["targets"])
+    ce_sum = jnp.sum(ce * mask)
+    z_sum = jnp.sum(jnp.square(log_z) * mask)
+    stats = {
+        "ce_sum": ce_sum,
+        "z_sum": z_sum,
+        "tokens": mask.sum(),
+        "load": aux["load"],
+        "dropped": aux["dropped"],
+    }
+    return ce_sum + z_loss * z_sum, stats
+
+
+def make_train_step(
+    cfg: Config, tx: optax.GradientTransformation, set_lr_scale: Callable[[Any, jax.Array], Any]
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
+    batch-ramp learning-rate multiplier as a traced value (no recompilation per value)."""
+    model = Zaya(cfg.model)
+    micro = cfg.train.micro_batches
+    grad_fn = jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss), has_aux=True)
+
+    def step(state: TrainState, batch: Batch, lr_scale: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+        split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+
+        def accumulate(carry, micro_batch):
+            grads, stats = grad_fn(state.params, state.balancing, micro_batch)
+            return jax.tree.map(jnp.add, carry, (grads, stats)), None
+
+        layers, classes = cfg.model.num_layers, cfg.model.num_experts + 1
+        zero_stats = {
+            "ce_sum": jnp.zeros(()),
+            "z_sum": jnp.zeros(()),
+            "tokens": jnp.zeros(()),
+            "load": jnp.zeros((layers, classes)),
+            "dropped": jnp.zeros((layers,)),
+        }
+        zero_grads = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, stats), _ = jax.lax.scan(accumulate, (zero_grads, zero_stats), split)
+
+        tokens = jnp.maximum(stats["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        grad_norm = optax.tree.norm(grads)
+        opt_state = set_lr_scale(state.opt_state, lr_scale)
+        updates, opt_state = tx.update(grads, opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        balancing, controller = state.balancing, state.controller
+        biases = state.balancing["layers"]["router"]["biases"]
+        if cfg.balancing.enabled:
+            biases, controller, _ = update_biases(cfg.balancing, state.controller, stats["load"])
+            balancing = {"layers": {"router": {"biases": biases}}}
+
+        load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
+        metrics = {
+            "loss": stats["ce_sum"] / tokens,
+            "z_loss": stats["z_sum"] / tokens,
+            "grad_norm": grad_norm,
+            "tokens": stats["tokens"],
+            "expert_load": load_fraction.mean(0),  # (E+1,) averaged over layers
+            "max_min_load_ratio": jnp.max(load_fraction[:, :-1])
+            / jnp.maximum(jnp.min(load_fraction[:, :-1]), 1e-9),
+            "skip_fraction": load_fraction[:, -1].mean(),
+            "dropped_tokens": stats["dropped"].sum(),
+            "bias_mean": biases[:, :-1].mean(),
+            "bias_std": biases[:, :-1].std(),
+            "bias_skip": biases[:, -1].mean(),
+        }
+        new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
+        return new_state, metrics
+
+    return step
+
+
+def make_eval_step(cfg: Config) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
+    """(params, balancing, batch) -> (summed cross-entropy, number of target tokens)."""
+    model = Zaya(cfg.model)
+
+    def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
+        _, stats = loss_and_stats(model, params, balancing, batch, 0.0)
+        return stats["ce_sum"], stats["tokens"]
+
+    return evaluate
