@@ -19,7 +19,13 @@ from zaya_jax import checkpoint
 from zaya_jax.config import Config, ConfigError, save_config
 from zaya_jax.data import eval_batches, load_tokenizer, make_row_iterator, next_batch
 from zaya_jax.model import BALANCING, init_variables
-from zaya_jax.optim import batch_lr_scale, build_optimizer, current_learning_rates, model_param_groups, set_lr_scale
+from zaya_jax.optim import (
+    batch_lr_scale,
+    build_optimizer,
+    current_learning_rates,
+    model_param_groups,
+    set_lr_scale,
+)
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.step import TrainState, init_train_state, make_eval_step, make_train_step
