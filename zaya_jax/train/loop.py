@@ -153,8 +153,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             last = {
                 "step": step,
                 "loss": float(metrics["loss"]),
-                "lr": float(lrs["adam"]),
-                "muon_lr": float(lrs["muon"]),
+                "lr": float(lrs["adam_lr"]),
+                "muon_lr": float(lrs["muon_lr"]),
                 "grad_norm": float(metrics["grad_norm"]),
                 "tokens_per_s": interval_tokens / elapsed,
                 "mfu": interval_flops / elapsed / peak if math.isfinite(peak) else None,

@@ -1,0 +1,177 @@
+"""Our Muon equals optax.contrib.muon on the same leaves, and Newton-Schulz orthogonalises batched stacks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from optax.contrib import MuonDimensionNumbers
+
+from zaya_jax.config import OptimConfig
+from zaya_jax.optim import build_optimizer, learning_rate_schedule, newton_schulz, orthogonalize, param_groups
+
+# A 2-D matrix, a layer-scanned tall stack, an expert stack, and AdamW leaves with and without decay.
+AXES = {
+    "matrix": ("heads", "embed"),
+    "layer_stack": ("layers", "embed", "heads"),
+    "experts": ("layers", "experts", "expert_mlp", "embed"),
+    "embedding": ("vocab", "embed"),
+    "norm": ("layers", "embed"),
+    "bias": ("heads",),
+}
+SHAPES = {
+    "matrix": (24, 16),  # tall: NS iterates on the transpose
+    "layer_stack": (3, 16, 24),  # wide
+    "experts": (2, 3, 40, 16),  # tall
+    "embedding": (50, 16),
+    "norm": (3, 16),
+    "bias": (24,),
+}
+STEPS, TOTAL_STEPS = 5, 8
+CFG = OptimConfig(
+    muon_lr=0.02,
+    adam_lr=3e-3,
+    muon_weight_decay=0.1,
+    adam_weight_decay=0.1,
+    adam_b2=0.95,
+    grad_clip=0.0,  # optax.contrib.muon does not clip
+    warmup_steps=2,
+    decay_fraction=0.25,
+)
+
+
+@pytest.fixture(autouse=True)
+def _full_float32_matmuls():
+    # GPUs default to TF32 for float32 matmuls; these comparisons are at float32 rounding level.
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+def _random_tree(seed: int) -> dict[str, jax.Array]:
+    key = jax.random.key(seed)
+    return {
+        name: jax.random.normal(jax.random.fold_in(key, i), s) for i, (name, s) in enumerate(SHAPES.items())
+    }
+
+
+def _train(tx: optax.GradientTransformation) -> dict[str, jax.Array]:
+    """Params after STEPS updates on fixed random gradients (one compiled scan)."""
+    grads = jax.tree.map(lambda *g: jnp.stack(g), *[_random_tree(100 + step) for step in range(STEPS)])
+
+    def step(carry, g):
+        params, state = carry
+        updates, state = tx.update(g, state, params)
+        return (optax.apply_updates(params, updates), state), None
+
+    @jax.jit
+    def train(params):
+        (params, _), _ = jax.lax.scan(step, (params, tx.init(params)), grads)
+        return params
+
+    return train(_random_tree(0))
+
+
+def _schedule(peak: float) -> optax.Schedule:
+    return learning_rate_schedule("wsd", peak, TOTAL_STEPS, CFG.warmup_steps, CFG.decay_fraction, 0.0)
+
+
+def _optax_muon(cfg: OptimConfig, groups: dict, adam_weight_decay: float) -> optax.GradientTransformation:
+    dims = {k: MuonDimensionNumbers(*g.matrix_axes) if g.group == "muon" else None for k, g in groups.items()}
+    return optax.contrib.muon(
+        _schedule(cfg.muon_lr),
+        ns_coeffs=cfg.ns_coeffs,
+        ns_steps=cfg.ns_steps,
+        beta=cfg.muon_momentum,
+        eps=cfg.adam_eps,
+        weight_decay=cfg.muon_weight_decay,
+        nesterov=cfg.nesterov,
+        adam_b1=cfg.adam_b1,
+        adam_b2=cfg.adam_b2,
+        adam_weight_decay=adam_weight_decay,
+        adam_learning_rate=_schedule(cfg.adam_lr),
+        muon_weight_dimension_numbers=dims,
+        consistent_rms=cfg.consistent_rms,
+    )
+
+
+def _assert_close(ours: jax.Array, ref: jax.Array, name: str) -> None:
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize(
+    ("nesterov", "consistent_rms"), [(False, None), (True, 0.2)], ids=["plain-width_scaling", "nesterov-rms"]
+)
+def test_matches_optax_contrib_muon(nesterov: bool, consistent_rms: float | None):
+    cfg = dataclasses.replace(CFG, nesterov=nesterov, consistent_rms=consistent_rms)
+    groups = param_groups(AXES)
+    assert [k for k, g in groups.items() if g.group == "muon"] == ["experts", "layer_stack", "matrix"]
+    ours = _train(build_optimizer(cfg, groups, TOTAL_STEPS))
+
+    # optax decays every Adam leaf; ours only multi-axis ones, so vectors compare with decay off.
+    ref = _train(_optax_muon(cfg, groups, adam_weight_decay=cfg.adam_weight_decay))
+    ref_no_decay = _train(_optax_muon(cfg, groups, adam_weight_decay=0.0))
+    for name in ("matrix", "layer_stack", "experts"):
+        _assert_close(ours[name], ref[name], name)
+    if nesterov:
+        # optax.contrib.muon's Adam branch is Nesterov Adam when nesterov=True; ours stays plain AdamW.
+        adamw = optax.adamw(
+            _schedule(cfg.adam_lr),
+            b1=cfg.adam_b1,
+            b2=cfg.adam_b2,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.adam_weight_decay,
+            mask={k: g.group == "adamw" and g.decay for k, g in groups.items()},
+        )
+        ref = ref_no_decay = _train(adamw)
+    _assert_close(ours["embedding"], ref["embedding"], "embedding")
+    for name in ("norm", "bias"):
+        _assert_close(ours[name], ref_no_decay[name], name)
+    if not nesterov:  # the reference with decay differs from the one without: the decay acted
+        assert not np.allclose(ref["embedding"], ref_no_decay["embedding"], rtol=0, atol=1e-6)
+
+
+def _singular_values(x: jax.Array) -> np.ndarray:
+    return np.linalg.svd(np.asarray(x), compute_uv=False)
+
+
+@pytest.mark.parametrize("shape", [(64, 24), (24, 64)], ids=["tall", "wide"])
+def test_newton_schulz_output_is_nearly_orthogonal(shape: tuple[int, int]):
+    singular_values = _singular_values(newton_schulz(jax.random.normal(jax.random.key(1), shape)))
+    assert singular_values.min() > 0.65 and singular_values.max() < 1.2, singular_values
+
+
+def test_newton_schulz_lifts_a_spread_spectrum_into_the_band():
+    # A square matrix with condition number 100: 5 quintic steps (slope 3.4 at zero) suffice.
+    u, _ = np.linalg.qr(np.random.default_rng(0).normal(size=(32, 32)))
+    v, _ = np.linalg.qr(np.random.default_rng(1).normal(size=(32, 32)))
+    x = (u * np.logspace(-2, 0, 32)) @ v.T
+    singular_values = _singular_values(newton_schulz(jnp.asarray(x, jnp.float32)))
+    assert singular_values.min() > 0.65 and singular_values.max() < 1.2, singular_values
+
+
+def test_batched_leaf_equals_per_matrix_newton_schulz():
+    experts = jax.random.normal(jax.random.key(3), (2, 3, 40, 16))  # (layers, experts, in, out), tall
+    batched = orthogonalize(experts, (2, 3))
+    single = jax.jit(newton_schulz)
+    for layer in range(2):
+        for expert in range(3):
+            _assert_close(batched[layer, expert], single(experts[layer, expert]), f"{layer},{expert}")
+
+
+def test_matrix_axes_need_not_be_last():
+    x = jax.random.normal(jax.random.key(4), (16, 3, 24))  # (in, layers, out)
+    batched = orthogonalize(x, (0, 2))
+    single = jax.jit(newton_schulz)
+    for layer in range(3):
+        _assert_close(batched[:, layer], single(x[:, layer]), str(layer))
+
+
+def test_newton_schulz_runs_in_float32_for_bfloat16_input():
+    x = jax.random.normal(jax.random.key(5), (2, 32, 48))
+    out = newton_schulz(x.astype(jnp.bfloat16))
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(out, newton_schulz(x.astype(jnp.bfloat16).astype(jnp.float32)), rtol=0, atol=0)
