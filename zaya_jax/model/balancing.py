@@ -2,17 +2,21 @@
 
 ZAYA1 keeps its router busy and balanced with biases that are added to the router probabilities
 for top-1 selection only, updated outside the gradient by a "control-theory" rule that the public
-sources do not specify. This module implements a positional PID controller per layer and class:
+sources do not specify. This module implements an incremental (velocity-form) PID controller per
+layer and class:
 
-    load_c  = fraction of this step's real tokens routed to class c (E experts + skip)
-    target  = (1 - skip_target) / E for every expert, skip_target for the skip class
-    e       = target - load                        (positive: the class is under-used)
-    I      += e                                     (clamped so |ki * I| <= max_bias: anti-windup)
-    bias    = base + kp * e + ki * I + kd * (e - e_prev)
+    load_c   = fraction of this step's real tokens routed to class c (E experts + skip)
+    target   = (1 - skip_target) / E for every expert, skip_target for the skip class
+    e        = target - load                                   (positive: the class is under-used)
+    spread   = std over tokens of the router probabilities, averaged over classes (per layer)
+    bias    += spread * (kp * (e - e') + ki * e + kd * (e - 2e' + e''))    e', e'': previous errors
 
-``base`` is the bias the run started from (HF init: 0, and -1 for the skip class). Loads are
-global: under ``jit`` the counts are summed over the whole (data-sharded) batch, which is the
-all-reduce over data shards.
+A bias only changes a token's choice relative to the *token-to-token variation* of the
+probabilities, so the gains act in units of ``spread``: at initialisation, when every token sees
+nearly uniform probabilities (spread ~1e-3), a fixed-size bias would move all tokens to one expert
+at once and oscillate; scaled by the spread, the controller splits them instead. Biases stay within
+``max_bias`` of where the run started (anti-windup). Loads and spreads are global: under ``jit``
+they are sums over the whole (data-sharded) batch, i.e. all-reduced over data shards.
 """
 
 from __future__ import annotations
@@ -29,8 +33,8 @@ class ControllerState:
     """Per-layer, per-class controller memory; each array is (layers, E+1) float32."""
 
     base: jax.Array
-    integral: jax.Array
     prev_error: jax.Array
+    prev_prev_error: jax.Array
 
 
 def init_controller(biases: jax.Array) -> ControllerState:
@@ -38,8 +42,8 @@ def init_controller(biases: jax.Array) -> ControllerState:
     # Three distinct buffers (copies): a donated train state must not alias any of them.
     return ControllerState(
         base=jnp.array(biases, jnp.float32, copy=True),
-        integral=jnp.zeros_like(biases, jnp.float32),
         prev_error=jnp.zeros_like(biases, jnp.float32),
+        prev_prev_error=jnp.zeros_like(biases, jnp.float32),
     )
 
 
@@ -49,13 +53,21 @@ def target_load(num_experts: int, skip_target: float) -> jax.Array:
     return jnp.concatenate([experts, jnp.asarray([skip_target], jnp.float32)])
 
 
+def probability_spread(prob_sum: jax.Array, prob_sq_sum: jax.Array, tokens: jax.Array) -> jax.Array:
+    """(layers,) std over tokens of each class's router probability, averaged over classes."""
+    n = jnp.maximum(tokens, 1.0)
+    variance = jnp.maximum(prob_sq_sum / n - jnp.square(prob_sum / n), 0.0)
+    return jnp.sqrt(variance).mean(axis=-1)
+
+
 def update_biases(
-    cfg: BalancingConfig, state: ControllerState, load: jax.Array
+    cfg: BalancingConfig, state: ControllerState, biases: jax.Array, load: jax.Array, spread: jax.Array
 ) -> tuple[jax.Array, ControllerState, jax.Array]:
-    """One controller step. load: (layers, E+1) token counts. Returns (biases, state, error)."""
+    """One controller step. biases, load: (layers, E+1); spread: (layers,). Returns (biases, state, error)."""
     fraction = load / jnp.maximum(load.sum(axis=-1, keepdims=True), 1.0)
     error = target_load(load.shape[-1] - 1, cfg.skip_target)[None] - fraction
-    limit = cfg.max_bias / cfg.ki if cfg.ki > 0 else 0.0
-    integral = jnp.clip(state.integral + error, -limit, limit)
-    biases = state.base + cfg.kp * error + cfg.ki * integral + cfg.kd * (error - state.prev_error)
-    return biases, ControllerState(state.base, integral, error), error
+    e1, e2 = state.prev_error, state.prev_prev_error
+    delta = cfg.kp * (error - e1) + cfg.ki * error + cfg.kd * (error - 2 * e1 + e2)
+    new = biases + spread[:, None] * delta
+    new = jnp.clip(new, state.base - cfg.max_bias, state.base + cfg.max_bias)
+    return new, ControllerState(state.base, error, e1), error

@@ -84,11 +84,12 @@ class Block(nn.Module):
             if token_mask is None
             else token_mask.astype(jnp.float32)
         )
+        probs = routing.probs.astype(jnp.float32)
         stats = {
             "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
             "dropped": jnp.sum(dropped * valid),
-            "mean_prob": jnp.einsum("bt,btc->c", valid, routing.probs.astype(jnp.float32))
-            / jnp.maximum(valid.sum(), 1.0),
+            "prob_sum": jnp.einsum("bt,btc->c", valid, probs),
+            "prob_sq_sum": jnp.einsum("bt,btc->c", valid, jnp.square(probs)),
         }
         return (h, routing.state), stats
 
@@ -103,7 +104,8 @@ class Zaya(nn.Module):
 
     Returns ``(logits, aux)``: logits (batch, seq, vocab) in the compute dtype; aux holds per-layer
     routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
-    capacity path dropped, ``mean_prob`` (layers, E+1) mean router probabilities.
+    capacity path dropped, ``prob_sum`` and ``prob_sq_sum`` (layers, E+1) sums of router
+    probabilities and their squares over real tokens (their spread scales the balancing controller).
     """
 
     cfg: ModelConfig

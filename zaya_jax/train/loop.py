@@ -136,8 +136,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             )
             rows_stage = plan.stage
         wait_start = time.perf_counter()
-        batch = _to_device(next_batch(rows, plan.batch_size))
+        host_batch = next_batch(rows, plan.batch_size)
         data_wait += time.perf_counter() - wait_start
+        batch = _to_device(host_batch)
         lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
         state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
         step_tokens = plan.batch_size * plan.seq_len
@@ -171,6 +172,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 "bias_mean": float(metrics["bias_mean"]),
                 "bias_std": float(metrics["bias_std"]),
                 "bias_skip": float(metrics["bias_skip"]),
+                "router_prob_spread": float(metrics["router_prob_spread"]),
             }
             writer.write(last)
             interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0

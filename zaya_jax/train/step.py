@@ -18,7 +18,7 @@ import optax
 
 from zaya_jax.config import Config
 from zaya_jax.model import BALANCING, Zaya
-from zaya_jax.model.balancing import ControllerState, init_controller, update_biases
+from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -72,8 +72,11 @@ def loss_and_stats(
         "ce_sum": ce_sum,
         "z_sum": z_sum,
         "tokens": mask.sum(),
+        "routed": (batch["segment_ids"] > 0).sum().astype(jnp.float32),
         "load": aux["load"],
         "dropped": aux["dropped"],
+        "prob_sum": aux["prob_sum"],
+        "prob_sq_sum": aux["prob_sq_sum"],
     }
     return ce_sum + z_loss * z_sum, stats
 
@@ -99,8 +102,11 @@ def make_train_step(
             "ce_sum": jnp.zeros(()),
             "z_sum": jnp.zeros(()),
             "tokens": jnp.zeros(()),
+            "routed": jnp.zeros(()),
             "load": jnp.zeros((layers, classes)),
             "dropped": jnp.zeros((layers,)),
+            "prob_sum": jnp.zeros((layers, classes)),
+            "prob_sq_sum": jnp.zeros((layers, classes)),
         }
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
         (grads, stats), _ = jax.lax.scan(accumulate, (zero_grads, zero_stats), split)
@@ -114,8 +120,9 @@ def make_train_step(
 
         balancing, controller = state.balancing, state.controller
         biases = state.balancing["layers"]["router"]["biases"]
+        spread = probability_spread(stats["prob_sum"], stats["prob_sq_sum"], stats["routed"])
         if cfg.balancing.enabled:
-            biases, controller, _ = update_biases(cfg.balancing, state.controller, stats["load"])
+            biases, controller, _ = update_biases(cfg.balancing, state.controller, biases, stats["load"], spread)
             balancing = {"layers": {"router": {"biases": biases}}}
 
         load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
@@ -132,6 +139,7 @@ def make_train_step(
             "bias_mean": biases[:, :-1].mean(),
             "bias_std": biases[:, :-1].std(),
             "bias_skip": biases[:, -1].mean(),
+            "router_prob_spread": spread.mean(),
         }
         new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
         return new_state, metrics
