@@ -133,3 +133,42 @@ def test_zaya1_8b_preset_holds_every_hf_zaya_config_default():
     assert ModelConfig() == dataclasses.replace(
         from_hf, dtype=ModelConfig.dtype
     )  # code defaults = HF defaults
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.micro_batches=3"], r"batch size 16 is not divisible by train\.micro_batches=3"),
+        (
+            ["train.batch_ramp=[{tokens: 100, batch_size: 4}, {tokens: 50, batch_size: 8}]"],
+            r"batch_ramp token thresholds must increase strictly",
+        ),
+        (
+            ["train.stages=[{tokens: 10, seq_len: 64, mixture: [1, 2]}]"],
+            r"mixture has 2 weights for 1 data\.sources",
+        ),
+        (["data.sources=[]"], r"data\.sources is empty"),
+        (
+            ["data.sources=[{name: web, kind: jsonl}]"],
+            r"data\.sources\[0\] \(web\) of kind 'jsonl' needs a path",
+        ),
+        (["optim.ns_coeffs=[1, 2]"], r"optim\.ns_coeffs must hold 3 numbers"),
+        (["balancing.skip_target=1.5"], r"balancing\.skip_target=1\.5 must be in \[0, 1\)"),
+        (["optim.schedule=linear"], r"optim\.schedule='linear' is not allowed"),
+    ],
+)
+def test_training_sections_reject_impossible_values(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+def test_nested_lists_of_sections_are_typed():
+    cfg = load_config(
+        "tiny",
+        [
+            "data.sources=[{name: code, kind: text, path: /tmp/x, weight: 3}, {name: stdlib}]",
+            "train.stages=[{tokens: 1000, seq_len: 64, mixture: [1, 0.5]}]",
+        ],
+    )
+    assert cfg.data.sources[0].weight == 3.0 and cfg.data.sources[1].kind == "stdlib"
+    assert cfg.train.stages[0].mixture == (1.0, 0.5)

@@ -64,6 +64,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     for key in ("step", "total_params", "non_embedding_params", "active_params"):
         if key in report:
             print(f"{key:>22}: {report[key]:,}")
+    if "optimizer" in report:
+        for path, info in report["optimizer"].items():
+            axes = f" matrix {info['matrix_axes']} batch {info['batch_axes']}" if info["matrix_axes"] else ""
+            print(f"  {info['group']:>5}  {path} {info['shape']}{axes}")
     if "arrays" in report:
         import jax
 

@@ -65,7 +65,9 @@ def _losses(cfg: Config, steps: int = 3) -> list[float]:
     state, step = _setup(cfg)
     out = []
     for i in range(steps):
-        state, metrics = step(state, synthetic_batch(i, cfg.train.batch_size, cfg.train.seq_len), jnp.float32(1.0))
+        state, metrics = step(
+            state, synthetic_batch(i, cfg.train.batch_size, cfg.train.seq_len), jnp.float32(1.0)
+        )
         out.append(float(metrics["loss"]))
     return out
 
@@ -94,7 +96,9 @@ def test_loss_is_the_token_weighted_mean_over_unmasked_targets():
     variables = init_variables(TINY, 0)
     batch = synthetic_batch(3, 2, 16)
     summed, stats = loss_and_stats(Zaya(TINY), variables["params"], variables[BALANCING], batch, z_loss=0.0)
-    logits, _ = Zaya(TINY).apply(variables, batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"])
+    logits, _ = Zaya(TINY).apply(
+        variables, batch["inputs"], segment_ids=batch["segment_ids"], positions=batch["positions"]
+    )
     logp = jax.nn.log_softmax(np.asarray(logits, np.float64), axis=-1)
     nll = -np.take_along_axis(np.asarray(logp), np.asarray(batch["targets"])[..., None], -1)[..., 0]
     mask = np.asarray(batch["loss_mask"])

@@ -110,16 +110,19 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
     q: (batch, seq, nq, d); k, v: (batch, seq_k, nk, d); mask: (batch|1, seq, seq_k) bool.
     Fully masked rows (padding queries) get a uniform softmax instead of NaN.
-    Returns (batch, seq, nq * d).
+    Returns (batch, seq, nq * d). The g = nq/nk query heads of a KV head are stacked along the
+    query axis, so both products are plain batched matmuls over (batch, kv head).
     """
     batch, seq, nq, d = q.shape
-    nk = k.shape[2]
-    q = q.reshape(batch, seq, nk, nq // nk, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k) * jnp.asarray(d**-0.5, q.dtype)
-    scores = jnp.where(mask[:, None, None], scores.astype(jnp.float32), jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
-    return out.reshape(batch, seq, nq * d)
+    seq_k, nk = k.shape[1], k.shape[2]
+    groups = nq // nk
+    q = q.reshape(batch, seq, nk, groups, d).transpose(0, 2, 3, 1, 4).reshape(batch, nk, groups * seq, d)
+    scores = jnp.einsum("bkqd,bksd->bkqs", q, k.transpose(0, 2, 1, 3)) * jnp.asarray(d**-0.5, q.dtype)
+    scores = scores.reshape(batch, nk, groups, seq, seq_k).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, nk, groups * seq, seq_k)
+    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.transpose(0, 2, 1, 3))
+    return out.reshape(batch, nk, groups, seq, d).transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
 
 
 class CCAAttention(nn.Module):

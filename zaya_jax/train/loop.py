@@ -17,7 +17,7 @@ import numpy as np
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, ConfigError, save_config
-from zaya_jax.data import eval_batches, load_tokenizer, make_row_iterator, next_batch
+from zaya_jax.data import Prefetcher, eval_batches, load_tokenizer, make_row_iterator, next_batch
 from zaya_jax.model import BALANCING, init_variables
 from zaya_jax.optim import (
     batch_lr_scale,
@@ -77,6 +77,36 @@ def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
+class BatchProducer:
+    """Produces (plan, host batch) step after step, following the batch ramp and curriculum.
+
+    Runs on the prefetch thread, ahead of training; the plan depends only on tokens already
+    produced, so it is the same whether or not batches are prefetched.
+    """
+
+    def __init__(self, cfg: Config, tokenizer: Any):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.tokens_seen = 0
+        self.rows, self.stage = None, -1
+
+    def __call__(self) -> tuple[StepPlan, dict[str, np.ndarray]]:
+        cfg = self.cfg
+        plan = plan_for(cfg, self.tokens_seen)
+        if plan.stage != self.stage:  # a new curriculum stage: new sequence length and mixture
+            self.rows = make_row_iterator(
+                cfg.data,
+                self.tokenizer,
+                seq_len=plan.seq_len,
+                seed=cfg.train.seed + plan.stage,
+                mixture=plan.mixture,
+                process_index=jax.process_index(),
+                process_count=jax.process_count(),
+            )
+            self.stage = plan.stage
+        self.tokens_seen += plan.batch_size * plan.seq_len
+        return plan, next_batch(self.rows, plan.batch_size)
+
+
 def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     """Run ``cfg.train.steps`` steps; returns a summary (final eval loss, time, throughput)."""
     start_time = time.perf_counter()
@@ -117,70 +147,61 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     writer.event(
         {"event": "start", "peak_flops": peak, "peak_source": peak_source, "devices": jax.device_count()}
     )
-    rows, rows_stage = None, -1
+    batches = Prefetcher(BatchProducer(cfg, tokenizer), cfg.data.prefetch)
     tokens_seen, interval_tokens, interval_flops, data_wait = 0, 0, 0.0, 0.0
     interval_start = time.perf_counter()
     eval_loss = math.nan
     last: dict[str, Any] = {}
-    for step in range(1, cfg.train.steps + 1):
-        plan = plan_for(cfg, tokens_seen)
-        if plan.stage != rows_stage:  # a new curriculum stage: new sequence length and mixture
-            rows = make_row_iterator(
-                cfg.data,
-                tokenizer,
-                seq_len=plan.seq_len,
-                seed=cfg.train.seed + plan.stage,
-                mixture=plan.mixture,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
-            )
-            rows_stage = plan.stage
-        wait_start = time.perf_counter()
-        host_batch = next_batch(rows, plan.batch_size)
-        data_wait += time.perf_counter() - wait_start
-        batch = _to_device(host_batch)
-        lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
-        state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
-        step_tokens = plan.batch_size * plan.seq_len
-        tokens_seen += step_tokens
-        interval_tokens += step_tokens
-        interval_flops += step_tokens * flops_per_token(cfg.model, plan.seq_len)
+    try:
+        for step in range(1, cfg.train.steps + 1):
+            wait_start = time.perf_counter()
+            plan, host_batch = next(batches)
+            data_wait += time.perf_counter() - wait_start
+            batch = _to_device(host_batch)
+            lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
+            state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
+            step_tokens = plan.batch_size * plan.seq_len
+            tokens_seen += step_tokens
+            interval_tokens += step_tokens
+            interval_flops += step_tokens * flops_per_token(cfg.model, plan.seq_len)
 
-        is_eval = step % cfg.train.eval_every == 0 or step == cfg.train.steps
-        if step % cfg.train.log_every == 0 or is_eval:
-            metrics = jax.device_get(metrics)
-            elapsed = time.perf_counter() - interval_start
-            lrs = current_learning_rates(state.opt_state)
-            last = {
-                "step": step,
-                "loss": float(metrics["loss"]),
-                "lr": float(lrs["adam_lr"]),
-                "muon_lr": float(lrs["muon_lr"]),
-                "grad_norm": float(metrics["grad_norm"]),
-                "tokens_per_s": interval_tokens / elapsed,
-                "mfu": interval_flops / elapsed / peak if math.isfinite(peak) else None,
-                "tokens_seen": tokens_seen,
-                "batch_size": plan.batch_size,
-                "seq_len": plan.seq_len,
-                "stage": plan.stage,
-                "data_wait_s": data_wait,
-                "z_loss": float(metrics["z_loss"]),
-                "expert_load": [round(float(x), 4) for x in metrics["expert_load"]],
-                "max_min_load_ratio": float(metrics["max_min_load_ratio"]),
-                "skip_fraction": float(metrics["skip_fraction"]),
-                "dropped_tokens": float(metrics["dropped_tokens"]),
-                "bias_mean": float(metrics["bias_mean"]),
-                "bias_std": float(metrics["bias_std"]),
-                "bias_skip": float(metrics["bias_skip"]),
-                "router_prob_spread": float(metrics["router_prob_spread"]),
-            }
-            writer.write(last)
-            interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
-            interval_start = time.perf_counter()
-        if is_eval:
-            eval_loss = evaluate(state)
-            writer.write({"step": step, "eval_loss": eval_loss})
-        writer.advance(last)
+            is_eval = step % cfg.train.eval_every == 0 or step == cfg.train.steps
+            if step % cfg.train.log_every == 0 or is_eval:
+                metrics = jax.device_get(metrics)
+                elapsed = time.perf_counter() - interval_start
+                lrs = current_learning_rates(state.opt_state)
+                last = {
+                    "step": step,
+                    "loss": float(metrics["loss"]),
+                    "lr": float(lrs["adam_lr"]),
+                    "muon_lr": float(lrs["muon_lr"]),
+                    "grad_norm": float(metrics["grad_norm"]),
+                    "tokens_per_s": interval_tokens / elapsed,
+                    "mfu": interval_flops / elapsed / peak if math.isfinite(peak) else None,
+                    "tokens_seen": tokens_seen,
+                    "batch_size": plan.batch_size,
+                    "seq_len": plan.seq_len,
+                    "stage": plan.stage,
+                    "data_wait_s": data_wait,
+                    "z_loss": float(metrics["z_loss"]),
+                    "expert_load": [round(float(x), 4) for x in metrics["expert_load"]],
+                    "max_min_load_ratio": float(metrics["max_min_load_ratio"]),
+                    "skip_fraction": float(metrics["skip_fraction"]),
+                    "dropped_tokens": float(metrics["dropped_tokens"]),
+                    "bias_mean": float(metrics["bias_mean"]),
+                    "bias_std": float(metrics["bias_std"]),
+                    "bias_skip": float(metrics["bias_skip"]),
+                    "router_prob_spread": float(metrics["router_prob_spread"]),
+                }
+                writer.write(last)
+                interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
+                interval_start = time.perf_counter()
+            if is_eval:
+                eval_loss = evaluate(state)
+                writer.write({"step": step, "eval_loss": eval_loss})
+            writer.advance(last)
+    finally:
+        batches.close()
 
     step_dir = checkpoint.save_model(
         run_dir, cfg, {"params": state.params, BALANCING: state.balancing}, step=cfg.train.steps

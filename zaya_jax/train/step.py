@@ -122,7 +122,9 @@ def make_train_step(
         biases = state.balancing["layers"]["router"]["biases"]
         spread = probability_spread(stats["prob_sum"], stats["prob_sq_sum"], stats["routed"])
         if cfg.balancing.enabled:
-            biases, controller, _ = update_biases(cfg.balancing, state.controller, biases, stats["load"], spread)
+            biases, controller, _ = update_biases(
+                cfg.balancing, state.controller, biases, stats["load"], spread
+            )
             balancing = {"layers": {"router": {"biases": biases}}}
 
         load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)

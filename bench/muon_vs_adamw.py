@@ -1,0 +1,74 @@
+"""Train-step time with Muon+AdamW (the default groups) against all-AdamW, in one run.
+
+Same model, batch and data; each optimizer's jitted step is timed (best of N after warm-up) at two
+batch sizes. Prints step times and the ratio Muon/AdamW. Usage:
+
+    python bench/muon_vs_adamw.py [--config tiny] [--tokens 1024 8192] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import zaya_jax
+from zaya_jax.data import load_tokenizer, make_row_iterator, next_batch
+from zaya_jax.model import init_variables
+from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.train.step import init_train_state, make_train_step
+
+
+def _step_time(cfg, groups, batch, repeats: int) -> float:
+    tx = build_optimizer(cfg.optim, groups, cfg.train.steps)
+    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
+    state = init_train_state(init_variables(cfg.model, 0), tx)
+    scale = jnp.float32(1.0)
+    state, metrics = step(state, batch, scale)  # compile + warm-up
+    jax.block_until_ready(metrics)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        state, metrics = step(state, batch, scale)
+        jax.block_until_ready(metrics)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--config", default="tiny")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192], help="tokens per step")
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+
+    cfg = zaya_jax.load_config(args.config)
+    muon = model_param_groups(cfg.model, cfg.optim.router_group)
+    adamw = jax.tree.map(
+        lambda g: LeafGroup("adamw", None, g.decay), muon, is_leaf=lambda x: isinstance(x, LeafGroup)
+    )
+    rows = make_row_iterator(cfg.data, load_tokenizer(cfg.data.tokenizer), seq_len=cfg.train.seq_len, seed=0)
+    results = []
+    for tokens in args.tokens:
+        batch_size = max(1, tokens // cfg.train.seq_len)
+        batch = {k: jnp.asarray(v) for k, v in next_batch(rows, batch_size).items()}
+        t_muon = _step_time(cfg, muon, batch, args.repeats)
+        t_adamw = _step_time(cfg, adamw, batch, args.repeats)
+        results.append(
+            {
+                "tokens_per_step": batch_size * cfg.train.seq_len,
+                "muon_step_s": round(t_muon, 4),
+                "adamw_step_s": round(t_adamw, 4),
+                "muon_over_adamw": round(t_muon / t_adamw, 3),
+            }
+        )
+    print(json.dumps({"config": args.config, "device": str(jax.devices()[0]), "results": results}, indent=2))
+
+
+if __name__ == "__main__":
+    np.set_printoptions(precision=4)
+    main()
