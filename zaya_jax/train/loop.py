@@ -197,7 +197,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
                 interval_start = time.perf_counter()
             if is_eval:
+                eval_start = time.perf_counter()
                 eval_loss = evaluate(state)
+                interval_start += time.perf_counter() - eval_start  # tokens/s counts training time only
                 writer.write({"step": step, "eval_loss": eval_loss})
             writer.advance(last)
     finally:
