@@ -21,8 +21,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from zaya_jax.config import RunConfig
     from zaya_jax.interop.hf import load_hf_directory
 
-    if args.direction != "hf-to-zaya":
-        raise SystemExit(f"zaya convert: direction {args.direction!r} is not available; use hf-to-zaya")
+    if args.direction == "zaya-to-hf":
+        from zaya_jax.interop.hf import save_hf_directory
+
+        run_cfg, variables, step = checkpoint.restore_model(args.src)
+        save_hf_directory(args.dst, run_cfg.model, variables, dtype=args.dtype)
+        print(f"wrote {args.dst} (step {step}, {args.dtype})")
+        return 0
     dst = Path(args.dst)
     if dst.exists() and any(dst.iterdir()):
         raise SystemExit(f"zaya convert: {dst} exists and is not empty; choose a new destination")
@@ -87,6 +92,26 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from zaya_jax.eval import evaluate_path
+
+    result = evaluate_path(
+        args.path,
+        args.data,
+        tokenizer=args.tokenizer,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_batches=args.batches,
+    )
+    if args.json:
+        _print_json(result)
+    else:
+        print(
+            f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"
+        )
+    return 0
+
+
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from zaya_jax.data import prepare
 
@@ -109,6 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_cmd_train)
 
+    evaluate = sub.add_parser(
+        "eval", help="held-out loss and perplexity of a run, checkpoint or HF directory"
+    )
+    evaluate.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
+    evaluate.add_argument(
+        "--data",
+        nargs="*",
+        default=[],
+        help="text/.jsonl/.parquet inputs (default: the run's held-out split)",
+    )
+    evaluate.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's)")
+    evaluate.add_argument("--seq-len", type=int, default=512)
+    evaluate.add_argument("--batch-size", type=int, default=8)
+    evaluate.add_argument("--batches", type=int, default=16, help="at most this many batches")
+    evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    evaluate.set_defaults(func=_cmd_eval)
+
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
@@ -118,10 +160,17 @@ def build_parser() -> argparse.ArgumentParser:
     prepare.add_argument("--shards", type=int, default=4, help="number of ArrayRecord shards")
     prepare.set_defaults(func=_cmd_data_prepare)
 
-    convert = sub.add_parser("convert", help="convert Hugging Face weights into a zaya-jax checkpoint")
-    convert.add_argument("direction", choices=["hf-to-zaya"], help="conversion direction")
-    convert.add_argument("src", help="HF save_pretrained directory (new or legacy ZAYA1 layout)")
-    convert.add_argument("dst", help="new run directory to write (config.yaml + checkpoints/0)")
+    convert = sub.add_parser(
+        "convert", help="convert between Hugging Face directories and zaya-jax checkpoints"
+    )
+    convert.add_argument("direction", choices=["hf-to-zaya", "zaya-to-hf"], help="conversion direction")
+    convert.add_argument(
+        "src", help="HF save_pretrained directory (new or legacy layout), or a zaya run/checkpoint"
+    )
+    convert.add_argument("dst", help="new directory: a zaya run (hf-to-zaya) or an HF save_pretrained dir")
+    convert.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="zaya-to-hf weight dtype"
+    )
     convert.add_argument(
         "--set", action="append", default=[], metavar="model.KEY=VALUE", help="override a model config value"
     )

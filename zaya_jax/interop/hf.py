@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
-from zaya_jax.interop.safetensors_io import read_directory
+from zaya_jax.interop.safetensors_io import read_directory, write_safetensors
 from zaya_jax.model import BALANCING, abstract_variables
 
 
@@ -543,3 +544,37 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
     if is_legacy_layout(tensors):
         tensors = legacy_to_hf(tensors, cfg.num_layers)
     return cfg, hf_to_variables(tensors, cfg)
+
+
+def save_hf_directory(
+    directory: str | Path, cfg: ModelConfig, variables: Mapping[str, Any], dtype: str = "float32"
+) -> Path:
+    """Write a ``save_pretrained``-compatible directory: config.json + model.safetensors (tied head omitted).
+
+    ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
+    """
+    if cfg.mod_skip_output != "zero":
+        raise ConversionError(
+            f"model.mod_skip_output={cfg.mod_skip_output!r} has no Hugging Face equivalent (HF zeroes "
+            "skip-routed tokens); only 'zero' models can be exported"
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} exists and is not empty; choose a new destination")
+    directory.mkdir(parents=True, exist_ok=True)
+    numpy_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {
+        name: value.astype(np.float32 if name.endswith("balancing_biases") else numpy_dtype)
+        for name, value in variables_to_hf(variables, cfg).items()
+    }
+    write_safetensors(directory / "model.safetensors", tensors)
+    config = {
+        "architectures": ["ZayaForCausalLM"],
+        "model_type": "zaya",
+        "dtype": dtype,
+        **model_to_hf_config(cfg),
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return directory

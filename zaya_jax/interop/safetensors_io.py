@@ -97,3 +97,40 @@ def read_directory(directory: str | Path) -> dict[str, np.ndarray]:
                 raise SafetensorsError(f"{directory}: tensor {name!r} appears in more than one shard")
             tensors[name] = array
     return tensors
+
+
+_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
+
+
+def write_safetensors(
+    path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
+) -> None:
+    """Write tensors (any dtype in the table above, bfloat16 included) as one safetensors file.
+
+    Written to a temporary name and renamed, so a reader never sees a half-written file.
+    """
+    path = Path(path)
+    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        dtype = _NAMES.get(array.dtype)
+        if dtype is None:
+            raise SafetensorsError(f"tensor {name!r} has unsupported dtype {array.dtype}")
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+        arrays.append(array)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for array in arrays:
+            f.write(array.tobytes())
+    tmp.replace(path)
