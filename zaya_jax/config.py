@@ -387,8 +387,37 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    """Training checkpoints in ``<run>/checkpoints/<step>/``: every ``every_steps`` steps (0: only at
+    the end), keeping the last ``keep`` plus every ``keep_every``-th step (0: none)."""
+
+    every_steps: int = 0
+    keep: int = 3
+    keep_every: int = 0
+    async_save: bool = True
+
+    def validate(self) -> None:
+        for name in ("every_steps", "keep_every"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0")
+        if self.keep < 1:
+            raise ConfigError(
+                f"checkpoint.keep={self.keep} must be >= 1 (the latest checkpoint is always kept)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests; never active by default."""
+
+    # Kill the process with SIGKILL right after this step completes (0: never).
+    crash_at_step: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing`` and ``data`` sections."""
+    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``, ``checkpoint``
+    and ``debug`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -396,8 +425,11 @@ class Config:
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
     def validate(self) -> None:
+        self.checkpoint.validate()
         self.model.validate()
         self.train.validate()
         self.optim.validate()

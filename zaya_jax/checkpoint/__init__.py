@@ -7,6 +7,8 @@ Layout of a run directory::
         params/                       the model parameters
         balancing/                    the router balancing biases (non-gradient state)
         config/                       the resolved config again, so a step directory stands alone
+        train/                        (training checkpoints) step, optimizer and controller state
+        data/                         (training checkpoints) the data position: tokens seen, stage, iterator
 
 Only committed checkpoints (Orbax's atomic rename) are listed and restored. Restoring builds the
 target shapes from the saved metadata with the *current* devices' sharding, so a checkpoint saved on
@@ -26,7 +28,6 @@ import orbax.checkpoint as ocp
 from zaya_jax.config import Config, config_from_dict, save_config, to_dict
 
 MODEL_ITEMS = ("params", "balancing")
-_ITEMS = (*MODEL_ITEMS, "config")
 CHECKPOINTS = "checkpoints"
 
 
@@ -39,12 +40,75 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
         "params": ocp.StandardCheckpointHandler(),
         "balancing": ocp.StandardCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        "data": ocp.JsonCheckpointHandler(),
     }
 
 
-def manager(checkpoints_dir: str | Path, *, async_save: bool = False) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(enable_async_checkpointing=async_save, create=True)
+def manager(
+    checkpoints_dir: str | Path, *, async_save: bool = False, keep: int | None = None, keep_every: int = 0
+) -> ocp.CheckpointManager:
+    """An Orbax manager over ``checkpoints_dir``: ``keep`` latest steps (None: all) plus every
+    ``keep_every``-th step; only committed (complete) steps are listed."""
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=async_save,
+        create=True,
+        max_to_keep=keep,
+        keep_period=keep_every or None,
+    )
     return ocp.CheckpointManager(Path(checkpoints_dir).absolute(), options=options, item_handlers=_handlers())
+
+
+def save_training(
+    mgr: ocp.CheckpointManager, step: int, cfg: Config, state: Any, data_state: dict[str, Any]
+) -> None:
+    """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState."""
+    mgr.save(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardSave(state.params),
+            balancing=ocp.args.StandardSave(state.balancing),
+            train=ocp.args.StandardSave(
+                {"step": state.step, "opt_state": state.opt_state, "controller": state.controller}
+            ),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(to_dict(cfg)),
+        ),
+        force=True,
+    )
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_training(checkpoints_dir: str | Path, like: Any) -> tuple[Any, dict[str, Any], int] | None:
+    """The latest complete training checkpoint restored into the structure and shardings of the
+    TrainState ``like``: (state, data_state, step), or None when there is none."""
+    mgr = manager(checkpoints_dir)
+    steps = [s for s in mgr.all_steps() if (Path(checkpoints_dir) / str(s) / "train").is_dir()]
+    if not steps:
+        return None
+    step = max(steps)
+    train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
+    restored = mgr.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(like.params)),
+            balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
+            train=ocp.args.StandardRestore(_abstract(train_like)),
+            data=ocp.args.JsonRestore(),
+        ),
+    )
+    train = restored["train"]
+    state = like.replace(
+        step=train["step"],
+        params=restored["params"],
+        opt_state=train["opt_state"],
+        balancing=restored["balancing"],
+        controller=train["controller"],
+    )
+    return state, restored["data"], step
 
 
 def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step: int = 0) -> Path:

@@ -7,6 +7,9 @@ import bisect
 import dataclasses
 import json
 import math
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -16,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax import checkpoint
-from zaya_jax.config import Config, ConfigError, save_config
+from zaya_jax.config import Config, ConfigError, load_config, save_config
 from zaya_jax.data import Prefetcher, eval_batches, load_tokenizer, make_row_iterator, next_batch
-from zaya_jax.model import BALANCING, init_variables
+from zaya_jax.model import init_variables
 from zaya_jax.optim import (
     batch_lr_scale,
     build_optimizer,
@@ -56,21 +59,65 @@ def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
     return StepPlan(batch_size, train.stages[stage].seq_len, stage, train.stages[stage].mixture)
 
 
+class _StopRequest:
+    """SIGTERM/SIGINT handling: the first signal asks the loop to save a checkpoint and exit."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
 def final_batch_size(cfg: Config) -> int:
     return cfg.train.batch_ramp[-1].batch_size if cfg.train.batch_ramp else cfg.train.batch_size
 
 
-def prepare_run_dir(cfg: Config) -> Path:
-    """Create ``runs/<name>/`` and write the resolved config; never overwrite an existing run."""
+def prepare_run_dir(cfg: Config) -> tuple[Path, bool]:
+    """Create ``runs/<name>/`` and write the resolved config. Returns (run_dir, resuming).
+
+    A directory holding training checkpoints is resumed; any other non-empty directory is refused,
+    so nothing already saved is overwritten.
+    """
     run_dir = cfg.run.path
-    if run_dir.exists() and any(run_dir.iterdir()):
+    checkpoints = run_dir / checkpoint.CHECKPOINTS
+    resuming = checkpoints.is_dir() and any((p / "train").is_dir() for p in checkpoints.iterdir())
+    if not resuming and run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(
-            f"run directory {run_dir} already holds a run; choose another run.name (or run.dir) "
-            "or move the old run away"
+            f"run directory {run_dir} already holds a run without training checkpoints to resume from; "
+            "choose another run.name (or run.dir) or move the old run away"
         )
+    if resuming and (run_dir / "config.yaml").is_file():
+        saved = load_config(run_dir / "config.yaml")
+        if saved.model != cfg.model:
+            raise ConfigError(
+                f"{run_dir} was trained with a different model config; resume with the same model.* "
+                "values (see its config.yaml) or choose another run.name"
+            )
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
-    return run_dir
+    return run_dir, resuming
+
+
+def _truncate_metrics(run_dir: Path, step: int) -> None:
+    """Drop metric lines logged after ``step`` (the steps a resumed run repeats), atomically."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return
+    kept = [
+        line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step
+    ]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    tmp.replace(path)
 
 
 def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -89,22 +136,41 @@ class BatchProducer:
         self.tokens_seen = 0
         self.rows, self.stage = None, -1
 
-    def __call__(self) -> tuple[StepPlan, dict[str, np.ndarray]]:
-        cfg = self.cfg
-        plan = plan_for(cfg, self.tokens_seen)
+    def _open_stage(self, plan: StepPlan) -> None:
+        self.rows = make_row_iterator(
+            self.cfg.data,
+            self.tokenizer,
+            seq_len=plan.seq_len,
+            seed=self.cfg.train.seed + plan.stage,
+            mixture=plan.mixture,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        self.stage = plan.stage
+
+    def get_state(self) -> dict[str, Any]:
+        """The data position after the last batch produced (JSON-able)."""
+        rows = self.rows.get_state() if self.rows is not None else None
+        return {"tokens_seen": self.tokens_seen, "stage": self.stage, "rows": rows}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.tokens_seen = int(state["tokens_seen"])
+        self.rows, self.stage = None, -1
+        if state["rows"] is not None:
+            stage = int(state["stage"])
+            stages = self.cfg.train.stages
+            seq_len = stages[stage].seq_len if stages else self.cfg.train.seq_len
+            mixture = stages[stage].mixture if stages else None
+            self._open_stage(StepPlan(0, seq_len, stage, mixture))
+            self.rows.set_state(state["rows"])
+
+    def __call__(self) -> tuple[StepPlan, dict[str, np.ndarray], dict[str, Any]]:
+        plan = plan_for(self.cfg, self.tokens_seen)
         if plan.stage != self.stage:  # a new curriculum stage: new sequence length and mixture
-            self.rows = make_row_iterator(
-                cfg.data,
-                self.tokenizer,
-                seq_len=plan.seq_len,
-                seed=cfg.train.seed + plan.stage,
-                mixture=plan.mixture,
-                process_index=jax.process_index(),
-                process_count=jax.process_count(),
-            )
-            self.stage = plan.stage
+            self._open_stage(plan)
         self.tokens_seen += plan.batch_size * plan.seq_len
-        return plan, next_batch(self.rows, plan.batch_size)
+        batch = next_batch(self.rows, plan.batch_size)
+        return plan, batch, self.get_state()
 
 
 def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
@@ -116,12 +182,30 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
             f"set model.vocab_size >= {tokenizer.vocab_size}"
         )
-    run_dir = prepare_run_dir(cfg)
-    writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None)
+    run_dir, resuming = prepare_run_dir(cfg)
 
     variables = init_variables(cfg.model, cfg.train.seed)
     tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), cfg.train.steps)
     state = init_train_state(variables, tx)
+    producer = BatchProducer(cfg, tokenizer)
+    ckpt = cfg.checkpoint
+    mgr = checkpoint.manager(
+        run_dir / checkpoint.CHECKPOINTS,
+        async_save=ckpt.async_save,
+        keep=ckpt.keep,
+        keep_every=ckpt.keep_every,
+    )
+    first_step = 1
+    if resuming:
+        restored = checkpoint.restore_training(run_dir / checkpoint.CHECKPOINTS, state)
+        if restored is not None:
+            state, data_state, restored_step = restored
+            producer.set_state(data_state)
+            first_step = restored_step + 1
+            _truncate_metrics(run_dir, restored_step)  # before the writer opens the file
+    writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None)
+    if first_step > 1:
+        writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
     eval_fn = jax.jit(make_eval_step(cfg))
     held_out = [
@@ -147,15 +231,19 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     writer.event(
         {"event": "start", "peak_flops": peak, "peak_source": peak_source, "devices": jax.device_count()}
     )
-    batches = Prefetcher(BatchProducer(cfg, tokenizer), cfg.data.prefetch)
-    tokens_seen, interval_tokens, interval_flops, data_wait = 0, 0, 0.0, 0.0
+    stop = _StopRequest()
+    batches = Prefetcher(producer, cfg.data.prefetch)
+    tokens_seen = producer.tokens_seen
+    interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
     interval_start = time.perf_counter()
     eval_loss = math.nan
     last: dict[str, Any] = {}
+    data_state = producer.get_state()
+    step = saved_step = first_step - 1  # a resumed run's restored step is already saved
     try:
-        for step in range(1, cfg.train.steps + 1):
+        for step in range(first_step, cfg.train.steps + 1):
             wait_start = time.perf_counter()
-            plan, host_batch = next(batches)
+            plan, host_batch, data_state = next(batches)
             data_wait += time.perf_counter() - wait_start
             batch = _to_device(host_batch)
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
@@ -202,16 +290,28 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 interval_start += time.perf_counter() - eval_start  # tokens/s counts training time only
                 writer.write({"step": step, "eval_loss": eval_loss})
             writer.advance(last)
+            if ckpt.every_steps and step % ckpt.every_steps == 0 and step != cfg.train.steps:
+                checkpoint.save_training(mgr, step, cfg, state, data_state)
+                saved_step = step
+            if cfg.debug.crash_at_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if stop.requested:
+                writer.event({"event": "stop", "signal": stop.requested})
+                break
     finally:
         batches.close()
+        stop.restore()
 
-    step_dir = checkpoint.save_model(
-        run_dir, cfg, {"params": state.params, BALANCING: state.balancing}, step=cfg.train.steps
-    )
+    if step != saved_step:
+        checkpoint.save_training(mgr, step, cfg, state, data_state)
+    mgr.wait_until_finished()
+    mgr.close()
+    step_dir = run_dir / checkpoint.CHECKPOINTS / str(step)
     summary = {
         "run_dir": str(run_dir),
         "checkpoint": str(step_dir),
-        "steps": cfg.train.steps,
+        "steps": step,
+        "interrupted": step < cfg.train.steps,
         "tokens": tokens_seen,
         "final_loss": last.get("loss"),
         "eval_loss": eval_loss,
