@@ -388,16 +388,18 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    """Training checkpoints in ``<run>/checkpoints/<step>/``: every ``every_steps`` steps (0: only at
-    the end), keeping the last ``keep`` plus every ``keep_every``-th step (0: none)."""
+    """Training checkpoints in ``<run>/checkpoints/<step>/``: every ``every_steps`` steps and/or every
+    ``every_minutes`` minutes (0: off; the final step is always saved), keeping the last ``keep``
+    plus every ``keep_every``-th step (0: none)."""
 
     every_steps: int = 0
+    every_minutes: float = 0.0
     keep: int = 3
     keep_every: int = 0
     async_save: bool = True
 
     def validate(self) -> None:
-        for name in ("every_steps", "keep_every"):
+        for name in ("every_steps", "keep_every", "every_minutes"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0")
         if self.keep < 1:

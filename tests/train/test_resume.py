@@ -86,3 +86,20 @@ def test_resuming_with_another_model_is_refused(tmp_path, model_change):
     result = _train(run, model_change, check=False)
     assert result.returncode == 2 and "different model config" in result.stderr
     assert os.path.isdir(run / "checkpoints" / "2")
+
+
+def test_time_based_checkpoints_and_keep_policy(tmp_path):
+    from zaya_jax.config import load_config
+    from zaya_jax.train.loop import train
+
+    run = tmp_path / "run"
+    overrides = [
+        *MINI,
+        f"run.dir={run}",
+        "train.steps=5",
+        "checkpoint.every_minutes=1e-9",
+        "checkpoint.keep=2",
+    ]
+    train(load_config("tiny", overrides), progress=False)
+    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    assert steps == [4, 5]  # a save after every step (the interval is tiny), the last two kept

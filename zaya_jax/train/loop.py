@@ -240,6 +240,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     last: dict[str, Any] = {}
     data_state = producer.get_state()
     step = saved_step = first_step - 1  # a resumed run's restored step is already saved
+    last_save = time.monotonic()
     try:
         for step in range(first_step, cfg.train.steps + 1):
             wait_start = time.perf_counter()
@@ -290,9 +291,12 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 interval_start += time.perf_counter() - eval_start  # tokens/s counts training time only
                 writer.write({"step": step, "eval_loss": eval_loss})
             writer.advance(last)
-            if ckpt.every_steps and step % ckpt.every_steps == 0 and step != cfg.train.steps:
+            due = (ckpt.every_steps and step % ckpt.every_steps == 0) or (
+                ckpt.every_minutes and time.monotonic() - last_save >= 60 * ckpt.every_minutes
+            )
+            if due and step != cfg.train.steps:
                 checkpoint.save_training(mgr, step, cfg, state, data_state)
-                saved_step = step
+                saved_step, last_save = step, time.monotonic()
             if cfg.debug.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if stop.requested:
