@@ -103,3 +103,16 @@ def test_time_based_checkpoints_and_keep_policy(tmp_path):
     train(load_config("tiny", overrides), progress=False)
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
     assert steps == [4, 5]  # a save after every step (the interval is tiny), the last two kept
+
+
+def test_restarting_a_finished_run_changes_nothing(tmp_path):
+    from zaya_jax.config import load_config
+    from zaya_jax.train.loop import train
+
+    cfg = load_config("tiny", [*MINI, f"run.dir={tmp_path / 'run'}", "train.steps=2"])
+    first = train(cfg, progress=False)
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = train(cfg, progress=False)
+    assert again["steps"] == first["steps"] == 2 and not again["interrupted"]
+    assert again["eval_loss"] is None  # no step ran
+    assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics

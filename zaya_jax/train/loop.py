@@ -318,7 +318,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         "interrupted": step < cfg.train.steps,
         "tokens": tokens_seen,
         "final_loss": last.get("loss"),
-        "eval_loss": eval_loss,
+        "eval_loss": eval_loss if math.isfinite(eval_loss) else None,  # None: no step ran (already complete)
         "wall_time_s": time.perf_counter() - start_time,
     }
     writer.event({"event": "end", **summary})
