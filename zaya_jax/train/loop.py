@@ -232,13 +232,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         {"event": "start", "peak_flops": peak, "peak_source": peak_source, "devices": jax.device_count()}
     )
     stop = _StopRequest()
+    # Read the producer before its prefetch thread starts: afterwards it runs ahead of training.
+    tokens_seen, data_state = producer.tokens_seen, producer.get_state()
     batches = Prefetcher(producer, cfg.data.prefetch)
-    tokens_seen = producer.tokens_seen
     interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
     interval_start = time.perf_counter()
     eval_loss = math.nan
     last: dict[str, Any] = {}
-    data_state = producer.get_state()
     step = saved_step = first_step - 1  # a resumed run's restored step is already saved
     last_save = time.monotonic()
     try:
@@ -250,7 +250,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
             state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
             step_tokens = plan.batch_size * plan.seq_len
-            tokens_seen += step_tokens
+            tokens_seen = data_state["tokens_seen"]  # the producer's count after this batch
             interval_tokens += step_tokens
             interval_flops += step_tokens * flops_per_token(cfg.model, plan.seq_len)
 
