@@ -112,6 +112,34 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import zaya_jax
+    from zaya_jax.data import load_tokenizer
+
+    lm = zaya_jax.load(args.path)
+    if args.tokenizer:
+        lm.tokenizer = load_tokenizer(args.tokenizer)
+    out = lm.generate(
+        args.prompt,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        stop_tokens=args.stop,
+        seed=args.seed,
+    )
+    results = [
+        {"prompt": prompt, "text": text, "tokens": row, "stopped": bool(stopped)}
+        for prompt, text, row, stopped in zip(args.prompt, out.texts, out.rows(), out.stopped, strict=True)
+    ]
+    if args.json:
+        _print_json(results)
+    else:
+        for result in results:
+            print(result["prompt"] + result["text"])
+    return 0
+
+
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from zaya_jax.data import prepare
 
@@ -150,6 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--batches", type=int, default=16, help="at most this many batches")
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     evaluate.set_defaults(func=_cmd_eval)
+
+    gen = sub.add_parser("generate", help="continue text prompts with the CCA decode cache")
+    gen.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--stop", type=int, action="append", help="stop token id (default: the tokenizer's EOS)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's)")
+    gen.add_argument("--json", action="store_true", help='print [{"prompt", "text", "tokens", "stopped"}]')
+    gen.set_defaults(func=_cmd_generate)
 
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)

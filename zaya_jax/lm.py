@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -13,8 +13,12 @@ import numpy as np
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, ModelConfig
+from zaya_jax.data.tokenizers import load_tokenizer
 from zaya_jax.interop.hf import load_hf_directory
 from zaya_jax.model import Zaya
+
+if TYPE_CHECKING:
+    from zaya_jax.eval.generate import Generation
 
 
 @dataclasses.dataclass
@@ -25,6 +29,7 @@ class LanguageModel:
     variables: dict[str, Any]
     run_config: Config | None = None
     step: int | None = None
+    tokenizer: Any | None = None
 
     @functools.cached_property
     def _apply(self):
@@ -51,6 +56,71 @@ class LanguageModel:
         logits, _ = self._apply(self.variables, jnp.asarray(ids, jnp.int32), token_mask=mask)
         return np.asarray(logits, dtype=np.float32)
 
+    def generate(
+        self,
+        prompts: Any,
+        *,
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        stop_tokens: Any | None = None,
+        seed: int = 0,
+        attention_mask: Any | None = None,
+    ) -> Generation:
+        """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.eval.generate`).
+
+        ``prompts``: a string or list of strings (needs ``self.tokenizer``), a list of token-id lists
+        (left-padded here), or a (batch, seq) / (seq,) id array with an optional left-padding
+        ``attention_mask``. Stops at the tokenizer's EOS (else the model's ``eos_token_id``) unless
+        ``stop_tokens`` is given. Returns a :class:`Generation`; ``texts`` is filled when a tokenizer
+        is known.
+        """
+        from zaya_jax.eval.generate import generate  # zaya_jax.eval imports this module
+
+        tok = self.tokenizer
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
+            if tok is None:
+                raise ValueError(
+                    "text prompts need a tokenizer: this model has none (an HF directory without "
+                    "tokenizer.json?); pass token ids or set lm.tokenizer"
+                )
+            prompts = [tok.encode(p).tolist() for p in prompts]
+        if stop_tokens is None and tok is not None:
+            stop_tokens = [tok.eos_id]
+        out = generate(
+            self.config,
+            self.variables,
+            prompts,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            stop_tokens=stop_tokens,
+            seed=seed,
+            vocab_limit=tok.vocab_size if tok is not None else None,
+        )
+        if tok is None:
+            return out
+        return dataclasses.replace(
+            out, texts=[tok.decode([t for t in row if t != tok.eos_id]) for row in out.rows()]
+        )
+
+
+def _find_tokenizer(path: Path, run_config: Config | None) -> Any | None:
+    """The run's tokenizer, or an HF directory's tokenizer.json; None when there is none."""
+    try:
+        if run_config is not None:
+            return load_tokenizer(run_config.data.tokenizer)
+        if (path / "tokenizer.json").is_file():
+            return load_tokenizer(path / "tokenizer.json")
+    except Exception:  # a missing or unreadable tokenizer only disables text prompts
+        return None
+    return None
+
 
 def load(path: str | Path) -> LanguageModel:
     """Load a run directory (latest complete checkpoint), a step directory, or an HF ``save_pretrained``
@@ -61,6 +131,6 @@ def load(path: str | Path) -> LanguageModel:
         raise FileNotFoundError(f"{path} does not exist")
     if (path / "config.json").is_file():
         cfg, variables = load_hf_directory(path)
-        return LanguageModel(cfg, jax.tree.map(jnp.asarray, variables))
+        return LanguageModel(cfg, jax.tree.map(jnp.asarray, variables), tokenizer=_find_tokenizer(path, None))
     run_config, variables, step = checkpoint.restore_model(path)
-    return LanguageModel(run_config.model, variables, run_config, step)
+    return LanguageModel(run_config.model, variables, run_config, step, _find_tokenizer(path, run_config))

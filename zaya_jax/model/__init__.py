@@ -2,12 +2,19 @@
 
 from zaya_jax.model.counts import param_counts
 from zaya_jax.model.router import BALANCING
-from zaya_jax.model.transformer import Zaya, abstract_variables, init_variables, positions_in_document
+from zaya_jax.model.transformer import (
+    Zaya,
+    abstract_variables,
+    init_cache,
+    init_variables,
+    positions_in_document,
+)
 
 __all__ = [
     "BALANCING",
     "Zaya",
     "abstract_variables",
+    "init_cache",
     "init_variables",
     "param_counts",
     "positions_in_document",

@@ -8,6 +8,10 @@ sliding-window; only ``o_proj`` returns to the residual width.
 
 Packed sequences: with ``segment_ids`` every temporal path (attention, both convolutions, the
 delayed value) restarts at a document boundary exactly as it does at t = 0.
+
+Decoding (spec §3): with a layer ``cache`` the layer reads and returns the post-RoPE keys, the values,
+the last P raw q/k columns (the conv state) and the most recent delayed-value projection, so a chunk
+of T new tokens costs O(T) projections and convolutions plus attention over the cache.
 """
 
 from __future__ import annotations
@@ -77,6 +81,35 @@ def two_stage_conv(
     return stage2
 
 
+def two_stage_conv_valid(
+    z_full: jax.Array,
+    depthwise_kernel: jax.Array,
+    depthwise_bias: jax.Array,
+    grouped_kernel: jax.Array,
+    grouped_bias: jax.Array,
+) -> jax.Array:
+    """The CCA q/k convolution over z_full = [P context columns || T new columns], both stages VALID.
+
+    Used when decoding: the context is the cached conv state (zeros before the first token, which
+    makes this equal to :func:`two_stage_conv` without segments). Returns (batch, T, C).
+    """
+    batch, _, channels = z_full.shape
+    k0, k1 = depthwise_kernel.shape[0], grouped_kernel.shape[0]
+    heads, head_dim = grouped_kernel.shape[1], grouped_kernel.shape[2]
+    seq = z_full.shape[1] - (k0 - 1) - (k1 - 1)
+    n1 = seq + k1 - 1  # stage-1 outputs stage 2 reads
+    stage1 = depthwise_bias
+    for tap in range(k0):
+        stage1 = stage1 + depthwise_kernel[tap] * z_full[:, tap : tap + n1]
+    stage2 = grouped_bias
+    for tap in range(k1):
+        past = stage1[:, tap : tap + seq].reshape(batch, seq, heads, head_dim)
+        stage2 = stage2 + jnp.einsum("btgi,gio->btgo", past, grouped_kernel[tap]).reshape(
+            batch, seq, channels
+        )
+    return stage2
+
+
 def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
     """x * scale / max(||x||_2, eps) over the last axis, eps = machine epsilon of x's dtype (HF ``ZayaQKNorm``).
 
@@ -99,10 +132,10 @@ def attention_mask(seq_len: int, segment_ids: jax.Array | None, token_mask: jax.
     return mask
 
 
-def sliding_window_mask(seq_len: int, window: jax.Array) -> jax.Array:
-    """(1, seq_q, seq_k) bool: key within ``window`` tokens (incl. the query); window <= 0 = unlimited."""
-    idx = jnp.arange(seq_len)
-    return ((window <= 0) | (idx[:, None] - idx[None, :] < window))[None]
+def sliding_window_mask(query_slots: jax.Array, key_slots: jax.Array, window: jax.Array) -> jax.Array:
+    """(1, seq_q, seq_k) bool: key within ``window`` slots of the query (incl. itself); window <= 0 =
+    unlimited. Slots are sequence (or cache) indices, padding included, as in HF's sliding mask."""
+    return ((window <= 0) | (query_slots[:, None] - key_slots[None, :] < window))[None]
 
 
 def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -126,7 +159,14 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 
 
 class CCAAttention(nn.Module):
-    """One CCA attention layer. a: (batch, seq, embed) normed input -> (batch, seq, embed)."""
+    """One CCA attention layer. a: (batch, seq, embed) normed input -> (output (batch, seq, embed),
+    updated layer cache or None).
+
+    ``slots`` = (query slots (seq,), key slots (seq_k,)) place queries and keys for the sliding
+    window. ``cache`` (decoding) = {"keys", "values": (batch, S, nk, d), "conv": (batch, P, C),
+    "vdel": (batch, nk*d/2)} with the new tokens written at slots [index, index + seq); ``mask``
+    then spans the S cache slots.
+    """
 
     cfg: ModelConfig
 
@@ -141,7 +181,10 @@ class CCAAttention(nn.Module):
         mask: jax.Array,
         segment_ids: jax.Array | None,
         token_mask: jax.Array | None,
-    ) -> jax.Array:
+        slots: tuple[jax.Array, jax.Array],
+        cache: dict[str, jax.Array] | None = None,
+        index: jax.Array | None = None,
+    ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         batch, seq, _ = a.shape
@@ -176,21 +219,33 @@ class CCAAttention(nn.Module):
             self, "conv_grouped_kernel", normal, grouped_shape, ("conv", "qk_heads", "head_dim", None), pdtype
         )
         g_bias = param_with_axes(self, "conv_grouped_bias", zeros, (channels,), ("qk",), pdtype)
-        conv = two_stage_conv(
-            jnp.concatenate([q0, k0], axis=-1),
+        conv_weights = (
             dw_kernel.astype(dtype),
             dw_bias.astype(dtype),
             g_kernel.astype(dtype),
             g_bias.astype(dtype),
-            segment_ids,
-        ).reshape(batch, seq, nq + nk, d)
-        q = conv[:, :, :nq] + q_res
-        k = conv[:, :, nq:] + k_res
-
-        # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
+        )
+        z = jnp.concatenate([q0, k0], axis=-1)
         vd = v_delayed_proj(a)
         vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
-        vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
+        new_cache = None
+        if cache is None:
+            conv = two_stage_conv(z, *conv_weights, segment_ids)
+            # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
+            vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
+        else:
+            context = cfg.cca_time0 + cfg.cca_time1 - 2
+            z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
+            conv = two_stage_conv_valid(z_full, *conv_weights)
+            previous = jnp.where(index == 0, vd_at_start[:, 0], cache["vdel"].astype(dtype))
+            new_cache = {
+                "conv": z_full[:, z_full.shape[1] - context :].astype(cache["conv"].dtype),
+                "vdel": vd[:, -1].astype(cache["vdel"].dtype),
+            }
+            vd = jnp.concatenate([previous[:, None], vd[:, :-1]], axis=1)
+        conv = conv.reshape(batch, seq, nq + nk, d)
+        q = conv[:, :, :nq] + q_res
+        k = conv[:, :, nq:] + k_res
         v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
         # QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
@@ -201,5 +256,11 @@ class CCAAttention(nn.Module):
         cos, sin = rope_tables(positions, inv_freq, dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        out = dot_product_attention(q, k, v, mask & sliding_window_mask(seq, window))
-        return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out)
+        if cache is not None:
+            start = (0, index, 0, 0)
+            k = jax.lax.dynamic_update_slice(cache["keys"], k.astype(cache["keys"].dtype), start)
+            v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
+            new_cache = {**new_cache, "keys": k, "values": v}
+            k, v = k.astype(dtype), v.astype(dtype)
+        out = dot_product_attention(q, k, v, mask & sliding_window_mask(*slots, window))
+        return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

@@ -59,7 +59,7 @@ class Block(nn.Module):
         token_mask = ctx["token_mask"]
 
         a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
-        o = CCAAttention(cfg, name="attn")(
+        o, cache = CCAAttention(cfg, name="attn")(
             a,
             layer["inv_freq"],
             layer["window"],
@@ -67,6 +67,9 @@ class Block(nn.Module):
             mask=ctx["mask"],
             segment_ids=ctx["segment_ids"],
             token_mask=token_mask,
+            slots=ctx["slots"],
+            cache=layer.get("cache"),
+            index=ctx.get("cache_index"),
         )
         h = ResidualScaling(dtype, pdtype, name="post_attn_scale")(o, h)
 
@@ -91,7 +94,7 @@ class Block(nn.Module):
             "prob_sum": jnp.einsum("bt,btc->c", valid, probs),
             "prob_sq_sum": jnp.einsum("bt,btc->c", valid, jnp.square(probs)),
         }
-        return (h, routing.state), stats
+        return (h, routing.state), (stats, cache)
 
 
 class Zaya(nn.Module):
@@ -106,6 +109,11 @@ class Zaya(nn.Module):
     routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
     capacity path dropped, ``prob_sum`` and ``prob_sq_sum`` (layers, E+1) sums of router
     probabilities and their squares over real tokens (their spread scales the balancing controller).
+
+    Decoding: pass ``cache`` (from :func:`init_cache`) and ``tokens`` are the next chunk, written at
+    cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left
+    padding) and ``positions`` default to the slot indices. ``aux["cache"]`` is then the updated cache.
+    ``segment_ids`` cannot be combined with a cache.
     """
 
     cfg: ModelConfig
@@ -133,6 +141,7 @@ class Zaya(nn.Module):
         token_mask: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
+        cache: dict[str, jax.Array] | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -162,18 +171,43 @@ class Zaya(nn.Module):
             pdtype,
         )
 
-        if positions is None:
-            positions = (
-                positions_in_document(segment_ids)
-                if segment_ids is not None
-                else jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+        layer_inputs = self._layer_inputs(eda_scale)
+        if cache is None:
+            if positions is None:
+                positions = (
+                    positions_in_document(segment_ids)
+                    if segment_ids is not None
+                    else jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+                )
+            ctx = {
+                "positions": positions,
+                "mask": attention_mask(seq, segment_ids, token_mask),
+                "segment_ids": segment_ids,
+                "token_mask": token_mask,
+                "slots": (jnp.arange(seq), jnp.arange(seq)),
+            }
+        else:
+            if segment_ids is not None:
+                raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
+            index = cache["index"]
+            query_slots = index + jnp.arange(seq)
+            if positions is None:
+                positions = jnp.broadcast_to(query_slots, (batch, seq))
+            new_mask = (
+                jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
             )
-        ctx = {
-            "positions": positions,
-            "mask": attention_mask(seq, segment_ids, token_mask),
-            "segment_ids": segment_ids,
-            "token_mask": token_mask,
-        }
+            key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
+            key_slots = jnp.arange(key_mask.shape[1])
+            causal = key_slots[None, :] <= query_slots[:, None]
+            ctx = {
+                "positions": positions,
+                "mask": causal[None] & key_mask.astype(bool)[:, None, :],
+                "segment_ids": None,
+                "token_mask": token_mask,
+                "slots": (query_slots, key_slots),
+                "cache_index": index,
+            }
+            layer_inputs["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
 
         e = jnp.take(embedding, tokens, axis=0).astype(dtype)
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
@@ -187,7 +221,9 @@ class Zaya(nn.Module):
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, name="layers")
-        (h, _), stats = blocks((h, r), self._layer_inputs(eda_scale), ctx)
+        (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
+        if cache is not None:
+            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
         if cfg.tie_word_embeddings:
@@ -208,6 +244,31 @@ class Zaya(nn.Module):
                 name="lm_head",
             )(y)
         return logits, stats
+
+
+LAYER_CACHE_KEYS = ("keys", "values", "conv", "vdel")
+
+
+def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> dict[str, jax.Array]:
+    """An empty decode cache for ``length`` token slots (spec §3), stacked over layers.
+
+    ``keys``/``values`` (layers, batch, length, nk, d): post-norm, post-temp, post-RoPE keys and the
+    shifted values; ``conv`` (layers, batch, P, C): the last P raw [q0 || k0] columns; ``vdel``
+    (layers, batch, nk*d/2): the most recent delayed-value projection; ``mask`` (batch, length) 1 for
+    slots holding real tokens; ``index`` the next free slot. Every layer keeps all ``length`` slots;
+    sliding-window layers mask by slot distance.
+    """
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    layers, nk, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    context = cfg.cca_time0 + cfg.cca_time1 - 2
+    return {
+        "keys": jnp.zeros((layers, batch, length, nk, d), dtype),
+        "values": jnp.zeros((layers, batch, length, nk, d), dtype),
+        "conv": jnp.zeros((layers, batch, context, cfg.conv_channels), dtype),
+        "vdel": jnp.zeros((layers, batch, cfg.kv_width // 2), dtype),
+        "mask": jnp.zeros((batch, length), jnp.int32),
+        "index": jnp.zeros((), jnp.int32),
+    }
 
 
 def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:

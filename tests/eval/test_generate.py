@@ -1,0 +1,171 @@
+"""Decoding with the CCA cache: chunked prefill and token-by-token decode equal the full forward,
+greedy generation equals Hugging Face ``generate`` (left padding and a stop token included), the
+sampling filters, ``lm.generate`` with text and ``zaya generate``."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import zaya_jax
+from tests.random_model import random_variables, tiny_config
+from zaya_jax.cli import main
+from zaya_jax.eval.generate import filter_logits, generate, left_pad
+from zaya_jax.model import Zaya, init_cache
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(layer_types=("hybrid", "hybrid_sliding"), sliding_window=3),
+        dict(cca_time0=3, cca_time1=3, attention_bias=True),
+        dict(cca_time0=1, cca_time1=1, num_kv_heads=1),
+    ],
+    ids=["sliding", "wide-conv+bias", "no-conv-context"],
+)
+def test_chunked_prefill_and_token_by_token_decode_equal_the_full_forward(overrides):
+    cfg = tiny_config(**overrides)
+    variables = random_variables(cfg)
+    rng = np.random.default_rng(1)
+    ids = jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 11)), jnp.int32)
+    full, _ = Zaya(cfg).apply(variables, ids)
+
+    step = jax.jit(lambda v, t, c: Zaya(cfg).apply(v, t, cache=c))
+    cache = init_cache(cfg, batch=2, length=16)
+    pieces = []
+    for start, stop in [(0, 4), (4, 5), (5, 8), *((t, t + 1) for t in range(8, 11))]:
+        logits, aux = step(variables, ids[:, start:stop], cache)
+        cache = aux["cache"]
+        pieces.append(logits)
+    decoded = jnp.concatenate(pieces, axis=1)
+    assert int(cache["index"]) == 11
+    np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=2e-5)
+
+
+def test_a_left_padded_row_decodes_like_the_same_prompt_alone():
+    cfg = tiny_config()
+    variables = random_variables(cfg)
+    prompt = [5, 9, 14, 3, 22]
+    ids, mask = left_pad([prompt, [7, 8, 9, 10, 11, 12, 13, 14]], cfg.pad_token_id)
+    positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+    cache = init_cache(cfg, batch=2, length=ids.shape[1] + 1)
+    padded, aux = Zaya(cfg).apply(variables, ids, token_mask=mask, positions=positions, cache=cache)
+    next_padded, _ = Zaya(cfg).apply(
+        variables, jnp.asarray([[40], [41]]), positions=positions[:, -1:] + 1, cache=aux["cache"]
+    )
+    alone, _ = Zaya(cfg).apply(variables, jnp.asarray([[*prompt, 40]]))
+    np.testing.assert_allclose(np.asarray(padded[0, -5:]), np.asarray(alone[0, :5]), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(next_padded[0, 0]), np.asarray(alone[0, 5]), atol=2e-5)
+
+
+def _hf_pair(**overrides):
+    """A randomised HF model and the same model in zaya-jax. The residual and input biases are
+    zeroed: with them every random prompt greedily repeats one token, which would test nothing."""
+    from tests.hf_reference import make_hf_model, state_dict_numpy, torch
+    from zaya_jax.interop.hf import hf_config_to_model, hf_to_variables
+
+    hf = make_hf_model(0, tie_word_embeddings=False, **overrides)
+    with torch.no_grad():
+        for name, tensor in hf.state_dict().items():
+            if name.endswith("_bias") and "balancing" not in name:
+                tensor.zero_()
+    cfg = hf_config_to_model(hf.config.to_dict())
+    return hf, cfg, jax.tree.map(jnp.asarray, hf_to_variables(state_dict_numpy(hf), cfg))
+
+
+def test_greedy_generation_equals_hf_generate_with_left_padding_and_a_stop_token():
+    from tests.hf_reference import torch
+
+    hf, cfg, variables = _hf_pair()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (7, 3, 5)]
+    new = 12
+    ours = generate(cfg, variables, prompts, max_new_tokens=new, stop_tokens=[])
+    # The generated tokens are not one token repeated: the test would be weak otherwise.
+    assert all(len(set(row)) >= 2 for row in ours.tokens.tolist())
+
+    ids, mask = left_pad(prompts, cfg.pad_token_id)
+    stop = int(ours.tokens[0, 5])  # a token row 0 emits mid-way: HF must stop there too
+    with torch.no_grad():
+        reference = hf.generate(
+            input_ids=torch.as_tensor(ids, dtype=torch.long),
+            attention_mask=torch.as_tensor(mask, dtype=torch.long),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=cfg.pad_token_id,
+        )[:, ids.shape[1] :].numpy()
+    stopped = generate(cfg, variables, prompts, max_new_tokens=new, stop_tokens=[stop])
+    width = reference.shape[1]  # HF stops early once every row has stopped
+    np.testing.assert_array_equal(stopped.tokens[:, :width], reference)
+    assert np.all(stopped.tokens[:, width:] == cfg.pad_token_id)
+    first = ours.tokens[0].tolist().index(stop)
+    assert stopped.lengths[0] == first + 1 and stopped.stopped[0]
+    assert stopped.rows()[0] == ours.tokens[0, : first + 1].tolist()
+
+
+def test_sampling_filters_keep_exactly_the_top_k_and_the_nucleus():
+    logits = jnp.log(jnp.asarray([[0.05, 0.4, 0.1, 0.3, 0.15]]))
+    kept = lambda out: set(np.flatnonzero(np.isfinite(np.asarray(out[0]))).tolist())  # noqa: E731
+    assert kept(filter_logits(logits, 1.0, 2, 1.0)) == {1, 3}
+    assert kept(filter_logits(logits, 1.0, 0, 0.65)) == {1, 3}  # 0.4 + 0.3 reaches 0.65
+    assert kept(filter_logits(logits, 1.0, 0, 0.75)) == {1, 3, 4}
+    assert kept(filter_logits(logits, 1.0, 0, 1e-6)) == {1}  # the most likely token always survives
+    assert kept(filter_logits(logits, 1.0, 0, 1.0)) == {0, 1, 2, 3, 4}
+    np.testing.assert_allclose(np.asarray(filter_logits(logits, 2.0, 0, 1.0)), np.asarray(logits) / 2, rtol=1e-6)
+
+
+def test_sampling_is_seeded_and_top_k_1_is_greedy():
+    cfg = tiny_config()
+    variables = random_variables(cfg)
+    prompts = [[5, 9, 14], [7, 8]]
+    greedy = generate(cfg, variables, prompts, max_new_tokens=6, stop_tokens=[])
+    top1 = generate(cfg, variables, prompts, max_new_tokens=6, temperature=0.7, top_k=1, stop_tokens=[], seed=3)
+    np.testing.assert_array_equal(top1.tokens, greedy.tokens)
+
+    def sample(seed):
+        return generate(cfg, variables, prompts, max_new_tokens=6, temperature=5.0, stop_tokens=[], seed=seed)
+
+    np.testing.assert_array_equal(sample(1).tokens, sample(1).tokens)
+    assert not np.array_equal(sample(1).tokens, sample(2).tokens)
+
+
+def test_generation_rejects_bad_requests_with_the_fix():
+    cfg = tiny_config()
+    variables = random_variables(cfg)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        generate(cfg, variables, [[4], []])
+    with pytest.raises(ValueError, match="left padding"):
+        generate(cfg, variables, np.asarray([[4, 5, 0]]), attention_mask=np.asarray([[1, 1, 0]]))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        generate(cfg, variables, [[4, 5]], max_new_tokens=cfg.max_position_embeddings)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(cfg, variables, [[4, 5]], top_p=0.0)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        generate(cfg, variables, [[4, cfg.vocab_size]])
+
+
+def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys):
+    from tests.train.test_loop import MINI
+
+    run = tmp_path / "run"
+    assert main(["train", *MINI, f"run.dir={run}", "train.steps=2", "--no-progress"]) == 0
+    lm = zaya_jax.load(run)
+    out = lm.generate(["def ", "import"], max_new_tokens=5, stop_tokens=[])
+    tok = lm.tokenizer
+    assert out.tokens.shape == (2, 5) and out.texts == [tok.decode(row) for row in out.rows()]
+    assert np.all(out.tokens < tok.vocab_size)  # the padded model vocabulary is never sampled
+
+    capsys.readouterr()
+    argv = ["generate", str(run), "--prompt", "def ", "--prompt", "import", "--max-new-tokens", "5"]
+    assert main([*argv, "--stop", "999", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["tokens"] for r in results] == out.rows()
+    assert [r["text"] for r in results] == out.texts and results[0]["prompt"] == "def "
+
+    assert main(["generate", str(run), "--prompt", "x", "--top-k", "-1"]) == 2
+    assert "top_k must be >= 0" in capsys.readouterr().err

@@ -1,0 +1,187 @@
+"""Sampling with the CCA decode cache (spec §3): a jitted prefill of the left-padded prompts, then a
+jitted ``while_loop`` of one-token decode steps that stops when every row has emitted a stop token.
+
+Semantics follow Hugging Face ``generate``: prompts are left-padded to the longest one, positions
+count real tokens only (a padded row gets the same positions as alone), the sliding window counts
+cache slots, rows that have stopped emit ``pad_id``. Greedy (``temperature=0``) or sampling with
+temperature, then top-k, then top-p (nucleus) filtering, in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model import Zaya, init_cache
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """``tokens`` (batch, max_new_tokens) int32, ``pad_id`` after a row stops; ``lengths`` (batch,)
+    generated tokens per row, the stop token included; ``stopped`` (batch,) whether the row emitted a
+    stop token; ``texts`` the decoded continuations when a tokenizer was available."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    stopped: np.ndarray
+    texts: list[str] | None = None
+
+    def rows(self) -> list[list[int]]:
+        """The generated ids of each row, without the padding after its stop."""
+        return [row[:n].tolist() for row, n in zip(self.tokens, self.lengths, strict=True)]
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged prompts -> (ids, mask), both (batch, longest) int32, real tokens right-aligned."""
+    if not prompts:
+        raise ValueError("no prompts given")
+    lengths = [len(p) for p in prompts]
+    if min(lengths) == 0:
+        raise ValueError(f"prompt {lengths.index(0)} is empty; every prompt needs at least one token")
+    width = max(lengths)
+    ids = np.full((len(prompts), width), pad_id, np.int32)
+    mask = np.zeros((len(prompts), width), np.int32)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = np.asarray(prompt, np.int32)
+        mask[row, width - len(prompt) :] = 1
+    return ids, mask
+
+
+def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: int, top_p: jax.Array) -> jax.Array:
+    """float32 logits (batch, vocab) scaled by 1/temperature, then with every token outside the top
+    ``top_k`` (0 = off) and outside the smallest set whose probability reaches ``top_p`` (1 = off) set
+    to -inf. The most likely token always survives."""
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
+    probs = jax.nn.softmax(ordered, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p) | (jnp.arange(logits.shape[-1]) == 0)
+    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
+    return jnp.where(logits < threshold, -jnp.inf, logits)
+
+
+@functools.lru_cache(maxsize=32)
+def _generate_fn(
+    cfg: ModelConfig, max_new_tokens: int, greedy: bool, top_k: int, stop_tokens: tuple[int, ...]
+):
+    model = Zaya(cfg)
+
+    def choose(logits, key, temperature, top_p, vocab_limit):
+        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        filtered = filter_logits(logits, temperature, top_k, top_p)
+        return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+
+    def is_stop(token):
+        stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
+        return jnp.any(token[:, None] == stops[None, :], axis=-1)
+
+    def generate(variables, ids, mask, key, temperature, top_p, vocab_limit, pad_id):
+        batch, prompt_len = ids.shape
+        cache = init_cache(cfg, batch, prompt_len + max_new_tokens)
+        positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
+        logits, aux = model.apply(variables, ids, token_mask=mask, positions=positions, cache=cache)
+        key, sub = jax.random.split(key)
+        token = choose(logits[:, -1], sub, temperature, top_p, vocab_limit)
+        out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
+        state = (aux["cache"], token, positions[:, -1] + 1, is_stop(token), out, jnp.int32(1), key)
+
+        def cond(state):
+            _, _, _, done, _, step, _ = state
+            return (step < max_new_tokens) & ~jnp.all(done)
+
+        def body(state):
+            cache, token, position, done, out, step, key = state
+            logits, aux = model.apply(variables, token[:, None], positions=position[:, None], cache=cache)
+            key, sub = jax.random.split(key)
+            token = jnp.where(done, pad_id, choose(logits[:, -1], sub, temperature, top_p, vocab_limit))
+            out = jax.lax.dynamic_update_slice(out, token[:, None], (0, step))
+            return aux["cache"], token, position + 1, done | is_stop(token), out, step + 1, key
+
+        _, _, _, done, out, _, _ = jax.lax.while_loop(cond, body, state)
+        return out, done
+
+    return jax.jit(generate)
+
+
+def generate(
+    cfg: ModelConfig,
+    variables: dict[str, Any],
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    attention_mask: Any | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[int] | None = None,
+    seed: int = 0,
+    vocab_limit: int | None = None,
+) -> Generation:
+    """Continue each prompt by up to ``max_new_tokens`` tokens.
+
+    ``prompts``: a list of token-id lists (ragged; left-padded here) or a (batch, seq) array, with
+    ``attention_mask`` (1 = real token) when that array is already left-padded. ``stop_tokens``
+    default to the model's ``eos_token_id``; ``vocab_limit`` keeps ids below it (a tokenizer smaller
+    than a padded model vocabulary). ``temperature=0`` is greedy; ``seed`` makes sampling repeatable.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p}")
+    if isinstance(prompts, np.ndarray) or attention_mask is not None:
+        ids = np.asarray(prompts)
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(
+                f"prompt ids must be integers of shape (batch, seq), got {ids.dtype} {ids.shape}"
+            )
+        mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask).reshape(ids.shape)
+        if not np.all(mask[:, -1] == 1) or np.any(np.diff(mask.astype(np.int32), axis=1) < 0):
+            raise ValueError(
+                "attention_mask must be left padding (0s then 1s, last column all 1); "
+                "pass ragged prompts as a list of lists to have them left-padded"
+            )
+        ids, mask = ids.astype(np.int32), mask.astype(np.int32)
+    else:
+        ids, mask = left_pad([list(p) for p in prompts], cfg.pad_token_id)
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size:
+        raise ValueError(f"token ids must be in [0, {cfg.vocab_size}); got {ids.min()}..{ids.max()}")
+    if ids.shape[1] + max_new_tokens > cfg.max_position_embeddings:
+        raise ValueError(
+            f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"model.max_position_embeddings={cfg.max_position_embeddings}; shorten one of them"
+        )
+    stops = (cfg.eos_token_id,) if stop_tokens is None else tuple(int(t) for t in stop_tokens)
+    if cfg.moe_impl == "capacity":  # decoding routes a handful of tokens: never drop them
+        cfg = dataclasses.replace(cfg, moe_impl="sorted")
+    fn = _generate_fn(cfg, max_new_tokens, temperature == 0.0, top_k, stops)
+    out, done = fn(
+        variables,
+        jnp.asarray(ids),
+        jnp.asarray(mask),
+        jax.random.key(seed),
+        jnp.float32(temperature or 1.0),
+        jnp.float32(top_p),
+        jnp.int32(vocab_limit or cfg.vocab_size),
+        jnp.int32(cfg.pad_token_id),
+    )
+    out, done = np.asarray(out), np.asarray(done)
+    is_stop = np.isin(out, np.asarray(stops or (-1,)))
+    first_stop = np.where(is_stop.any(axis=1), is_stop.argmax(axis=1) + 1, max_new_tokens)
+    return Generation(tokens=out, lengths=first_stop.astype(np.int32), stopped=done)
