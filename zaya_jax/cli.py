@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from zaya_jax.checkpoint import CheckpointSaveError
 from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
 
 
@@ -241,6 +242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"zaya {args.command}: configuration error: {err}", file=sys.stderr)
         return 2
+    except CheckpointSaveError as err:
+        print(f"zaya {args.command}: {err}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"zaya {args.command}: {err}", file=sys.stderr)
         return 2

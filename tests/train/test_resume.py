@@ -116,3 +116,37 @@ def test_restarting_a_finished_run_changes_nothing(tmp_path):
     assert again["steps"] == first["steps"] == 2 and not again["interrupted"]
     assert again["eval_loss"] is None  # no step ran
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+
+
+def test_a_save_failing_in_the_background_stops_the_run_and_loses_nothing(tmp_path, monkeypatch, capsys):
+    """An async save that fails (here: ENOSPC while writing step 4's data item) is raised, naming the
+    step and the complete checkpoints; rerunning resumes from the last complete one and finishes."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler
+
+    from zaya_jax.cli import main
+
+    handler = json_checkpoint_handler.JsonCheckpointHandler
+    original = handler._save_fn
+
+    async def failing_save(self, item, directory):
+        name, step = Path(directory).name, Path(directory).parent.name  # e.g. data.orbax-...-tmp, 4.orbax-...
+        if name.split(".")[0] == "data" and step.split(".")[0] == "4":
+            raise OSError(28, "No space left on device")
+        return await original(self, item, directory)
+
+    run = tmp_path / "run"
+    argv = ["train", *COMMON, f"run.dir={run}", "--no-progress"]
+    monkeypatch.setattr(handler, "_save_fn", failing_save)
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "saving the checkpoint of step 4" in err and "No space left on device" in err
+    assert "resume from step 2" in err
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    assert max(_losses(run)) < STEPS  # the run stopped instead of carrying on without checkpoints
+
+    monkeypatch.setattr(handler, "_save_fn", original)
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["steps"] == STEPS and not summary["interrupted"]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert next(e for e in events if e["event"] == "resume")["detail"]["from_step"] == 2

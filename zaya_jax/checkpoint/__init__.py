@@ -17,6 +17,7 @@ any mesh loads on a single CPU.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,69 @@ def save_training(
         ),
         force=True,
     )
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed, possibly in the background; complete checkpoints are untouched."""
+
+
+class TrainingSaver:
+    """Training-checkpoint saves that never fail silently.
+
+    Wraps a :func:`manager`: a save that failed in the background (disk full, permissions, a lost
+    filesystem) surfaces as :class:`CheckpointSaveError` at the next :meth:`check`, :meth:`save` or
+    :meth:`finish`, naming the failed step and the complete checkpoints left to resume from.
+    """
+
+    def __init__(self, checkpoints_dir: str | Path, *, async_save: bool, keep: int | None, keep_every: int):
+        self.dir = Path(checkpoints_dir)
+        self.mgr = manager(self.dir, async_save=async_save, keep=keep, keep_every=keep_every)
+        self.pending: int | None = None  # the step of the save started last
+
+    def _fail(self, err: BaseException) -> CheckpointSaveError:
+        self.mgr.reload()
+        complete = [s for s in self.mgr.all_steps() if s != self.pending]
+        resume = f"resume from step {max(complete)}" if complete else "start from scratch"
+        return CheckpointSaveError(
+            f"saving the checkpoint of step {self.pending} in {self.dir} failed: {err}. Complete checkpoints "
+            f"are intact ({sorted(complete) or 'none yet'}); fix the cause (disk space, permissions) and "
+            f"rerun the same command to {resume}"
+        )
+
+    def check(self) -> None:
+        """Raise the error of a background save that has failed since the last check."""
+        try:
+            self.mgr.check_for_errors()
+        except Exception as err:
+            raise self._fail(err) from err
+
+    def save(self, step: int, cfg: Config, state: Any, data_state: dict[str, Any]) -> None:
+        """Start saving ``step`` once the previous save has completed (raising if it failed)."""
+        self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
+        self.pending = step
+        try:
+            save_training(self.mgr, step, cfg, state, data_state)
+        except Exception as err:
+            raise self._fail(err) from err
+
+    def finish(self) -> None:
+        """Wait for the last save; raise if it failed."""
+        try:
+            self.mgr.wait_until_finished()
+        except Exception as err:
+            raise self._fail(err) from err
+        self.check()
+
+    def close(self) -> None:
+        """Wait for the pending save and release the manager. While another exception is already
+        propagating (the run is failing anyway), a save error here is logged instead of masking it."""
+        in_flight = sys.exc_info()[1]  # set when called from a ``finally`` during an exception
+        try:
+            self.mgr.close()
+        except Exception as err:
+            if in_flight is None:
+                raise self._fail(err) from err
+            warnings.warn(str(self._fail(err)), stacklevel=2)
 
 
 def _abstract(tree: Any) -> Any:

@@ -189,7 +189,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     state = init_train_state(variables, tx)
     producer = BatchProducer(cfg, tokenizer)
     ckpt = cfg.checkpoint
-    mgr = checkpoint.manager(
+    saver = checkpoint.TrainingSaver(
         run_dir / checkpoint.CHECKPOINTS,
         async_save=ckpt.async_save,
         keep=ckpt.keep,
@@ -295,21 +295,22 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 ckpt.every_minutes and time.monotonic() - last_save >= 60 * ckpt.every_minutes
             )
             if due and step != cfg.train.steps:
-                checkpoint.save_training(mgr, step, cfg, state, data_state)
+                saver.save(step, cfg, state, data_state)
                 saved_step, last_save = step, time.monotonic()
+            else:
+                saver.check()  # a save that failed in the background stops the run here
             if cfg.debug.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)
             if stop.requested:
                 writer.event({"event": "stop", "signal": stop.requested})
                 break
+        if step != saved_step:
+            saver.save(step, cfg, state, data_state)
+        saver.finish()
     finally:
         batches.close()
         stop.restore()
-
-    if step != saved_step:
-        checkpoint.save_training(mgr, step, cfg, state, data_state)
-    mgr.wait_until_finished()
-    mgr.close()
+        saver.close()
     step_dir = run_dir / checkpoint.CHECKPOINTS / str(step)
     summary = {
         "run_dir": str(run_dir),
