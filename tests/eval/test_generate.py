@@ -116,7 +116,9 @@ def test_sampling_filters_keep_exactly_the_top_k_and_the_nucleus():
     assert kept(filter_logits(logits, 1.0, 0, 0.75)) == {1, 3, 4}
     assert kept(filter_logits(logits, 1.0, 0, 1e-6)) == {1}  # the most likely token always survives
     assert kept(filter_logits(logits, 1.0, 0, 1.0)) == {0, 1, 2, 3, 4}
-    np.testing.assert_allclose(np.asarray(filter_logits(logits, 2.0, 0, 1.0)), np.asarray(logits) / 2, rtol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(filter_logits(logits, 2.0, 0, 1.0)), np.asarray(logits) / 2, rtol=1e-6
+    )
 
 
 def test_sampling_is_seeded_and_top_k_1_is_greedy():
@@ -124,7 +126,9 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
     variables = random_variables(cfg)
     prompts = [[5, 9, 14], [7, 8]]
     greedy = generate(cfg, variables, prompts, max_new_tokens=6, stop_tokens=[])
-    top1 = generate(cfg, variables, prompts, max_new_tokens=6, temperature=0.7, top_k=1, stop_tokens=[], seed=3)
+    top1 = generate(
+        cfg, variables, prompts, max_new_tokens=6, temperature=0.7, top_k=1, stop_tokens=[], seed=3
+    )
     np.testing.assert_array_equal(top1.tokens, greedy.tokens)
 
     def sample(seed):
