@@ -408,6 +408,50 @@ class CheckpointConfig:
             )
 
 
+MESH_AXES = ("data", "fsdp", "expert", "context")
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRule:
+    """Logical axis ``name`` is split over the mesh axes ``mesh`` (empty: replicated)."""
+
+    name: str
+    mesh: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh: sizes of the ``data``, ``fsdp``, ``expert`` and ``context`` axes, one of
+    which may be -1 (all devices left over). The global batch is split over data x fsdp x expert,
+    the sequence over context, expert weights over expert and the residual width of every weight
+    (and its optimizer state) over fsdp. ``rules`` override entries of the logical-axis table
+    (``zaya_jax.parallel.rules.DEFAULT_RULES``)."""
+
+    data: int = -1
+    fsdp: int = 1
+    expert: int = 1
+    context: int = 1
+    rules: tuple[AxisRule, ...] = ()
+
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
+
+    def validate(self) -> None:
+        sizes = self.sizes()
+        auto = [axis for axis, size in sizes.items() if size == -1]
+        if len(auto) > 1:
+            raise ConfigError(f"mesh axes {auto} are all -1; at most one axis may be auto-filled")
+        for axis, size in sizes.items():
+            if size == 0 or size < -1:
+                raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (auto)")
+        for rule in self.rules:
+            unknown = [a for a in rule.mesh if a not in MESH_AXES]
+            if unknown:
+                raise ConfigError(
+                    f"mesh.rules entry {rule.name!r} names unknown mesh axes {unknown}; use {MESH_AXES}"
+                )
+
+
 @dataclasses.dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests; never active by default."""
@@ -428,10 +472,12 @@ class Config:
     balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
     def validate(self) -> None:
         self.checkpoint.validate()
+        self.mesh.validate()
         self.model.validate()
         self.train.validate()
         self.optim.validate()
@@ -447,6 +493,36 @@ class Config:
                 raise ConfigError(
                     f"train.stages[{i}].mixture has {len(stage.mixture)} weights for "
                     f"{len(self.data.sources)} data.sources; give one weight per source"
+                )
+        self.validate_layout(self.mesh.sizes())
+
+    def validate_layout(self, sizes: Mapping[str, int]) -> None:
+        """The parallel layout's divisibility rules for mesh axis ``sizes`` (-1 entries are skipped:
+        they are checked again once the device count fills them)."""
+        known = {axis: size for axis, size in sizes.items() if size > 0}
+        if self.model.num_experts % known.get("expert", 1):
+            raise ConfigError(
+                f"model.num_experts={self.model.num_experts} is not divisible by mesh.expert={known['expert']}; "
+                "choose an expert axis size that divides the number of experts"
+            )
+        shards = [axis for axis in ("data", "fsdp", "expert") if axis in known]
+        split = math.prod(known[axis] for axis in shards)
+        batch_sizes = {self.train.batch_size, *(p.batch_size for p in self.train.batch_ramp)}
+        for size in sorted(batch_sizes):
+            per_micro = size // self.train.micro_batches
+            if per_micro % split:
+                raise ConfigError(
+                    f"a micro-batch of {per_micro} sequences (batch {size} / train.micro_batches="
+                    f"{self.train.micro_batches}) is not divisible by {' x '.join(f'mesh.{a}' for a in shards)}"
+                    f" = {split}; make every batch size a multiple of {split * self.train.micro_batches}"
+                )
+        context = known.get("context", 1)
+        seq_lens = {self.train.seq_len, *(s.seq_len for s in self.train.stages)}
+        for seq_len in sorted(seq_lens):
+            if seq_len % context:
+                raise ConfigError(
+                    f"sequence length {seq_len} is not divisible by mesh.context={context}; "
+                    "use sequence lengths that are multiples of the context axis"
                 )
 
 

@@ -19,6 +19,7 @@ the iteration fast (H200: one layer's expert stack wi, 16 x 2048 x 4096, in 22.7
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
@@ -99,6 +101,34 @@ def orthogonalize(
     return jnp.transpose(ortho, tuple(np.argsort(perm)))
 
 
+def orthogonalize_sharded(
+    x: jax.Array,
+    matrix_axes: tuple[int, int],
+    sharding: NamedSharding,
+    coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
+    steps: int = 5,
+    eps: float = NS_EPS,
+) -> jax.Array:
+    """:func:`orthogonalize` of a leaf laid out as ``sharding``, with no collective inside the
+    Newton-Schulz iteration: the matrix axes are gathered once on entry (a ``shard_map`` whose input
+    spec replicates them), the batch axes (layers, experts) stay split so each device iterates on its
+    own matrices only, and the result is returned in ``x``'s layout (slicing, no communication).
+
+    Left to GSPMD, the partitioner splits every NS matmul instead and communicates in each iteration.
+    """
+    spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
+    for axis in matrix_axes:
+        spec[axis % x.ndim] = None
+    local = PartitionSpec(*spec)
+    fn = jax.shard_map(
+        functools.partial(orthogonalize, matrix_axes=matrix_axes, coeffs=coeffs, steps=steps, eps=eps),
+        mesh=sharding.mesh,
+        in_specs=local,
+        out_specs=local,
+    )
+    return jax.lax.with_sharding_constraint(fn(x), sharding)
+
+
 def shape_scale(
     shape: Sequence[int], matrix_axes: tuple[int, int], consistent_rms: float | None = None
 ) -> jax.Array:
@@ -137,13 +167,16 @@ def scale_by_muon(
     eps: float = NS_EPS,
     consistent_rms: float | None = None,
     mu_dtype: jnp.dtype | None = None,
+    shardings: Any | None = None,
 ) -> optax.GradientTransformation:
     """Muon's direction: momentum -> Newton-Schulz over each leaf's matrix axes -> shape scaling.
 
     ``groups_tree``: :class:`LeafGroup` per parameter (``param_groups``). Only ``"muon"`` leaves
     are transformed and get momentum; others pass through unchanged (inside ``optax.partition``
     they arrive as ``MaskedNode``). The learning rate and weight decay are applied after this
-    (``build_optimizer``). ``mu_dtype``: momentum dtype, default the parameter's.
+    (``build_optimizer``). ``mu_dtype``: momentum dtype, default the parameter's. ``shardings``:
+    the parameters' NamedShardings (a tree like ``groups_tree``); when given, Newton-Schulz runs
+    per device on gathered matrices (:func:`orthogonalize_sharded`).
     """
     if len(ns_coeffs) != 3:
         raise ValueError(f"ns_coeffs must be 3 numbers (a, b, c), got {list(ns_coeffs)}")
@@ -166,10 +199,13 @@ def scale_by_muon(
         mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), _muon_leaves(groups_tree, params))
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
 
-    def direction(group: LeafGroup, update: Any, mu_hat: Any) -> Any:
+    def direction(group: LeafGroup, update: Any, mu_hat: Any, sharding: Any = None) -> Any:
         if group.group != "muon" or isinstance(update, optax.MaskedNode):
             return update
-        ortho = orthogonalize(mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps)
+        if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
+            ortho = orthogonalize_sharded(mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps)
+        else:
+            ortho = orthogonalize(mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps)
         return (shape_scale(update.shape, group.matrix_axes, consistent_rms) * ortho).astype(update.dtype)
 
     def update_fn(
@@ -189,7 +225,10 @@ def scale_by_muon(
             )
         else:
             mu_hat = optax.tree.bias_correction(mu, beta, count)
-        updates = jax.tree.map(direction, groups_tree, updates, mu_hat, is_leaf=is_leaf_group)
+        if shardings is None:
+            updates = jax.tree.map(direction, groups_tree, updates, mu_hat, is_leaf=is_leaf_group)
+        else:
+            updates = jax.tree.map(direction, groups_tree, updates, mu_hat, shardings, is_leaf=is_leaf_group)
         if mu_dtype is not None:
             mu = jax.tree.map(lambda m: m.astype(mu_dtype), mu)
         return updates, MuonState(count=count, mu=mu)

@@ -105,12 +105,15 @@ def build_optimizer(
     groups_tree: Any,
     total_steps: int,
     lr_scale: float | jax.Array = 1.0,
+    shardings: Any | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The training optimizer: clipping, Muon for ``"muon"`` leaves, AdamW for the rest, lr scale.
 
     ``groups_tree``: :class:`~zaya_jax.optim.groups.LeafGroup` per parameter, the structure of the
     params (``param_groups`` / ``model_param_groups``). ``total_steps``: the schedule's length.
     ``lr_scale``: the initial lr multiplier (change it later with :func:`set_lr_scale`).
+    ``shardings``: the parameters' NamedShardings on a mesh; Muon then runs Newton-Schulz on
+    gathered matrices per device, with no collective inside the iteration.
     """
     optim_cfg.validate()
     if total_steps < 1:
@@ -135,6 +138,7 @@ def build_optimizer(
             ns_steps=optim_cfg.ns_steps,
             eps=NS_EPS,
             consistent_rms=optim_cfg.consistent_rms,
+            shardings=shardings,
         ),
         optax.add_decayed_weights(optim_cfg.muon_weight_decay),
         scale_by_scheduled_lr(schedule(optim_cfg.muon_lr)),

@@ -21,7 +21,6 @@ import numpy as np
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, ConfigError, load_config, save_config
 from zaya_jax.data import Prefetcher, eval_batches, load_tokenizer, make_row_iterator, next_batch
-from zaya_jax.model import init_variables
 from zaya_jax.optim import (
     batch_lr_scale,
     build_optimizer,
@@ -29,9 +28,10 @@ from zaya_jax.optim import (
     model_param_groups,
     set_lr_scale,
 )
+from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.metrics import MetricsWriter
-from zaya_jax.train.step import TrainState, init_train_state, make_eval_step, make_train_step
+from zaya_jax.train.step import TrainState, init_sharded_train_state, make_eval_step, make_train_step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +120,6 @@ def _truncate_metrics(run_dir: Path, step: int) -> None:
     tmp.replace(path)
 
 
-def _to_device(batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-    return {k: jnp.asarray(v) for k, v in batch.items()}
-
-
 class BatchProducer:
     """Produces (plan, host batch) step after step, following the batch ramp and curriculum.
 
@@ -184,9 +180,14 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         )
     run_dir, resuming = prepare_run_dir(cfg)
 
-    variables = init_variables(cfg.model, cfg.train.seed)
-    tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), cfg.train.steps)
-    state = init_train_state(variables, tx)
+    layout = make_layout(cfg)
+    tx = build_optimizer(
+        cfg.optim,
+        model_param_groups(cfg.model, cfg.optim.router_group),
+        cfg.train.steps,
+        shardings=layout.variables["params"],
+    )
+    state, state_shardings = init_sharded_train_state(cfg, tx, layout)
     producer = BatchProducer(cfg, tokenizer)
     ckpt = cfg.checkpoint
     saver = checkpoint.TrainingSaver(
@@ -206,10 +207,19 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None)
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
-    step_fn = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
-    eval_fn = jax.jit(make_eval_step(cfg))
+    step_fn = jax.jit(
+        make_train_step(cfg, tx, set_lr_scale),
+        in_shardings=(state_shardings, layout.batch, layout.replicated),
+        out_shardings=(state_shardings, layout.replicated),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(
+        make_eval_step(cfg),
+        in_shardings=(state_shardings.params, state_shardings.balancing, layout.batch),
+        out_shardings=layout.replicated,
+    )
     held_out = [
-        _to_device(b)
+        put_batch(b, layout.batch)
         for b in eval_batches(
             cfg.data,
             tokenizer,
@@ -229,7 +239,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
 
     peak, peak_source = peak_flops(cfg.model.dtype)
     writer.event(
-        {"event": "start", "peak_flops": peak, "peak_source": peak_source, "devices": jax.device_count()}
+        {
+            "event": "start",
+            "peak_flops": peak,
+            "peak_source": peak_source,
+            "devices": jax.device_count(),
+            "mesh": layout.describe(),
+        }
     )
     stop = _StopRequest()
     # Read the producer before its prefetch thread starts: afterwards it runs ahead of training.
@@ -246,7 +262,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             wait_start = time.perf_counter()
             plan, host_batch, data_state = next(batches)
             data_wait += time.perf_counter() - wait_start
-            batch = _to_device(host_batch)
+            batch = put_batch(host_batch, layout.batch)
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
             state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
             step_tokens = plan.batch_size * plan.seq_len

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -43,6 +44,21 @@ def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation
         balancing=variables[BALANCING],
         controller=init_controller(biases),
     )
+
+
+def init_sharded_train_state(
+    cfg: Config, tx: optax.GradientTransformation, layout: Any
+) -> tuple[TrainState, TrainState]:
+    """(state, state shardings): step 0 created directly in the ``layout``'s shardings, so no device
+    ever holds the whole model. Values equal ``init_train_state(init_variables(cfg.model, seed), tx)``."""
+
+    def init(key: jax.Array) -> TrainState:
+        variables = nn.unbox(Zaya(cfg.model).init(key, jnp.zeros((1, 1), jnp.int32)))
+        return init_train_state(variables, tx)
+
+    key = jax.random.key(cfg.train.seed)
+    shardings = layout.state_shardings(jax.eval_shape(init, key))
+    return jax.jit(init, out_shardings=shardings)(key), shardings
 
 
 def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,0 +1,114 @@
+"""Run in a subprocess with 8 fake CPU devices: trains a few steps of a miniature model on fixed
+batches under each mesh layout and prints, as JSON, each layout's per-step losses and gradient norms,
+and its first-step gradients' largest relative difference from the single-device run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import numpy as np
+
+import zaya_jax
+from zaya_jax.model import Zaya
+from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.parallel import make_layout, put_batch
+from zaya_jax.train.step import init_sharded_train_state, loss_and_stats, make_train_step
+
+MODEL = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.num_experts=4",
+    "model.moe_intermediate_size=32",
+    "model.router_hidden_size=8",
+    "train.batch_size=8",
+    "train.seq_len=16",
+]
+LAYOUTS = {
+    "single": ["mesh.data=1"],
+    "data": ["mesh.data=8"],
+    "fsdp": ["mesh.data=1", "mesh.fsdp=8"],
+    "expert": ["mesh.data=2", "mesh.expert=4"],
+    "context": ["mesh.data=2", "mesh.context=4"],
+    "combined": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
+}
+STEPS = 3
+
+
+def batches(cfg, steps):
+    rng = np.random.default_rng(0)
+    shape = (cfg.train.batch_size, cfg.train.seq_len)
+    out = []
+    for _ in range(steps):
+        tokens = rng.integers(3, cfg.model.vocab_size, (shape[0], shape[1] + 1)).astype(np.int32)
+        segments = np.ones(shape, np.int32)
+        segments[:, shape[1] // 2 :] = 2  # two packed documents per row
+        positions = np.concatenate([np.arange(shape[1] // 2)] * 2)[None].repeat(shape[0], 0).astype(np.int32)
+        out.append(
+            {
+                "inputs": tokens[:, :-1],
+                "targets": tokens[:, 1:],
+                "segment_ids": segments,
+                "positions": positions,
+                "loss_mask": np.ones(shape, np.float32),
+            }
+        )
+    return out
+
+
+def run(extra, names):
+    cfg = zaya_jax.load_config("tiny", overrides=[*MODEL, *extra, *sys.argv[1:]])
+    devices = jax.devices()[:1] if names == "single" else jax.devices()
+    layout = make_layout(cfg, devices)
+    groups = model_param_groups(cfg.model, cfg.optim.router_group)
+    tx = build_optimizer(cfg.optim, groups, 100, shardings=layout.variables["params"])
+    state, shardings = init_sharded_train_state(cfg, tx, layout)
+    step = jax.jit(
+        make_train_step(cfg, tx, set_lr_scale),
+        in_shardings=(shardings, layout.batch, layout.replicated),
+        out_shardings=(shardings, layout.replicated),
+    )
+    model = Zaya(cfg.model)
+    grad_fn = jax.jit(
+        jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, 0.0)[0]),
+        in_shardings=(shardings.params, shardings.balancing, layout.batch),
+        out_shardings=shardings.params,
+    )
+    first = put_batch(batches(cfg, 1)[0], layout.batch)
+    grads = jax.tree.map(np.asarray, grad_fn(state.params, state.balancing, first))
+    losses, norms = [], []
+    for batch in batches(cfg, STEPS):
+        state, metrics = step(state, put_batch(batch, layout.batch), np.float32(1.0))
+        losses.append(float(metrics["loss"]))
+        norms.append(float(metrics["grad_norm"]))
+    sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
+    return losses, norms, grads, sharded, dict(layout.mesh.shape)
+
+
+def main():
+    results, reference = {}, None
+    for name, extra in LAYOUTS.items():
+        losses, norms, grads, sharded, mesh = run(extra, name)
+        if reference is None:
+            reference = grads
+        # Largest gradient error of any leaf, relative to that leaf's largest gradient.
+        error = max(
+            float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+            for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True)
+        )
+        results[name] = {
+            "losses": losses,
+            "grad_norms": norms,
+            "grad_error": error,
+            "sharded": sharded,
+            "mesh": mesh,
+        }
+    print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

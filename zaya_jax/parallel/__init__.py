@@ -1,0 +1,29 @@
+"""Meshes, the logical-axis rules table and the sharded layouts of parameters, optimizer state and
+batches (``zaya_jax.parallel.rules``, ``zaya_jax.parallel.mesh``)."""
+
+from zaya_jax.parallel.layout import Layout, make_layout
+from zaya_jax.parallel.mesh import batch_sharding, make_mesh, mesh_sizes, put_batch, replicated
+from zaya_jax.parallel.rules import (
+    BATCH_AXES,
+    DEFAULT_RULES,
+    logical_rules,
+    logical_to_spec,
+    matching_shardings,
+    variable_shardings,
+)
+
+__all__ = [
+    "BATCH_AXES",
+    "DEFAULT_RULES",
+    "Layout",
+    "batch_sharding",
+    "logical_rules",
+    "logical_to_spec",
+    "make_layout",
+    "make_mesh",
+    "matching_shardings",
+    "mesh_sizes",
+    "put_batch",
+    "replicated",
+    "variable_shardings",
+]

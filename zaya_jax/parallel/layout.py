@@ -1,0 +1,48 @@
+"""A run's parallel layout: the mesh, the rules and the shardings of everything the step touches."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from jax.sharding import Mesh, NamedSharding
+
+from zaya_jax.config import Config
+from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
+from zaya_jax.parallel.rules import logical_rules, matching_shardings, variable_shardings
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """``variables``: shardings of ``{"params", "balancing"}``; ``batch``: of (batch, seq) inputs."""
+
+    mesh: Mesh
+    rules: tuple[tuple[str, Any], ...]
+    variables: dict[str, Any]
+    batch: NamedSharding
+    replicated: NamedSharding
+
+    def state_shardings(self, abstract_state: Any) -> Any:
+        """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
+        parameters and balancing biases by the rules, optimizer state like its parameters,
+        step and controller replicated."""
+        params = self.variables["params"]
+        return abstract_state.replace(
+            step=self.replicated,
+            params=params,
+            opt_state=matching_shardings(abstract_state.opt_state, abstract_state.params, params, self.mesh),
+            balancing=self.variables["balancing"],
+            controller=jax.tree.map(lambda _: self.replicated, abstract_state.controller),
+        )
+
+    def describe(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+
+def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
+    mesh = make_mesh(cfg, devices)
+    rules = logical_rules(cfg.mesh)
+    return Layout(
+        mesh, rules, variable_shardings(cfg.model, mesh, rules), batch_sharding(mesh), replicated(mesh)
+    )

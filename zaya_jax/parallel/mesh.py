@@ -1,0 +1,77 @@
+"""Building the device mesh from ``cfg.mesh`` and placing arrays on it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import mesh_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zaya_jax.config import MESH_AXES, Config, ConfigError, MeshConfig
+from zaya_jax.parallel.rules import BATCH_AXES
+
+
+def mesh_sizes(mesh_cfg: MeshConfig, device_count: int) -> dict[str, int]:
+    """Axis sizes with the -1 axis filled so that their product is ``device_count``."""
+    sizes = mesh_cfg.sizes()
+    fixed = math.prod(size for size in sizes.values() if size > 0)
+    auto = [axis for axis, size in sizes.items() if size == -1]
+    if auto:
+        if device_count % fixed:
+            raise ConfigError(
+                f"{device_count} devices cannot be split into mesh axes {sizes}: the fixed axes' product "
+                f"{fixed} does not divide the device count; change the fixed sizes"
+            )
+        sizes[auto[0]] = device_count // fixed
+    elif fixed != device_count:
+        raise ConfigError(
+            f"mesh axes {sizes} multiply to {fixed} but {device_count} devices are present; "
+            "set one axis to -1 to fill the rest"
+        )
+    return sizes
+
+
+def make_mesh(cfg: Config, devices: Any | None = None) -> Mesh:
+    """The mesh (data, fsdp, expert, context) over ``devices`` (default: all), validated against the
+    config's batch, sequence and expert sizes.
+
+    Devices are laid out so the innermost axes (expert, context) stay within a process (a node)
+    where possible: ``mesh_utils.create_hybrid_device_mesh`` splits the data axis across processes.
+    """
+    devices = jax.devices() if devices is None else list(devices)
+    sizes = mesh_sizes(cfg.mesh, len(devices))
+    cfg.validate_layout(sizes)
+    shape = tuple(sizes[axis] for axis in MESH_AXES)
+    processes = len({d.process_index for d in devices})
+    if processes > 1 and sizes["data"] % processes == 0:
+        per_process = list(shape)
+        per_process[0] //= processes
+        array = mesh_utils.create_hybrid_device_mesh(
+            per_process, (processes, 1, 1, 1), devices=devices, allow_split_physical_axes=True
+        )
+    else:
+        try:
+            array = mesh_utils.create_device_mesh(shape, devices=devices, allow_split_physical_axes=True)
+        except (ValueError, NotImplementedError, AssertionError):
+            array = np.asarray(devices).reshape(shape)
+    return Mesh(array, MESH_AXES)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """(batch, seq) arrays: rows over data x fsdp x expert, the sequence over context."""
+    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
+    seq = "context" if mesh.shape["context"] > 1 else None
+    return NamedSharding(mesh, PartitionSpec(rows or None, seq))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """Host rows of this process -> global arrays. Each process passes its own slice of the global
+    batch (``jax.make_array_from_process_local_data``); one process passes the whole batch."""
+    return {k: jax.make_array_from_process_local_data(sharding, np.asarray(v)) for k, v in batch.items()}

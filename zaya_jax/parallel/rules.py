@@ -1,0 +1,125 @@
+"""The logical-axis rules table: which mesh axes split each logical axis name.
+
+Model code names every parameter axis (``zaya_jax.model.layers``) and knows nothing of meshes;
+this table alone decides the layout. Defaults:
+
+* ``embed`` (the residual width H of every weight) -> ``fsdp``: parameters and their optimizer
+  state are sharded over the FSDP axis and gathered by XLA where used;
+* ``experts`` -> ``expert``: each expert-axis shard holds E / |expert| experts;
+* ``batch`` -> (``data``, ``fsdp``, ``expert``) and ``seq`` -> ``context`` for activations;
+* everything else is replicated.
+
+``mesh.rules`` in the config overrides entries, e.g. ``{name: vocab, mesh: [fsdp]}``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from zaya_jax.config import MeshConfig, ModelConfig
+from zaya_jax.model import Zaya
+
+BATCH_AXES = ("data", "fsdp", "expert")
+
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("batch", BATCH_AXES),
+    ("seq", ("context",)),
+    ("embed", ("fsdp",)),
+    ("experts", ("expert",)),
+    ("vocab", ()),
+    ("heads", ()),
+    ("kv", ()),
+    ("kv_heads", ()),
+    ("qk", ()),
+    ("qk_heads", ()),
+    ("head_dim", ()),
+    ("conv", ()),
+    ("router", ()),
+    ("router_classes", ()),
+    ("expert_mlp", ()),
+    ("layers", ()),
+)
+
+
+def logical_rules(mesh_cfg: MeshConfig) -> tuple[tuple[str, Any], ...]:
+    """The default table with ``mesh_cfg.rules`` applied, in Flax's ``(name, mesh axes)`` form."""
+    table = dict(DEFAULT_RULES)
+    for rule in mesh_cfg.rules:
+        table[rule.name] = tuple(rule.mesh)
+    return tuple((name, axes if axes else None) for name, axes in table.items())
+
+
+def logical_to_spec(
+    names: Sequence[str | None], rules: Sequence[tuple[str, Any]], mesh: Mesh
+) -> PartitionSpec:
+    """A PartitionSpec for an array whose axes carry logical ``names``; mesh axes of size 1 dropped."""
+    table = dict(rules)
+    spec = []
+    for name in names:
+        axes = table.get(name) if name is not None else None
+        axes = tuple(a for a in (axes or ()) if mesh.shape[a] > 1)
+        spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
+    return PartitionSpec(*spec)
+
+
+def variable_shardings(
+    model_cfg: ModelConfig, mesh: Mesh, rules: Sequence[tuple[str, Any]]
+) -> dict[str, Any]:
+    """NamedShardings of the model's ``{"params", "balancing"}`` from their logical axis names.
+
+    An axis whose size the mesh axes do not divide stays replicated rather than failing.
+    """
+    boxed = jax.eval_shape(lambda: Zaya(model_cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+
+    def sharding(leaf: Any) -> NamedSharding:
+        if isinstance(leaf, nn.LogicallyPartitioned):
+            shape, names = leaf.value.shape, leaf.names
+        else:
+            shape, names = leaf.shape, (None,) * len(leaf.shape)
+        spec = list(logical_to_spec(names, rules, mesh))
+        for i, axes in enumerate(spec):
+            size = 1
+            for axis in (axes,) if isinstance(axes, str) else axes or ():
+                size *= mesh.shape[axis]
+            if shape[i] % size:
+                spec[i] = None
+        return NamedSharding(mesh, PartitionSpec(*spec))
+
+    return jax.tree.map(sharding, boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+def matching_shardings(tree: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for an optimizer-state-like ``tree``: a leaf whose key path ends with a parameter's
+    path and has its shape gets that parameter's sharding; anything else (counts, scalars) is
+    replicated."""
+    by_path = {}
+    for (path, p), s in zip(
+        jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(param_shardings), strict=True
+    ):
+        by_path[tuple(path)] = (p.shape, s)
+    replicated = NamedSharding(mesh, PartitionSpec())
+
+    def pick(path, leaf):
+        path = tuple(path)
+        for start in range(len(path)):
+            hit = by_path.get(path[start:])
+            if hit is not None and hit[0] == getattr(leaf, "shape", None):
+                return hit[1]
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(pick, tree)
+
+
+__all__ = [
+    "BATCH_AXES",
+    "DEFAULT_RULES",
+    "logical_rules",
+    "logical_to_spec",
+    "matching_shardings",
+    "variable_shardings",
+]
