@@ -85,9 +85,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from zaya_jax.parallel.distributed import initialize
     from zaya_jax.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
+    initialize(args.coordinator, args.num_processes, args.process_id)
     summary = train(cfg, progress=not args.no_progress)
     _print_json(summary)
     return 0
@@ -161,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)"
     )
+    dist = train.add_argument_group(
+        "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"
+    )
+    dist.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    dist.add_argument("--num-processes", type=int, help="number of processes in the job")
+    dist.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
     train.set_defaults(func=_cmd_train)
 
     evaluate = sub.add_parser(

@@ -42,8 +42,16 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
         "balancing": ocp.StandardCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),
         "train": ocp.StandardCheckpointHandler(),
-        "data": ocp.JsonCheckpointHandler(),
+        # Every process saves and restores its own data position (its share of the rows).
+        "data": ocp.JsonCheckpointHandler(
+            filename=_data_filename(),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None),
+        ),
     }
+
+
+def _data_filename() -> str:
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
 
 
 def manager(
@@ -155,6 +163,13 @@ def restore_training(checkpoints_dir: str | Path, like: Any) -> tuple[Any, dict[
         return None
     step = max(steps)
     train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
+    data_dir = Path(checkpoints_dir) / str(step) / "data"
+    if not (data_dir / _data_filename()).is_file():
+        saved = sorted(p.name for p in data_dir.glob("process_*.json"))
+        raise CheckpointNotFoundError(
+            f"{data_dir} holds the data positions {saved} but this run is process {jax.process_index()} of "
+            f"{jax.process_count()}; resume with the number of processes that saved it"
+        )
     restored = mgr.restore(
         step,
         args=ocp.args.Composite(

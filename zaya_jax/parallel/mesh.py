@@ -50,7 +50,11 @@ def make_mesh(cfg: Config, devices: Any | None = None) -> Mesh:
         per_process = list(shape)
         per_process[0] //= processes
         array = mesh_utils.create_hybrid_device_mesh(
-            per_process, (processes, 1, 1, 1), devices=devices, allow_split_physical_axes=True
+            per_process,
+            (processes, 1, 1, 1),
+            devices=devices,
+            process_is_granule=True,
+            allow_split_physical_axes=True,
         )
     else:
         try:

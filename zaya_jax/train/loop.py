@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, ConfigError, load_config, save_config
@@ -29,6 +30,7 @@ from zaya_jax.optim import (
     set_lr_scale,
 )
 from zaya_jax.parallel import make_layout, put_batch
+from zaya_jax.parallel.distributed import barrier
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.step import TrainState, init_sharded_train_state, make_eval_step, make_train_step
@@ -164,8 +166,8 @@ class BatchProducer:
         plan = plan_for(self.cfg, self.tokens_seen)
         if plan.stage != self.stage:  # a new curriculum stage: new sequence length and mixture
             self._open_stage(plan)
-        self.tokens_seen += plan.batch_size * plan.seq_len
-        batch = next_batch(self.rows, plan.batch_size)
+        self.tokens_seen += plan.batch_size * plan.seq_len  # global tokens, all processes together
+        batch = next_batch(self.rows, plan.batch_size // jax.process_count())  # this process's rows
         return plan, batch, self.get_state()
 
 
@@ -178,7 +180,12 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
             f"set model.vocab_size >= {tokenizer.vocab_size}"
         )
-    run_dir, resuming = prepare_run_dir(cfg)
+    primary = jax.process_index() == 0
+    if primary:
+        run_dir, resuming = prepare_run_dir(cfg)
+    if jax.process_count() > 1:  # the other processes follow the first one's decision
+        run_dir = cfg.run.path
+        resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming if primary else 0)))
 
     layout = make_layout(cfg)
     tx = build_optimizer(
@@ -203,8 +210,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             state, data_state, restored_step = restored
             producer.set_state(data_state)
             first_step = restored_step + 1
-            _truncate_metrics(run_dir, restored_step)  # before the writer opens the file
-    writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None)
+            if primary:
+                _truncate_metrics(run_dir, restored_step)  # before the writer opens the file
+    writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None, enabled=primary)
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(
@@ -219,7 +227,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         out_shardings=layout.replicated,
     )
     held_out = [
-        put_batch(b, layout.batch)
+        put_batch(_local_rows(b), layout.batch)
         for b in eval_batches(
             cfg.data,
             tokenizer,
@@ -230,8 +238,14 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         )
     ]
 
+    compiled_steps: dict[tuple[int, int], Any] = {}
+
     def evaluate(state: TrainState) -> float:
         total, count = 0.0, 0.0
+        if not compiled_steps.get("eval"):
+            compiled_steps["eval"] = True
+            jax.block_until_ready(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
+            barrier("eval")
         for batch in held_out:
             ce, n = eval_fn(state.params, state.balancing, batch)
             total, count = total + float(ce), count + float(n)
@@ -264,7 +278,12 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             data_wait += time.perf_counter() - wait_start
             batch = put_batch(host_batch, layout.batch)
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
-            state, metrics = step_fn(state, batch, jnp.asarray(lr_scale, jnp.float32))
+            lr_scale = jnp.asarray(lr_scale, jnp.float32)
+            shape = (plan.batch_size, plan.seq_len)
+            if shape not in compiled_steps:  # compile, then start together (see barrier)
+                compiled_steps[shape] = step_fn.lower(state, batch, lr_scale).compile()
+                barrier(f"step {shape}")
+            state, metrics = compiled_steps[shape](state, batch, lr_scale)
             step_tokens = plan.batch_size * plan.seq_len
             tokens_seen = data_state["tokens_seen"]  # the producer's count after this batch
             interval_tokens += step_tokens
@@ -340,5 +359,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     }
     writer.event({"event": "end", **summary})
     writer.close()
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if primary:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's share of a global host batch (all of it in a single-process run)."""
+    count, index = jax.process_count(), jax.process_index()
+    rows = next(iter(batch.values())).shape[0] // count
+    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}

@@ -22,18 +22,23 @@ class MetricsWriter:
     """Append-only metric sinks of one run directory. Lines are flushed as written, so a crash
     loses nothing already logged."""
 
-    def __init__(self, run_dir: str | Path, progress_total: int | None = None):
+    def __init__(self, run_dir: str | Path, progress_total: int | None = None, enabled: bool = True):
         from tensorboardX import SummaryWriter
 
+        self.enabled = enabled  # False on every process but the first of a multi-process run
         self.run_dir = Path(run_dir)
+        self._step = 0
+        if not enabled:
+            return
         self._metrics = (self.run_dir / "metrics.jsonl").open("a")
         self._events = (self.run_dir / "events.jsonl").open("a")
         self._tb = SummaryWriter(str(self.run_dir / "tb"))
         self._bar = tqdm(total=progress_total, unit="step", dynamic_ncols=True) if progress_total else None
-        self._step = 0
 
     def write(self, record: dict[str, Any]) -> None:
         """One metrics line; numeric fields also go to TensorBoard under their names."""
+        if not self.enabled:
+            return
         clean = {k: _jsonable(v) for k, v in record.items()}
         self._metrics.write(json.dumps(clean) + "\n")
         self._metrics.flush()
@@ -48,13 +53,15 @@ class MetricsWriter:
 
     def event(self, detail: dict[str, Any]) -> None:
         """A run event in ``events.jsonl``: ``{"time", "event", "step", "detail"}``."""
+        if not self.enabled:
+            return
         detail = dict(detail)
         line = {"time": time.time(), "event": detail.pop("event"), "step": self._step, "detail": detail}
         self._events.write(json.dumps(line, default=str) + "\n")
         self._events.flush()
 
     def advance(self, last: dict[str, Any]) -> None:
-        if self._bar is None:
+        if not self.enabled or self._bar is None:
             return
         self._bar.update(1)
         if last:
@@ -63,6 +70,8 @@ class MetricsWriter:
             )
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         if self._bar is not None:
             self._bar.close()
         self._tb.close()

@@ -1,0 +1,90 @@
+"""Multi-process runs with JAX's own multi-controller runtime (``jax.distributed``).
+
+One process per host (or per GPU) runs the same ``zaya train`` command. The coordinator comes from
+the command line (``--coordinator HOST:PORT --num-processes N --process-id I``), from the
+environment (``ZAYA_COORDINATOR``, ``ZAYA_NUM_PROCESSES``, ``ZAYA_PROCESS_ID``), or from JAX's
+cluster auto-detection when a scheduler launched several tasks (Slurm ``srun``, Open MPI
+``mpirun``, Kubernetes JobSet). A single process with none of these starts nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import jax
+
+from zaya_jax.config import ConfigError
+
+# Environment variables that mean "a scheduler started several processes of this job".
+_SCHEDULERS = {
+    "slurm": ("SLURM_NTASKS",),
+    "openmpi": ("OMPI_COMM_WORLD_SIZE",),
+    "kubernetes-jobset": ("JOBSET_NAME",),
+}
+
+
+def detect_scheduler(env: Mapping[str, str] = os.environ) -> str | None:
+    """The scheduler that launched several tasks of this job, or None."""
+    for name, keys in _SCHEDULERS.items():
+        for key in keys:
+            value = env.get(key)
+            if value is None:
+                continue
+            if name == "kubernetes-jobset" or (value.isdigit() and int(value) > 1):
+                return name
+    return None
+
+
+def initialize(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+    env: Mapping[str, str] = os.environ,
+) -> dict[str, object]:
+    """Start ``jax.distributed`` if this is a multi-process run; returns what was decided.
+
+    Must run before anything touches a JAX backend. Explicit arguments win over ``ZAYA_*``
+    variables, which win over scheduler auto-detection.
+    """
+    coordinator = coordinator or env.get("ZAYA_COORDINATOR")
+    if num_processes is None and env.get("ZAYA_NUM_PROCESSES"):
+        num_processes = int(env["ZAYA_NUM_PROCESSES"])
+    if process_id is None and env.get("ZAYA_PROCESS_ID"):
+        process_id = int(env["ZAYA_PROCESS_ID"])
+    if coordinator:
+        if num_processes is None or process_id is None:
+            raise ConfigError(
+                "a coordinator address needs --num-processes and --process-id "
+                "(or ZAYA_NUM_PROCESSES and ZAYA_PROCESS_ID)"
+            )
+        if not 0 <= process_id < num_processes:
+            raise ConfigError(f"--process-id {process_id} must be in [0, --num-processes {num_processes})")
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        return {"mode": "explicit", "coordinator": coordinator, "num_processes": num_processes}
+    scheduler = detect_scheduler(env)
+    if scheduler is not None:
+        jax.distributed.initialize()  # JAX's cluster detection reads the scheduler's variables
+        return {"mode": "auto", "scheduler": scheduler, "num_processes": jax.process_count()}
+    return {"mode": "single"}
+
+
+_barriers = 0
+
+
+def barrier(name: str, timeout_s: float = 3600.0) -> None:
+    """Wait until every process arrives, through the coordination service (not a device
+    collective, so a slow peer, e.g. one still compiling, does not trip a collective timeout)."""
+    global _barriers
+    if jax.process_count() == 1:
+        return
+    from jax._src import distributed as jax_distributed
+
+    _barriers += 1
+    client = jax_distributed.global_state.client
+    if client is None:  # pragma: no cover - multi-process without jax.distributed (e.g. TPU pods)
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+        return
+    client.wait_at_barrier(f"zaya:{_barriers}:{name}", timeout_in_ms=int(timeout_s * 1000))
