@@ -1,0 +1,60 @@
+"""Resharding: a run checkpointed on one mesh (data=8) resumes on another (data=2 x fsdp=2 x expert=2)
+on the same 8 devices, and on a 4-device mesh (fsdp=4); training continues with the losses of the
+uninterrupted run (within the cross-layout tolerance of tests/parallel/test_layouts.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from tests.train.test_loop import MINI
+
+COMMON = [
+    *MINI,
+    "train.batch_size=8",
+    "train.log_every=1",
+    "train.eval_every=100",
+    "checkpoint.every_steps=2",
+]
+
+
+def _train(run: Path, devices: int, *extra: str) -> None:
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
+        "JAX_PLATFORMS": "cpu",
+    }
+    cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _losses(run: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+def _mesh(run: Path) -> list[dict[str, int]]:
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [e["detail"]["mesh"] for e in events if e["event"] == "start"]
+
+
+def test_a_checkpoint_resumes_on_other_meshes_and_device_counts(tmp_path):
+    reference = tmp_path / "reference"
+    _train(reference, 8, "train.steps=6", "mesh.data=8")
+
+    run = tmp_path / "run"
+    _train(run, 8, "train.steps=2", "mesh.data=8")
+    _train(run, 8, "train.steps=4", "mesh.data=2", "mesh.fsdp=2", "mesh.expert=2")
+    _train(run, 4, "train.steps=6", "mesh.data=1", "mesh.fsdp=4")
+
+    assert [m["data"] for m in _mesh(run)] == [8, 2, 1]
+    assert _mesh(run)[-1]["fsdp"] == 4
+    got, want = _losses(run), _losses(reference)
+    assert sorted(got) == sorted(want) == [1, 2, 3, 4, 5, 6]
+    np.testing.assert_allclose([got[s] for s in range(1, 7)], [want[s] for s in range(1, 7)], rtol=1e-4)
