@@ -431,6 +431,9 @@ class MeshConfig:
     fsdp: int = 1
     expert: int = 1
     context: int = 1
+    # Expert parallelism: rows exchanged per device pair = factor x local tokens / |expert|;
+    # 0 = all local tokens (dropless). Tokens beyond it are dropped and counted.
+    expert_capacity_factor: float = 0.0
     rules: tuple[AxisRule, ...] = ()
 
     def sizes(self) -> dict[str, int]:
@@ -444,6 +447,10 @@ class MeshConfig:
         for axis, size in sizes.items():
             if size == 0 or size < -1:
                 raise ConfigError(f"mesh.{axis}={size} must be a positive size or -1 (auto)")
+        if self.expert_capacity_factor < 0:
+            raise ConfigError(
+                f"mesh.expert_capacity_factor={self.expert_capacity_factor} must be >= 0 (0 = dropless)"
+            )
         for rule in self.rules:
             unknown = [a for a in rule.mesh if a not in MESH_AXES]
             if unknown:

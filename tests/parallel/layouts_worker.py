@@ -35,6 +35,7 @@ LAYOUTS = {
     "expert": ["mesh.data=2", "mesh.expert=4"],
     "context": ["mesh.data=2", "mesh.context=4"],
     "combined": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
+    "expert_capped": ["mesh.data=2", "mesh.expert=4", "mesh.expert_capacity_factor=0.5"],
 }
 STEPS = 3
 
@@ -68,11 +69,11 @@ def run(extra, names):
     tx = build_optimizer(cfg.optim, groups, 100, shardings=layout.variables["params"])
     state, shardings = init_sharded_train_state(cfg, tx, layout)
     step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale),
+        make_train_step(cfg, tx, set_lr_scale, layout.moe_dispatch),
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
     )
-    model = Zaya(cfg.model)
+    model = Zaya(cfg.model, layout.moe_dispatch)
     grad_fn = jax.jit(
         jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, 0.0)[0]),
         in_shardings=(shardings.params, shardings.balancing, layout.batch),
@@ -80,19 +81,22 @@ def run(extra, names):
     )
     first = put_batch(batches(cfg, 1)[0], layout.batch)
     grads = jax.tree.map(np.asarray, grad_fn(state.params, state.balancing, first))
-    losses, norms = [], []
+    losses, norms, dropped = [], [], 0.0
     for batch in batches(cfg, STEPS):
         state, metrics = step(state, put_batch(batch, layout.batch), np.float32(1.0))
         losses.append(float(metrics["loss"]))
         norms.append(float(metrics["grad_norm"]))
+        dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
-    return losses, norms, grads, sharded, dict(layout.mesh.shape)
+    hlo = step.lower(state, put_batch(batches(cfg, 1)[0], layout.batch), np.float32(1.0)).as_text()
+    all_to_all = hlo.count("all_to_all")
+    return losses, norms, grads, sharded, dict(layout.mesh.shape), dropped, all_to_all
 
 
 def main():
     results, reference = {}, None
     for name, extra in LAYOUTS.items():
-        losses, norms, grads, sharded, mesh = run(extra, name)
+        losses, norms, grads, sharded, mesh, dropped, all_to_all = run(extra, name)
         if reference is None:
             reference = grads
         # Largest gradient error of any leaf, relative to that leaf's largest gradient.
@@ -106,6 +110,8 @@ def main():
             "grad_error": error,
             "sharded": sharded,
             "mesh": mesh,
+            "dropped": dropped,
+            "all_to_all": all_to_all,
         }
     print("RESULT " + json.dumps(results))
 

@@ -1,5 +1,6 @@
 """Every parallel layout on 8 fake CPU devices (data, fsdp, expert, context, and all combined)
-reproduces the single-device gradients and losses.
+reproduces the single-device gradients and losses; expert parallelism exchanges tokens with
+all_to_all and, with a capped exchange, drops and reports tokens.
 
 Tolerances: gradients of the same parameters on the same batch agree to 1e-5 of each leaf's
 largest entry (measured: ~1e-7, float32 summation order). Losses over 3 optimizer steps agree to
@@ -39,7 +40,7 @@ def results():
     return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
+@pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", "expert_capped")])
 def test_layout_matches_the_single_device_run(results, layout):
     single, got = results["single"], results[layout]
     assert got["grad_error"] < 1e-5
@@ -47,6 +48,20 @@ def test_layout_matches_the_single_device_run(results, layout):
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-4)
     np.testing.assert_allclose(got["grad_norms"], single["grad_norms"], rtol=1e-2)
     assert got["losses"][0] == pytest.approx(single["losses"][0], rel=1e-6)  # before any update
+    assert got["dropped"] == 0  # dropless, expert parallelism included
+
+
+def test_expert_parallelism_exchanges_tokens_with_all_to_all(results):
+    # Tokens go to their expert's device and come back: 3 all_to_all forward (rows, expert ids,
+    # results), 2 in the backward pass; layouts without an expert axis exchange none.
+    assert results["expert"]["all_to_all"] == results["combined"]["all_to_all"] == 5
+    assert results["data"]["all_to_all"] == results["fsdp"]["all_to_all"] == 0
+
+
+def test_a_capped_expert_exchange_drops_and_reports_tokens(results):
+    capped = results["expert_capped"]
+    assert capped["dropped"] > 0
+    assert np.isfinite(capped["losses"]).all()
 
 
 def test_layouts_really_shard(results):

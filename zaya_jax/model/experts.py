@@ -12,6 +12,8 @@ Tokens routed to the skip class (``choice == E``) get 0 from every path; ``Block
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -73,6 +75,9 @@ class Experts(nn.Module):
     """E SwiGLU experts; m: (batch, seq, embed); choice, weight: (batch, seq) -> (out, dropped (batch, seq))."""
 
     cfg: ModelConfig
+    # Optional ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` replacing the local paths, e.g.
+    # expert parallelism over a mesh (``zaya_jax.parallel.expert``); the model itself knows no mesh.
+    dispatch: Any = None
 
     @nn.compact
     def __call__(self, m: jax.Array, choice: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -91,6 +96,8 @@ class Experts(nn.Module):
         m, weight = m.astype(dtype), weight.astype(dtype)
         batch, seq, _ = m.shape
 
+        if self.dispatch is not None:
+            return self.dispatch(m, choice, weight, wi, wo, cfg.hidden_act)
         if cfg.moe_impl == "capacity":
             return capacity_experts(m, choice, weight, wi, wo, cfg.hidden_act, cfg.capacity(seq))
         flat = (m.reshape(batch * seq, embed), choice.reshape(-1), weight.reshape(-1), wi, wo, cfg.hidden_act)

@@ -50,6 +50,7 @@ class Block(nn.Module):
     """
 
     cfg: ModelConfig
+    moe_dispatch: Any = None
 
     @nn.compact
     def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
@@ -77,7 +78,7 @@ class Block(nn.Module):
         routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
         is_skip = routing.choice == cfg.num_experts
         weight = jnp.where(is_skip, 0, routing.weight)
-        f, dropped = Experts(cfg, name="experts")(m, routing.choice, weight)
+        f, dropped = Experts(cfg, self.moe_dispatch, name="experts")(m, routing.choice, weight)
         if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
             f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
         h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
@@ -114,9 +115,13 @@ class Zaya(nn.Module):
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left
     padding) and ``positions`` default to the slot indices. ``aux["cache"]`` is then the updated cache.
     ``segment_ids`` cannot be combined with a cache.
+
+    ``moe_dispatch`` optionally replaces the local MoE paths (expert parallelism, see
+    ``zaya_jax.parallel.expert``); parameters and results are the same.
     """
 
     cfg: ModelConfig
+    moe_dispatch: Any = None
 
     def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
         cfg = self.cfg
@@ -220,7 +225,7 @@ class Zaya(nn.Module):
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, name="layers")
+        )(cfg, self.moe_dispatch, name="layers")
         (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
         if cache is not None:
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}

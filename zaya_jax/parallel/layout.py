@@ -9,6 +9,7 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 
 from zaya_jax.config import Config
+from zaya_jax.parallel.expert import expert_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.rules import logical_rules, matching_shardings, variable_shardings
 
@@ -22,6 +23,7 @@ class Layout:
     variables: dict[str, Any]
     batch: NamedSharding
     replicated: NamedSharding
+    moe_dispatch: Any = None  # expert parallelism when the expert axis is > 1
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
@@ -43,6 +45,12 @@ class Layout:
 def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
+    dispatch = expert_dispatch(mesh, cfg.mesh.expert_capacity_factor) if mesh.shape["expert"] > 1 else None
     return Layout(
-        mesh, rules, variable_shardings(cfg.model, mesh, rules), batch_sharding(mesh), replicated(mesh)
+        mesh,
+        rules,
+        variable_shardings(cfg.model, mesh, rules),
+        batch_sharding(mesh),
+        replicated(mesh),
+        dispatch,
     )

@@ -98,11 +98,15 @@ def loss_and_stats(
 
 
 def make_train_step(
-    cfg: Config, tx: optax.GradientTransformation, set_lr_scale: Callable[[Any, jax.Array], Any]
+    cfg: Config,
+    tx: optax.GradientTransformation,
+    set_lr_scale: Callable[[Any, jax.Array], Any],
+    moe_dispatch: Any = None,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
-    batch-ramp learning-rate multiplier as a traced value (no recompilation per value)."""
-    model = Zaya(cfg.model)
+    batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
+    ``moe_dispatch``: expert parallelism on a mesh (``zaya_jax.parallel.expert_dispatch``)."""
+    model = Zaya(cfg.model, moe_dispatch)
     micro = cfg.train.micro_batches
     grad_fn = jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss), has_aux=True)
 
@@ -165,9 +169,11 @@ def make_train_step(
     return step
 
 
-def make_eval_step(cfg: Config) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
+def make_eval_step(
+    cfg: Config, moe_dispatch: Any = None
+) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
     """(params, balancing, batch) -> (summed cross-entropy, number of target tokens)."""
-    model = Zaya(cfg.model)
+    model = Zaya(cfg.model, moe_dispatch)
 
     def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         _, stats = loss_and_stats(model, params, balancing, batch, 0.0)
