@@ -17,9 +17,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import Zaya, init_cache
+from zaya_jax.parallel.tree import tree_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +73,22 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: int, top_p: 
     return jnp.where(logits < threshold, -jnp.inf, logits)
 
 
+def _cache_shardings(cache: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
+    """Keys, values and slot mask split along the cache slots over ``context``; the rest replicated."""
+    split = {"keys": P(None, None, "context"), "values": P(None, None, "context"), "mask": P(None, "context")}
+    return {name: NamedSharding(mesh, split.get(name, P())) for name in cache}
+
+
 @functools.lru_cache(maxsize=32)
 def _generate_fn(
-    cfg: ModelConfig, max_new_tokens: int, greedy: bool, top_k: int, stop_tokens: tuple[int, ...]
+    cfg: ModelConfig,
+    max_new_tokens: int,
+    greedy: bool,
+    top_k: int,
+    stop_tokens: tuple[int, ...],
+    mesh: Mesh | None = None,
 ):
-    model = Zaya(cfg)
+    model = Zaya(cfg, attention=tree_attention(mesh) if mesh is not None else None)
 
     def choose(logits, key, temperature, top_p, vocab_limit):
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
@@ -89,7 +103,12 @@ def _generate_fn(
 
     def generate(variables, ids, mask, key, temperature, top_p, vocab_limit, pad_id):
         batch, prompt_len = ids.shape
-        cache = init_cache(cfg, batch, prompt_len + max_new_tokens)
+        length = prompt_len + max_new_tokens
+        if mesh is not None:  # tree attention: the cache slots split evenly over the context axis
+            length = -(-length // mesh.shape["context"]) * mesh.shape["context"]
+        cache = init_cache(cfg, batch, length)
+        if mesh is not None:
+            cache = jax.lax.with_sharding_constraint(cache, _cache_shardings(cache, mesh))
         positions = jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0)
         logits, aux = model.apply(variables, ids, token_mask=mask, positions=positions, cache=cache)
         key, sub = jax.random.split(key)
@@ -128,6 +147,7 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     seed: int = 0,
     vocab_limit: int | None = None,
+    mesh: Mesh | None = None,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens.
 
@@ -135,6 +155,8 @@ def generate(
     ``attention_mask`` (1 = real token) when that array is already left-padded. ``stop_tokens``
     default to the model's ``eos_token_id``; ``vocab_limit`` keeps ids below it (a tokenizer smaller
     than a padded model vocabulary). ``temperature=0`` is greedy; ``seed`` makes sampling repeatable.
+    ``mesh``: a mesh with a ``context`` axis over which the decode cache is split along its slots
+    (tree attention, ``zaya_jax.parallel.tree``); the tokens are the same as on one device.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -170,7 +192,11 @@ def generate(
     stops = (cfg.eos_token_id,) if stop_tokens is None else tuple(int(t) for t in stop_tokens)
     if cfg.moe_impl == "capacity":  # decoding routes a handful of tokens: never drop them
         cfg = dataclasses.replace(cfg, moe_impl="sorted")
-    fn = _generate_fn(cfg, max_new_tokens, temperature == 0.0, top_k, stops)
+    if mesh is not None and "context" not in mesh.shape:
+        raise ValueError(
+            f"generate(mesh=...) needs a mesh with a 'context' axis, got axes {tuple(mesh.shape)}"
+        )
+    fn = _generate_fn(cfg, max_new_tokens, temperature == 0.0, top_k, stops, mesh)
     out, done = fn(
         variables,
         jnp.asarray(ids),

@@ -17,6 +17,7 @@ of T new tokens costs O(T) projections and convolutions plus attention over the 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -169,6 +170,9 @@ class CCAAttention(nn.Module):
     """
 
     cfg: ModelConfig
+    # Optional replacement of :func:`dot_product_attention` with the same signature, e.g. tree
+    # attention over a sequence-split decode cache (``zaya_jax.parallel.tree``).
+    attention: Any = None
 
     @nn.compact
     def __call__(
@@ -262,5 +266,6 @@ class CCAAttention(nn.Module):
             v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
             new_cache = {**new_cache, "keys": k, "values": v}
             k, v = k.astype(dtype), v.astype(dtype)
-        out = dot_product_attention(q, k, v, mask & sliding_window_mask(*slots, window))
+        attend = self.attention or dot_product_attention
+        out = attend(q, k, v, mask & sliding_window_mask(*slots, window))
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache
