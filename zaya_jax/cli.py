@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,9 +90,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from zaya_jax.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
+    if args.compile_only:
+        return _compile_only(cfg, args.devices)
     initialize(args.coordinator, args.num_processes, args.process_id)
     summary = train(cfg, progress=not args.no_progress)
     _print_json(summary)
+    return 0
+
+
+def _compile_only(cfg: Config, devices: int | None) -> int:
+    """Plan on ``devices`` fake CPU devices (set before JAX starts its backends)."""
+    if devices:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    from zaya_jax.parallel.plan import compile_plan
+
+    report = compile_plan(cfg)
+    _print_json(report)
+    for warning in report["gemm_tile_warnings"]:
+        print(f"zaya train --compile-only: warning: {warning}", file=sys.stderr)
     return 0
 
 
@@ -163,6 +182,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)"
     )
+    train.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="lower and compile the step for the configured mesh, print per-device memory; no arrays",
+    )
+    train.add_argument("--devices", type=int, help="with --compile-only: plan on this many fake CPU devices")
     dist = train.add_argument_group(
         "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"
     )

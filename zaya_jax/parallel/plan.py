@@ -1,0 +1,108 @@
+"""Compile-only planning: lower and compile the training step for a target mesh without allocating
+a single array (abstract inputs carrying their shardings), and report per-device memory as XLA
+plans it, plus the model dimensions that fit AMD MI300X GEMM tiles poorly.
+
+``zaya train --config zaya1-8b --compile-only --devices 64 mesh.fsdp=8 mesh.expert=8`` runs this on
+64 fake CPU devices; XLA:CPU's memory plan approximates, not equals, the GPU one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.config import Config
+from zaya_jax.model import param_counts
+from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.parallel.layout import make_layout
+from zaya_jax.train.step import BATCH_KEYS, init_train_state, make_train_step
+
+
+def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> list[str]:
+    """Matmul dimensions that are not multiples of ``tile`` (or of ``preferred``): MI300X's GEMM
+    kernels use 64- and 128-wide tiles, so such sizes waste a partial tile per matmul."""
+    m = cfg.model
+    dims = {
+        "model.hidden_size": m.hidden_size,
+        "model.moe_intermediate_size": m.moe_intermediate_size,
+        "query width (num_heads x head_dim)": m.q_width,
+        "key/value width (num_kv_heads x head_dim)": m.kv_width,
+        "model.router_hidden_size": m.router_hidden_size,
+        "model.vocab_size": m.vocab_size,
+        "tokens per micro-batch": cfg.train.batch_size // cfg.train.micro_batches * cfg.train.seq_len,
+    }
+    warnings = []
+    for name, size in dims.items():
+        if size % tile:
+            warnings.append(f"{name}={size} is not a multiple of {tile}")
+        elif size % preferred:
+            warnings.append(f"{name}={size} is a multiple of {tile} but not of {preferred}")
+    return warnings
+
+
+def compile_plan(cfg: Config) -> dict[str, Any]:
+    """Lower and compile the train step on the current devices (usually fake CPU devices)."""
+    layout = make_layout(cfg)
+    groups = model_param_groups(cfg.model, cfg.optim.router_group)
+    tx = build_optimizer(cfg.optim, groups, cfg.train.steps, shardings=layout.variables["params"])
+
+    def init(key: jax.Array) -> Any:
+        import flax.linen as nn
+
+        from zaya_jax.model import Zaya
+
+        return init_train_state(nn.unbox(Zaya(cfg.model).init(key, jnp.zeros((1, 1), jnp.int32))), tx)
+
+    abstract = jax.eval_shape(init, jax.random.key(0))
+    shardings = layout.state_shardings(abstract)
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
+    rows, seq = cfg.train.batch_size, cfg.train.seq_len
+    batch = {
+        key: jax.ShapeDtypeStruct(
+            (rows, seq), jnp.float32 if key == "loss_mask" else jnp.int32, sharding=layout.batch
+        )
+        for key in BATCH_KEYS
+    }
+    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
+    step = jax.jit(
+        make_train_step(cfg, tx, set_lr_scale, layout.moe_dispatch),
+        in_shardings=(shardings, layout.batch, layout.replicated),
+        out_shardings=(shardings, layout.replicated),
+        donate_argnums=0,
+    )
+    compiled = step.lower(state, batch, lr).compile()
+    memory = compiled.memory_analysis()
+
+    def per_device(tree: Any) -> int:
+        total = 0
+        for leaf in jax.tree.leaves(tree):
+            shard = leaf.sharding.shard_shape(leaf.shape)
+            total += int(np.prod(shard)) * jnp.dtype(leaf.dtype).itemsize
+        return total
+
+    report = {
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "mesh": dict(layout.mesh.shape),
+        **param_counts(cfg.model),
+        "state_bytes_per_device": per_device(state),
+        "gemm_tile_warnings": gemm_tile_warnings(cfg),
+    }
+    if memory is not None:
+        report.update(
+            {
+                "argument_bytes_per_device": int(memory.argument_size_in_bytes),
+                "output_bytes_per_device": int(memory.output_size_in_bytes),
+                "temp_bytes_per_device": int(memory.temp_size_in_bytes),
+                "peak_bytes_per_device": int(
+                    memory.argument_size_in_bytes
+                    + memory.temp_size_in_bytes
+                    + memory.output_size_in_bytes
+                    - memory.alias_size_in_bytes
+                ),
+            }
+        )
+    return report
