@@ -86,13 +86,14 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zaya_jax.parallel.distributed import initialize
+    from zaya_jax.parallel.distributed import apply_runtime, initialize
     from zaya_jax.train.loop import train
 
     cfg = load_config(args.config, args.overrides)
     if args.compile_only:
         return _compile_only(cfg, args.devices)
-    initialize(args.coordinator, args.num_processes, args.process_id)
+    apply_runtime(cfg.runtime)
+    initialize(args.coordinator, args.num_processes, args.process_id, runtime=cfg.runtime)
     summary = train(cfg, progress=not args.no_progress)
     _print_json(summary)
     return 0

@@ -460,6 +460,46 @@ class MeshConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+    """Backend and collective settings, applied before JAX starts its backends and recorded in the
+    run's ``events.jsonl`` start event. Combine thresholds (0 = XLA's default) set how many bytes of
+    small all-reduces / all-gathers / reduce-scatters XLA fuses into one collective on GPUs;
+    ``xla_flags`` are appended to ``XLA_FLAGS`` as given. The timeouts govern the multi-process
+    runtime: start-up, heartbeat (a silent process is declared dead after it) and barriers."""
+
+    all_reduce_combine_threshold_bytes: int = 0
+    all_gather_combine_threshold_bytes: int = 0
+    reduce_scatter_combine_threshold_bytes: int = 0
+    xla_flags: tuple[str, ...] = ()
+    init_timeout_s: int = 300
+    heartbeat_timeout_s: int = 100
+    barrier_timeout_s: float = 3600.0
+
+    def validate(self) -> None:
+        for name in ("all_reduce", "all_gather", "reduce_scatter"):
+            value = getattr(self, f"{name}_combine_threshold_bytes")
+            if value < 0:
+                raise ConfigError(
+                    f"runtime.{name}_combine_threshold_bytes={value} must be >= 0 (0 = XLA default)"
+                )
+        for name in ("init_timeout_s", "heartbeat_timeout_s", "barrier_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"runtime.{name}={getattr(self, name)} must be > 0 seconds")
+        for flag in self.xla_flags:
+            if not flag.startswith("--xla_"):
+                raise ConfigError(f"runtime.xla_flags entry {flag!r} must look like --xla_NAME=VALUE")
+
+    def flags(self) -> list[str]:
+        """The XLA flags this section adds."""
+        out = [
+            f"--xla_gpu_{name}_combine_threshold_bytes={getattr(self, f'{name}_combine_threshold_bytes')}"
+            for name in ("all_reduce", "all_gather", "reduce_scatter")
+            if getattr(self, f"{name}_combine_threshold_bytes")
+        ]
+        return [*out, *self.xla_flags]
+
+
+@dataclasses.dataclass(frozen=True)
 class DebugConfig:
     """Fault injection for tests; never active by default."""
 
@@ -480,11 +520,13 @@ class Config:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
     def validate(self) -> None:
         self.checkpoint.validate()
         self.mesh.validate()
+        self.runtime.validate()
         self.model.validate()
         self.train.validate()
         self.optim.validate()

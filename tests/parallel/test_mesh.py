@@ -44,3 +44,39 @@ def test_rules_override_the_default_table():
     rules = dict(logical_rules(cfg.mesh))
     assert rules["vocab"] == ("fsdp",) and rules["embed"] == ("fsdp",)
     assert dict(DEFAULT_RULES)["vocab"] == ()
+
+
+def test_runtime_flags_are_applied_to_xla_flags_and_recorded(tmp_path, capsys):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tests.train.test_loop import MINI
+
+    run = tmp_path / "run"
+    flags = [
+        "runtime.all_reduce_combine_threshold_bytes=1048576",
+        "runtime.xla_flags=[--xla_cpu_use_thunk_runtime=true]",
+    ]
+    cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *MINI, f"run.dir={run}", "train.steps=1", *flags]
+    result = subprocess.run(
+        [*cmd, "--no-progress"], capture_output=True, text=True, timeout=600, env=dict(os.environ)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
+    assert start["event"] == "start"
+    assert "--xla_gpu_all_reduce_combine_threshold_bytes=1048576" in start["detail"]["xla_flags"]
+    assert "--xla_cpu_use_thunk_runtime=true" in start["detail"]["xla_flags"]
+    assert start["detail"]["runtime"]["heartbeat_timeout_s"] == 100
+
+
+def test_runtime_flags_after_jax_started_are_refused():
+    from zaya_jax.parallel.distributed import apply_runtime
+
+    jax.devices()  # this test process's backend is running
+    runtime = zaya_jax.load_config("tiny", overrides=["runtime.all_gather_combine_threshold_bytes=1"]).runtime
+    with pytest.raises(ConfigError, match="must be set before JAX starts"):
+        apply_runtime(runtime, env={})
+    with pytest.raises(ConfigError, match="must look like --xla_NAME=VALUE"):
+        zaya_jax.load_config("tiny", overrides=["runtime.xla_flags=[fast]"])

@@ -10,11 +10,11 @@ cluster auto-detection when a scheduler launched several tasks (Slurm ``srun``, 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
 import jax
 
-from zaya_jax.config import ConfigError
+from zaya_jax.config import ConfigError, RuntimeConfig
 
 # Environment variables that mean "a scheduler started several processes of this job".
 _SCHEDULERS = {
@@ -36,11 +36,32 @@ def detect_scheduler(env: Mapping[str, str] = os.environ) -> str | None:
     return None
 
 
+def apply_runtime(runtime: RuntimeConfig, env: MutableMapping[str, str] = os.environ) -> list[str]:
+    """Append ``runtime``'s XLA flags to ``XLA_FLAGS`` (before any backend starts); returns them.
+
+    A backend that is already running (a notebook that used JAX first) cannot take new flags: that
+    is an error naming the fix rather than a silently ignored setting.
+    """
+    flags = runtime.flags()
+    if not flags:
+        return []
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        raise ConfigError(
+            f"runtime flags {flags} must be set before JAX starts; put them in XLA_FLAGS before importing "
+            "JAX or run `zaya train` in a fresh process"
+        )
+    env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
+    return flags
+
+
 def initialize(
     coordinator: str | None = None,
     num_processes: int | None = None,
     process_id: int | None = None,
     env: Mapping[str, str] = os.environ,
+    runtime: RuntimeConfig | None = None,
 ) -> dict[str, object]:
     """Start ``jax.distributed`` if this is a multi-process run; returns what was decided.
 
@@ -60,13 +81,25 @@ def initialize(
             )
         if not 0 <= process_id < num_processes:
             raise ConfigError(f"--process-id {process_id} must be in [0, --num-processes {num_processes})")
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(
+            coordinator, num_processes=num_processes, process_id=process_id, **_timeouts(runtime)
+        )
         return {"mode": "explicit", "coordinator": coordinator, "num_processes": num_processes}
     scheduler = detect_scheduler(env)
     if scheduler is not None:
-        jax.distributed.initialize()  # JAX's cluster detection reads the scheduler's variables
+        jax.distributed.initialize(
+            **_timeouts(runtime)
+        )  # JAX's cluster detection reads the scheduler's variables
         return {"mode": "auto", "scheduler": scheduler, "num_processes": jax.process_count()}
     return {"mode": "single"}
+
+
+def _timeouts(runtime: RuntimeConfig | None) -> dict[str, int]:
+    runtime = runtime or RuntimeConfig()
+    return {
+        "initialization_timeout": runtime.init_timeout_s,
+        "heartbeat_timeout_seconds": runtime.heartbeat_timeout_s,
+    }
 
 
 _barriers = 0

@@ -20,7 +20,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from zaya_jax import checkpoint
-from zaya_jax.config import Config, ConfigError, load_config, save_config
+from zaya_jax.config import Config, ConfigError, load_config, save_config, to_dict
 from zaya_jax.data import Prefetcher, eval_batches, load_tokenizer, make_row_iterator, next_batch
 from zaya_jax.optim import (
     batch_lr_scale,
@@ -245,7 +245,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         if not compiled_steps.get("eval"):
             compiled_steps["eval"] = True
             jax.block_until_ready(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
-            barrier("eval")
+            barrier("eval", cfg.runtime.barrier_timeout_s)
         for batch in held_out:
             ce, n = eval_fn(state.params, state.balancing, batch)
             total, count = total + float(ce), count + float(n)
@@ -259,6 +259,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             "peak_source": peak_source,
             "devices": jax.device_count(),
             "mesh": layout.describe(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "runtime": to_dict(cfg.runtime),
         }
     )
     stop = _StopRequest()
@@ -282,7 +284,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             shape = (plan.batch_size, plan.seq_len)
             if shape not in compiled_steps:  # compile, then start together (see barrier)
                 compiled_steps[shape] = step_fn.lower(state, batch, lr_scale).compile()
-                barrier(f"step {shape}")
+                barrier(f"step {shape}", cfg.runtime.barrier_timeout_s)
             state, metrics = compiled_steps[shape](state, batch, lr_scale)
             step_tokens = plan.batch_size * plan.seq_len
             tokens_seen = data_state["tokens_seen"]  # the producer's count after this batch
