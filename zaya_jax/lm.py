@@ -67,6 +67,7 @@ class LanguageModel:
         stop_tokens: Any | None = None,
         seed: int = 0,
         attention_mask: Any | None = None,
+        mesh: Any | None = None,
     ) -> Generation:
         """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.eval.generate`).
 
@@ -74,7 +75,7 @@ class LanguageModel:
         (left-padded here), or a (batch, seq) / (seq,) id array with an optional left-padding
         ``attention_mask``. Stops at the tokenizer's EOS (else the model's ``eos_token_id``) unless
         ``stop_tokens`` is given. Returns a :class:`Generation`; ``texts`` is filled when a tokenizer
-        is known.
+        is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
         """
         from zaya_jax.eval.generate import generate  # zaya_jax.eval imports this module
 
@@ -102,6 +103,7 @@ class LanguageModel:
             stop_tokens=stop_tokens,
             seed=seed,
             vocab_limit=tok.vocab_size if tok is not None else None,
+            mesh=mesh,
         )
         if tok is None:
             return out
