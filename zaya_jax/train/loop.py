@@ -238,16 +238,18 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         )
     ]
 
+    # Compiled ahead of the first call, then every process waits at a barrier: on CPU (gloo) a
+    # process still compiling would otherwise trip its peers' collective timeout.
     compiled_steps: dict[tuple[int, int], Any] = {}
+    compiled_eval: list[Any] = []
 
     def evaluate(state: TrainState) -> float:
         total, count = 0.0, 0.0
-        if not compiled_steps.get("eval"):
-            compiled_steps["eval"] = True
-            jax.block_until_ready(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
+        if not compiled_eval:
+            compiled_eval.append(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
             barrier("eval", cfg.runtime.barrier_timeout_s)
         for batch in held_out:
-            ce, n = eval_fn(state.params, state.balancing, batch)
+            ce, n = compiled_eval[0](state.params, state.balancing, batch)
             total, count = total + float(ce), count + float(n)
         return total / max(count, 1.0)
 
@@ -282,7 +284,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
             lr_scale = jnp.asarray(lr_scale, jnp.float32)
             shape = (plan.batch_size, plan.seq_len)
-            if shape not in compiled_steps:  # compile, then start together (see barrier)
+            if shape not in compiled_steps:
                 compiled_steps[shape] = step_fn.lower(state, batch, lr_scale).compile()
                 barrier(f"step {shape}", cfg.runtime.barrier_timeout_s)
             state, metrics = compiled_steps[shape](state, batch, lr_scale)
