@@ -73,12 +73,14 @@ def measured_cpu_peak(size: int = 1024, repeats: int = 5) -> float:
 
 
 def peak_flops(dtype: str) -> tuple[float, str]:
-    """(peak FLOP/s of all local devices, how it was obtained)."""
+    """(peak FLOP/s of all devices of the job, how it was obtained). Tokens per step count the
+    global batch, so the peak counts every process: a CPU host's measured peak once per process
+    (fake CPU devices share their host), a GPU's datasheet peak once per device."""
     devices = jax.local_devices()
     if devices[0].platform == "cpu":
-        return measured_cpu_peak(), "measured float32 matmul on CPU"
+        return measured_cpu_peak() * jax.process_count(), "measured float32 matmul on CPU"
     kind = devices[0].device_kind
     for (name, table_dtype), peak in _PEAKS.items():
         if name.lower() in kind.lower() and table_dtype == dtype:
-            return peak * len(devices), f"datasheet dense {dtype} peak of {kind}"
+            return peak * jax.device_count(), f"datasheet dense {dtype} peak of {kind}"
     return float("nan"), f"unknown peak for {kind} ({dtype}); MFU not reported"
