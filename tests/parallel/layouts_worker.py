@@ -69,11 +69,11 @@ def run(extra, names):
     tx = build_optimizer(cfg.optim, groups, 100, shardings=layout.variables["params"])
     state, shardings = init_sharded_train_state(cfg, tx, layout)
     step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, layout.moe_dispatch),
+        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
     )
-    model = Zaya(cfg.model, layout.moe_dispatch)
+    model = Zaya(cfg.model, **layout.hooks)
     grad_fn = jax.jit(
         jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, 0.0)[0]),
         in_shardings=(shardings.params, shardings.balancing, layout.batch),
@@ -89,14 +89,17 @@ def run(extra, names):
         dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
     hlo = step.lower(state, put_batch(batches(cfg, 1)[0], layout.batch), np.float32(1.0)).as_text()
-    all_to_all = hlo.count("all_to_all")
-    return losses, norms, grads, sharded, dict(layout.mesh.shape), dropped, all_to_all
+    collectives = {
+        "all_to_all": hlo.count("all_to_all"),
+        "collective_permute": hlo.count("collective_permute"),
+    }
+    return losses, norms, grads, sharded, dict(layout.mesh.shape), dropped, collectives
 
 
 def main():
     results, reference = {}, None
     for name, extra in LAYOUTS.items():
-        losses, norms, grads, sharded, mesh, dropped, all_to_all = run(extra, name)
+        losses, norms, grads, sharded, mesh, dropped, collectives = run(extra, name)
         if reference is None:
             reference = grads
         # Largest gradient error of any leaf, relative to that leaf's largest gradient.
@@ -111,7 +114,7 @@ def main():
             "sharded": sharded,
             "mesh": mesh,
             "dropped": dropped,
-            "all_to_all": all_to_all,
+            **collectives,
         }
     print("RESULT " + json.dumps(results))
 

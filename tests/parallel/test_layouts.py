@@ -1,6 +1,7 @@
 """Every parallel layout on 8 fake CPU devices (data, fsdp, expert, context, and all combined)
 reproduces the single-device gradients and losses; expert parallelism exchanges tokens with
-all_to_all and, with a capped exchange, drops and reports tokens.
+all_to_all and, with a capped exchange, drops and reports tokens; context parallelism runs ring
+attention with the CCA convolution and value halos.
 
 Tolerances: gradients of the same parameters on the same batch agree to 1e-5 of each leaf's
 largest entry (measured: ~1e-7, float32 summation order). Losses over 3 optimizer steps agree to
@@ -56,6 +57,14 @@ def test_expert_parallelism_exchanges_tokens_with_all_to_all(results):
     # results), 2 in the backward pass; layouts without an expert axis exchange none.
     assert results["expert"]["all_to_all"] == results["combined"]["all_to_all"] == 5
     assert results["data"]["all_to_all"] == results["fsdp"]["all_to_all"] == 0
+
+
+def test_context_parallelism_passes_blocks_and_halos_around_the_ring(results):
+    # Ring attention (K/V, key segment ids and padding mask) and the conv/value halos are
+    # collective_permutes inside the layer scan; layouts without a context axis have none.
+    # (more ring steps on the 4-way context axis than on the combined layout's 2-way one)
+    assert results["context"]["collective_permute"] > results["combined"]["collective_permute"] >= 4
+    assert results["data"]["collective_permute"] == results["expert"]["collective_permute"] == 0
 
 
 def test_a_capped_expert_exchange_drops_and_reports_tokens(results):

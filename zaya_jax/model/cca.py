@@ -173,6 +173,9 @@ class CCAAttention(nn.Module):
     # Optional replacement of :func:`dot_product_attention` with the same signature, e.g. tree
     # attention over a sequence-split decode cache (``zaya_jax.parallel.tree``).
     attention: Any = None
+    # Optional context parallelism (``zaya_jax.parallel.ring.ContextParallel``): the temporal
+    # convolution, value shift and attention of a sequence split over devices.
+    context: Any = None
 
     @nn.compact
     def __call__(
@@ -233,7 +236,11 @@ class CCAAttention(nn.Module):
         vd = v_delayed_proj(a)
         vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
         new_cache = None
-        if cache is None:
+        if cache is None and self.context is not None:
+            segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+            context = cfg.cca_time0 + cfg.cca_time1 - 2
+            conv, vd = self.context.temporal(z, vd, vd_at_start, segments, *conv_weights, context)
+        elif cache is None:
             conv = two_stage_conv(z, *conv_weights, segment_ids)
             # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
             vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
@@ -266,6 +273,10 @@ class CCAAttention(nn.Module):
             v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
             new_cache = {**new_cache, "keys": k, "values": v}
             k, v = k.astype(dtype), v.astype(dtype)
-        attend = self.attention or dot_product_attention
-        out = attend(q, k, v, mask & sliding_window_mask(*slots, window))
+        if cache is None and self.context is not None:
+            real = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
+            out = self.context.attention(q, k, v, segments, real, window)
+        else:
+            attend = self.attention or dot_product_attention
+            out = attend(q, k, v, mask & sliding_window_mask(*slots, window))
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

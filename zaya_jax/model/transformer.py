@@ -52,6 +52,8 @@ class Block(nn.Module):
     cfg: ModelConfig
     moe_dispatch: Any = None
     attention: Any = None
+    context: Any = None
+    context: Any = None
 
     @nn.compact
     def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
@@ -61,7 +63,7 @@ class Block(nn.Module):
         token_mask = ctx["token_mask"]
 
         a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
-        o, cache = CCAAttention(cfg, self.attention, name="attn")(
+        o, cache = CCAAttention(cfg, self.attention, self.context, name="attn")(
             a,
             layer["inv_freq"],
             layer["window"],
@@ -119,12 +121,15 @@ class Zaya(nn.Module):
 
     ``moe_dispatch`` optionally replaces the local MoE paths (expert parallelism, see
     ``zaya_jax.parallel.expert``) and ``attention`` the attention kernel (tree attention over a
-    sequence-split cache, ``zaya_jax.parallel.tree``); parameters and results are the same.
+    sequence-split cache, ``zaya_jax.parallel.tree``), and ``context`` runs the CCA temporal parts
+    and attention of a sequence split over devices (``zaya_jax.parallel.ring``); parameters and
+    results are the same.
     """
 
     cfg: ModelConfig
     moe_dispatch: Any = None
     attention: Any = None
+    context: Any = None
 
     def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
         cfg = self.cfg
@@ -228,7 +233,7 @@ class Zaya(nn.Module):
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.moe_dispatch, self.attention, name="layers")
+        )(cfg, self.moe_dispatch, self.attention, self.context, name="layers")
         (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
         if cache is not None:
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}

@@ -11,7 +11,8 @@ from jax.sharding import Mesh, NamedSharding
 from zaya_jax.config import Config
 from zaya_jax.parallel.expert import expert_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
-from zaya_jax.parallel.rules import logical_rules, matching_shardings, variable_shardings
+from zaya_jax.parallel.ring import ContextParallel
+from zaya_jax.parallel.rules import BATCH_AXES, logical_rules, matching_shardings, variable_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,6 +25,12 @@ class Layout:
     batch: NamedSharding
     replicated: NamedSharding
     moe_dispatch: Any = None  # expert parallelism when the expert axis is > 1
+    context: Any = None  # ring attention and conv halos when the context axis is > 1
+
+    @property
+    def hooks(self) -> dict[str, Any]:
+        """Keyword arguments for ``make_train_step`` / ``make_eval_step`` / ``Zaya``."""
+        return {"moe_dispatch": self.moe_dispatch, "context": self.context}
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
@@ -46,6 +53,7 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
     dispatch = expert_dispatch(mesh, cfg.mesh.expert_capacity_factor) if mesh.shape["expert"] > 1 else None
+    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
     return Layout(
         mesh,
         rules,
@@ -53,4 +61,5 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         batch_sharding(mesh),
         replicated(mesh),
         dispatch,
+        ContextParallel(mesh, rows) if mesh.shape["context"] > 1 else None,
     )

@@ -68,7 +68,7 @@ def compile_plan(cfg: Config) -> dict[str, Any]:
     }
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
     step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, layout.moe_dispatch),
+        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
         donate_argnums=0,

@@ -54,9 +54,68 @@ def ring_attention(mesh: Mesh, axis: str = "context") -> Any:
     """``attend(q, k, v, segment_ids, token_mask, window) -> (batch, seq, nq*d)`` with every
     sequence axis split over ``axis``. q: (batch, seq, nq, d); k, v: (batch, seq, nk, d);
     segment_ids, token_mask: (batch, seq); window: int32 scalar (<= 0: no sliding window)."""
+    return _ring_attention_rows(mesh, None, axis)
+
+
+def _left_halo(x: jax.Array, n: int, axis: str, size: int) -> jax.Array:
+    """The previous device's last ``n`` positions along axis 1 (zeros on the first device)."""
+    perm = [(i, i + 1) for i in range(size - 1)]
+    return jax.lax.ppermute(x[:, x.shape[1] - n :], axis, perm)
+
+
+def _temporal_local(
+    z, vd, vd_at_start, segments, dw_kernel, dw_bias, g_kernel, g_bias, *, axis, size, context
+):
+    """One device's CCA convolution and value shift with halos from its left neighbour."""
+    from zaya_jax.model.cca import same_document, shift_right, two_stage_conv
+
+    first = jax.lax.axis_index(axis) == 0
+    halo = max(context, 1)
+    seg_halo = jnp.where(first, -1, _left_halo(segments, halo, axis, size))  # -1: no document
+    seg_full = jnp.concatenate([seg_halo, segments], axis=1)
+    if context:
+        z_full = jnp.concatenate([_left_halo(z, context, axis, size), z], axis=1)
+        conv = two_stage_conv(z_full, dw_kernel, dw_bias, g_kernel, g_bias, seg_full[:, halo - context :])
+        conv = conv[:, context:]
+    else:
+        conv = two_stage_conv(z, dw_kernel, dw_bias, g_kernel, g_bias, segments)
+    vd_full = jnp.concatenate([_left_halo(vd, 1, axis, size), vd], axis=1)
+    seg_v = seg_full[:, halo - 1 :]
+    keep = same_document(seg_v, seg_v.shape[1], 1)[..., None]
+    shifted = jnp.where(keep, shift_right(vd_full, 1), vd_at_start)[:, 1:]
+    return conv, shifted
+
+
+class ContextParallel:
+    """The ``context`` hook of :class:`zaya_jax.model.Zaya` for sequences split over the context
+    axis: the CCA q/k convolution and the delayed value get their left halos (P raw columns and
+    one token) from the previous device, attention runs as :func:`ring_attention`."""
+
+    def __init__(self, mesh: Mesh, rows: tuple[str, ...] | None, axis: str = "context"):
+        self.mesh, self.axis, self.size = mesh, axis, mesh.shape[axis]
+        self.rows = rows
+        self._attend = _ring_attention_rows(mesh, rows, axis)
+
+    def temporal(self, z, vd, vd_at_start, segments, dw_kernel, dw_bias, g_kernel, g_bias, context: int):
+        seq3 = PartitionSpec(self.rows, self.axis, None)
+        seq2 = PartitionSpec(self.rows, self.axis)
+        rep = PartitionSpec()
+        fn = jax.shard_map(
+            lambda *a: _temporal_local(*a, axis=self.axis, size=self.size, context=context),
+            mesh=self.mesh,
+            in_specs=(seq3, seq3, rep, seq2, rep, rep, rep, rep),
+            out_specs=(seq3, seq3),
+        )
+        return fn(z, vd, vd_at_start, segments, dw_kernel, dw_bias, g_kernel, g_bias)
+
+    def attention(self, q, k, v, segments, token_mask, window):
+        return self._attend(q, k, v, segments, token_mask, window)
+
+
+def _ring_attention_rows(mesh: Mesh, rows: tuple[str, ...] | None, axis: str) -> Any:
     size = mesh.shape[axis]
-    seq4 = PartitionSpec(None, axis, None, None)
-    seq2 = PartitionSpec(None, axis)
+    seq4 = PartitionSpec(rows, axis, None, None)
+    seq2 = PartitionSpec(rows, axis)
 
     def attend(q, k, v, segment_ids, token_mask, window):
         fn = jax.shard_map(
@@ -65,7 +124,7 @@ def ring_attention(mesh: Mesh, axis: str = "context") -> Any:
             ),
             mesh=mesh,
             in_specs=(seq4, seq4, seq4, seq2, seq2, PartitionSpec()),
-            out_specs=PartitionSpec(None, axis, None),
+            out_specs=PartitionSpec(rows, axis, None),
         )
         return fn(q, k, v, segment_ids, token_mask, window)
 

@@ -216,13 +216,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, layout.moe_dispatch),
+        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
         in_shardings=(state_shardings, layout.batch, layout.replicated),
         out_shardings=(state_shardings, layout.replicated),
         donate_argnums=0,
     )
     eval_fn = jax.jit(
-        make_eval_step(cfg, layout.moe_dispatch),
+        make_eval_step(cfg, **layout.hooks),
         in_shardings=(state_shardings.params, state_shardings.balancing, layout.batch),
         out_shardings=layout.replicated,
     )
