@@ -123,7 +123,7 @@ def test_zaya1_8b_preset_holds_every_hf_zaya_config_default():
 
     preset = load_config("zaya1-8b").model
     from_hf = hf_config_to_model(transformers.ZayaConfig().to_dict())
-    ours_only = {"mod_skip_output", "moe_impl", "capacity_factor", "dtype", "param_dtype"}
+    ours_only = {"mod_skip_output", "moe_impl", "capacity_factor", "remat", "dtype", "param_dtype"}
     differing = {
         k: (v, getattr(from_hf, k))
         for k, v in to_dict(preset).items()

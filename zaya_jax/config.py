@@ -88,6 +88,9 @@ class ModelConfig:
     # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
     moe_impl: Literal["dense", "sorted", "capacity"] = "sorted"
     capacity_factor: float = 1.25
+    # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
+    # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
+    remat: Literal["none", "minimal", "full"] = "none"
     # Mixed precision: parameters are stored in param_dtype, matmuls run in dtype; the residual
     # stream is always float32 (spec §2.1).
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -434,6 +437,9 @@ class MeshConfig:
     # Expert parallelism: rows exchanged per device pair = factor x local tokens / |expert|;
     # 0 = all local tokens (dropless). Tokens beyond it are dropped and counted.
     expert_capacity_factor: float = 0.0
+    # How tokens travel to their experts: "padded" all_to_all (every platform), "ragged"
+    # (jax.lax.ragged_all_to_all, only routed rows; GPU/TPU) or "auto" (ragged unless on CPU).
+    expert_exchange: Literal["auto", "padded", "ragged"] = "auto"
     rules: tuple[AxisRule, ...] = ()
 
     def sizes(self) -> dict[str, int]:

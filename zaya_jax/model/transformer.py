@@ -20,6 +20,14 @@ from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router
 
+REMAT_POLICIES = {
+    # Recompute the whole block: only each layer's input carry is kept for the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of weight matmuls (dots without batch dimensions), recompute the rest
+    # (norms, activations, convolutions, attention scores).
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
 
 def _embedding_init(pad_token_id: int, std: float):
     """N(0, std) with the padding row zeroed, as HF initialises ``embed_tokens``."""
@@ -52,7 +60,6 @@ class Block(nn.Module):
     cfg: ModelConfig
     moe_dispatch: Any = None
     attention: Any = None
-    context: Any = None
     context: Any = None
 
     @nn.compact
@@ -226,8 +233,12 @@ class Zaya(nn.Module):
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
         r = jnp.zeros((batch, seq, cfg.router_hidden_size), dtype)
 
+        block = Block
+        if cfg.remat != "none":
+            # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.
+            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
         blocks = nn.scan(
-            Block,
+            block,
             variable_axes={"params": 0, BALANCING: 0, "intermediates": 0},
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),

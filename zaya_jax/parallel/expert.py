@@ -7,8 +7,17 @@ it are dropped (no expert output, counted in ``dropped``); ``mesh.expert_capacit
 makes the capacity the local token count, which is dropless. On the receiving side the local
 experts run as one grouped matmul over tokens sorted by expert (``jax.lax.ragged_dot``).
 
-``jax.lax.ragged_all_to_all`` (exchanging only the rows actually routed) is not implemented on
-XLA:CPU; the padded exchange here runs everywhere and is what the CPU tests check.
+Two exchanges (``mesh.expert_exchange``):
+
+- ``padded``: every (source, destination) pair sends ``capacity`` rows through ``all_to_all``,
+  empty rows included. Runs on every platform.
+- ``ragged``: tokens are sorted by destination and ``jax.lax.ragged_all_to_all`` sends only the
+  rows actually routed (the counts go first, by a small ``all_to_all``); received rows land in the
+  same per-source slots as the padded exchange, so both compute the same result. XLA:CPU does not
+  implement the collective: the CPU tests run this path with :func:`emulated_ragged_all_to_all`,
+  which has the collective's exact semantics, and check that the real collective is lowered.
+
+``auto`` (the default) picks ``ragged`` on GPUs and TPUs and ``padded`` on CPU.
 """
 
 from __future__ import annotations
@@ -32,7 +41,94 @@ def pair_capacity(tokens: int, devices: int, capacity_factor: float) -> int:
     return max(1, min(tokens, math.ceil(capacity_factor * tokens / devices)))
 
 
-def _local_moe(
+def emulated_ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """``jax.lax.ragged_all_to_all`` with one slice per peer, built from a padded ``all_to_all``
+    (each peer gets ``operand.shape[0]`` rows, masked to ``send_sizes``). For platforms without
+    the collective (XLA:CPU) and for testing the offsets logic of the ragged exchange there."""
+    peers, rows = input_offsets.shape[0], operand.shape[0]
+    index = jnp.arange(rows)
+    trailing = (1,) * (operand.ndim - 1)
+    sent = (index[None, :] < send_sizes[:, None]).reshape(peers, rows, *trailing)
+    chunks = jnp.where(
+        sent, operand.at[input_offsets[:, None] + index[None, :]].get(mode="fill", fill_value=0), 0
+    )
+    received = jax.lax.all_to_all(chunks, axis_name, 0, 0, tiled=True)
+    offsets = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)
+    target = jnp.where(
+        index[None, :] < recv_sizes[:, None], offsets[:, None] + index[None, :], output.shape[0]
+    )
+    return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
+
+
+EXCHANGES = {
+    "ragged": jax.lax.ragged_all_to_all,
+    "emulated": emulated_ragged_all_to_all,
+}
+
+
+def _local_moe_ragged(
+    x,
+    choice,
+    weight,
+    wi,
+    wo,
+    *,
+    act: str,
+    num_experts: int,
+    devices: int,
+    capacity_factor: float,
+    exchange: str,
+):
+    """One device's part with a ragged exchange: only routed rows travel. Same arguments and
+    results as :func:`_local_moe_padded`."""
+    ragged = functools.partial(EXCHANGES[exchange], axis_name="expert")
+    b, t, hidden = x.shape
+    n = b * t
+    local_experts = num_experts // devices
+    x, choice, weight = x.reshape(n, hidden), choice.reshape(n), weight.reshape(n)
+    routed = choice < num_experts
+    dest = jnp.where(routed, choice // local_experts, devices)  # ``devices``: not sent (skip)
+    capacity = pair_capacity(n, devices, capacity_factor)
+
+    order = jnp.argsort(dest, stable=True)  # grouped by destination, token order within a group
+    dest_sorted = dest[order]
+    counts = jnp.zeros((devices + 1,), jnp.int32).at[dest].add(1)[:devices]
+    starts = jnp.cumsum(counts) - counts
+    send_sizes = jnp.minimum(counts, capacity)
+    recv_sizes = jax.lax.all_to_all(send_sizes, "expert", 0, 0, tiled=True)
+    me = jax.lax.axis_index("expert")
+    # Each source writes into its own ``capacity``-row slot on the receiver (as the padded path).
+    slot = jnp.full((devices,), me * capacity, jnp.int32)
+    buffer = ragged(
+        x[order], jnp.zeros((devices * capacity, hidden), x.dtype), starts, send_sizes, slot, recv_sizes
+    )
+    ids = ragged(
+        (choice % local_experts)[order],
+        jnp.full((devices * capacity,), local_experts, jnp.int32),
+        starts,
+        send_sizes,
+        slot,
+        recv_sizes,
+    )
+    ones = jnp.ones((devices * capacity,), x.dtype)
+    out = sorted_experts(buffer, ids, ones, wi, wo, act)
+
+    # Back to each source, into the positions its rows were sent from.
+    source_starts = jax.lax.all_to_all(starts, "expert", 0, 0, tiled=True)
+    received_slots = jnp.arange(devices, dtype=jnp.int32) * capacity
+    back = ragged(out, jnp.zeros((n, hidden), x.dtype), received_slots, recv_sizes, source_starts, send_sizes)
+
+    rank = jnp.arange(n) - starts[jnp.minimum(dest_sorted, devices - 1)]
+    kept_sorted = (dest_sorted < devices) & (rank < capacity)
+    result = jnp.zeros_like(back).at[order].set(jnp.where(kept_sorted[:, None], back, 0))
+    kept = jnp.zeros((n,), bool).at[order].set(kept_sorted)
+    result = result * weight[:, None]
+    return result.reshape(b, t, hidden), (routed & ~kept).reshape(b, t)
+
+
+def _local_moe_padded(
     x, choice, weight, wi, wo, *, act: str, num_experts: int, devices: int, capacity_factor: float
 ):
     """One device's part. x: (b, t, H) local tokens; wi, wo: this device's E/devices experts."""
@@ -71,10 +167,25 @@ def _local_moe(
     return result.reshape(b, t, hidden), (routed & ~kept).reshape(b, t)
 
 
-def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0) -> Any:
+def resolve_exchange(mesh: Mesh, exchange: str) -> str:
+    """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all``, else ``padded``."""
+    if exchange != "auto":
+        return exchange
+    return "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
+
+
+def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0, exchange: str = "auto") -> Any:
     """The ``moe_dispatch`` hook for :class:`zaya_jax.model.Zaya` on ``mesh``:
-    ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global."""
+    ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global.
+    ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated) or ``auto``."""
     devices = mesh.shape["expert"]
+    exchange = resolve_exchange(mesh, exchange)
+    if exchange == "padded":
+        local_moe = _local_moe_padded
+    elif exchange in EXCHANGES:
+        local_moe = functools.partial(_local_moe_ragged, exchange=exchange)
+    else:
+        raise ValueError(f"unknown expert exchange {exchange!r}; use auto, padded, ragged or emulated")
     rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
     seq = "context" if mesh.shape["context"] > 1 else None
     tokens = PartitionSpec(rows, seq, None)
@@ -84,7 +195,7 @@ def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0) -> Any:
     def dispatch(m, choice, weight, wi, wo, act):
         fn = jax.shard_map(
             functools.partial(
-                _local_moe, act=act, num_experts=wi.shape[0], devices=devices, capacity_factor=capacity_factor
+                local_moe, act=act, num_experts=wi.shape[0], devices=devices, capacity_factor=capacity_factor
             ),
             mesh=mesh,
             in_specs=(tokens, per_token, per_token, experts, experts),

@@ -52,7 +52,11 @@ class Layout:
 def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
-    dispatch = expert_dispatch(mesh, cfg.mesh.expert_capacity_factor) if mesh.shape["expert"] > 1 else None
+    dispatch = (
+        expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, cfg.mesh.expert_exchange)
+        if mesh.shape["expert"] > 1
+        else None
+    )
     rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
     return Layout(
         mesh,
