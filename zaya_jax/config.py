@@ -91,6 +91,9 @@ class ModelConfig:
     # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
     # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
     remat: Literal["none", "minimal", "full"] = "none"
+    # The attention merge + MoE input norm: "reference" (Flax/XLA) or "custom" (the fused
+    # zaya_residual_rms_norm custom call where registered for the platform, else the reference).
+    kernels: Literal["reference", "custom"] = "reference"
     # Mixed precision: parameters are stored in param_dtype, matmuls run in dtype; the residual
     # stream is always float32 (spec §2.1).
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -272,6 +275,9 @@ class OptimConfig:
     lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"
     # The router's R x R MLP and down-projection are hidden matrices; "adamw" keeps them out of Muon.
     router_group: Literal["muon", "adamw"] = "muon"
+    # Newton-Schulz: "reference" (XLA matmuls) or "custom" (the zaya_newton_schulz custom call
+    # where its library is registered for the platform, else the reference).
+    kernels: Literal["reference", "custom"] = "reference"
 
     def validate(self) -> None:
         for name in ("muon_lr", "adam_lr"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -28,10 +30,13 @@ class RMSNorm(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, weight_only: bool = False) -> jax.Array:
+        """``weight_only``: return the weight (in the compute dtype) instead, for a fused kernel."""
         scale = param_with_axes(
             self, "scale", nn.initializers.ones, (x.shape[-1],), (self.axis,), self.param_dtype
         )
+        if weight_only:
+            return scale.astype(self.dtype)
         return rms_norm(x.astype(self.dtype), scale.astype(self.dtype), self.eps)
 
 
@@ -46,13 +51,17 @@ class ResidualScaling(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, f: jax.Array, h: jax.Array) -> jax.Array:
+    def __call__(self, f: jax.Array, h: jax.Array, weights_only: bool = False) -> Any:
+        """``weights_only``: return (branch bias, branch scale, residual bias, residual scale)
+        instead, for a fused kernel."""
         shape, axes = (h.shape[-1],), ("embed",)
         ones, zeros = nn.initializers.ones, nn.initializers.zeros
         hidden_scale = param_with_axes(self, "hidden_scale", ones, shape, axes, self.param_dtype)
         hidden_bias = param_with_axes(self, "hidden_bias", zeros, shape, axes, self.param_dtype)
         residual_scale = param_with_axes(self, "residual_scale", ones, shape, axes, self.param_dtype)
         residual_bias = param_with_axes(self, "residual_bias", zeros, shape, axes, self.param_dtype)
+        if weights_only:
+            return hidden_bias, hidden_scale, residual_bias, residual_scale
         branch = (f.astype(self.dtype) + hidden_bias.astype(self.dtype)) * hidden_scale.astype(self.dtype)
         residual = (h + residual_bias.astype(jnp.float32)) * residual_scale.astype(jnp.float32)
         return residual + branch.astype(jnp.float32)

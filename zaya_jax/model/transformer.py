@@ -5,6 +5,7 @@ residual stream by a learned residual scaling; the router state r is carried acr
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -19,6 +20,7 @@ from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router
+from zaya_jax.ops.residual_norm import residual_rms_norm
 
 REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
@@ -61,6 +63,7 @@ class Block(nn.Module):
     moe_dispatch: Any = None
     attention: Any = None
     context: Any = None
+    residual_norm: Any = None
 
     @nn.compact
     def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
@@ -82,9 +85,20 @@ class Block(nn.Module):
             cache=layer.get("cache"),
             index=ctx.get("cache_index"),
         )
-        h = ResidualScaling(dtype, pdtype, name="post_attn_scale")(o, h)
-
-        m = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")(h.astype(dtype))
+        merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
+        norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
+        if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
+            fused = self.residual_norm or functools.partial(residual_rms_norm, impl="custom")
+            h, m = fused(
+                o.astype(dtype),
+                h,
+                *merge(o, h, weights_only=True),
+                norm(h, weight_only=True),
+                eps=cfg.rms_norm_eps,
+            )
+        else:
+            h = merge(o, h)
+            m = norm(h.astype(dtype))
         routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
         is_skip = routing.choice == cfg.num_experts
         weight = jnp.where(is_skip, 0, routing.weight)
@@ -130,13 +144,15 @@ class Zaya(nn.Module):
     ``zaya_jax.parallel.expert``) and ``attention`` the attention kernel (tree attention over a
     sequence-split cache, ``zaya_jax.parallel.tree``), and ``context`` runs the CCA temporal parts
     and attention of a sequence split over devices (``zaya_jax.parallel.ring``); parameters and
-    results are the same.
+    results are the same. ``residual_norm`` replaces the fused merge+norm op used when
+    ``cfg.kernels == "custom"`` (a ``shard_map``-wrapped one on a mesh, ``Layout.hooks``).
     """
 
     cfg: ModelConfig
     moe_dispatch: Any = None
     attention: Any = None
     context: Any = None
+    residual_norm: Any = None
 
     def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
         cfg = self.cfg
@@ -244,7 +260,7 @@ class Zaya(nn.Module):
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.moe_dispatch, self.attention, self.context, name="layers")
+        )(cfg, self.moe_dispatch, self.attention, self.context, self.residual_norm, name="layers")
         (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
         if cache is not None:
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}

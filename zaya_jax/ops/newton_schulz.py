@@ -26,18 +26,22 @@ def newton_schulz_iterations_reference(x: jax.Array, steps: int, a: float, b: fl
 
 def _ffi(x, steps, a, b, c):
     call = jax.ffi.ffi_call(
-        "zaya_newton_schulz", jax.ShapeDtypeStruct(x.shape, jnp.float32), vmap_method="broadcast_all"
+        "zaya_newton_schulz", (jax.ShapeDtypeStruct(x.shape, jnp.float32),), vmap_method="broadcast_all"
     )
     return call(x, steps=np.int32(steps), a=np.float32(a), b=np.float32(b), c=np.float32(c))
+
+
+def _reference(x, steps, a, b, c):
+    return (newton_schulz_iterations_reference(x, steps, a, b, c),)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _iterate(x, steps, a, b, c):
     return _dispatch(
         functools.partial(_ffi, steps=steps, a=a, b=b, c=c),
-        functools.partial(newton_schulz_iterations_reference, steps=steps, a=a, b=b, c=c),
+        functools.partial(_reference, steps=steps, a=a, b=b, c=c),
         x,
-    )
+    )[0]
 
 
 def _iterate_fwd(x, steps, a, b, c):

@@ -29,6 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zaya_jax.ops.newton_schulz import newton_schulz_iterations
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
 DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
@@ -43,6 +44,7 @@ def newton_schulz(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
+    impl: str = "reference",
 ) -> jax.Array:
     """Approximate the orthogonal polar factor U V^T of each matrix of ``x`` (quintic Newton-Schulz).
 
@@ -62,16 +64,11 @@ def newton_schulz(
         x = jnp.swapaxes(x, -1, -2)
     # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     x = x / (jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps)
-    a, b, c = (jnp.asarray(v, jnp.float32) for v in coeffs)
-
-    def step(_: int, x: jax.Array) -> jax.Array:
-        gram = x @ jnp.swapaxes(x, -1, -2)
-        return a * x + (b * gram + c * gram @ gram) @ x
-
-    # A rolled loop, unlike optax 0.2.8's unrolled one, keeps XLA from scheduling many leaves'
-    # iterations side by side: the ZAYA1-8B update's temporaries drop from 42.7 to 30.0 GiB on an
-    # H200. The price is float32 rounding-level differences from optax (~1e-7).
-    x = jax.lax.fori_loop(0, steps, step, x)
+    # The reference is a rolled loop: unlike optax 0.2.8's unrolled one, it keeps XLA from
+    # scheduling many leaves' iterations side by side: the ZAYA1-8B update's temporaries drop from
+    # 42.7 to 30.0 GiB on an H200. The price is float32 rounding-level differences from optax
+    # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops).
+    x = newton_schulz_iterations(x, steps, tuple(coeffs), impl=impl)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -81,6 +78,7 @@ def orthogonalize(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
+    impl: str = "reference",
 ) -> jax.Array:
     """Newton-Schulz over the (input, output) ``matrix_axes`` of ``x``, every other axis a batch axis.
 
@@ -97,7 +95,7 @@ def orthogonalize(
     perm = (*batch_axes, fan_in_axis, fan_out_axis)
     moved = jnp.transpose(x, perm)
     stacked = moved.reshape(-1, *moved.shape[-2:])
-    ortho = newton_schulz(stacked, coeffs, steps, eps).reshape(moved.shape)
+    ortho = newton_schulz(stacked, coeffs, steps, eps, impl).reshape(moved.shape)
     return jnp.transpose(ortho, tuple(np.argsort(perm)))
 
 
@@ -108,6 +106,7 @@ def orthogonalize_sharded(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
+    impl: str = "reference",
 ) -> jax.Array:
     """:func:`orthogonalize` of a leaf laid out as ``sharding``, with no collective inside the
     Newton-Schulz iteration: the matrix axes are gathered once on entry (a ``shard_map`` whose input
@@ -121,7 +120,9 @@ def orthogonalize_sharded(
         spec[axis % x.ndim] = None
     local = PartitionSpec(*spec)
     fn = jax.shard_map(
-        functools.partial(orthogonalize, matrix_axes=matrix_axes, coeffs=coeffs, steps=steps, eps=eps),
+        functools.partial(
+            orthogonalize, matrix_axes=matrix_axes, coeffs=coeffs, steps=steps, eps=eps, impl=impl
+        ),
         mesh=sharding.mesh,
         in_specs=local,
         out_specs=local,
@@ -168,6 +169,7 @@ def scale_by_muon(
     consistent_rms: float | None = None,
     mu_dtype: jnp.dtype | None = None,
     shardings: Any | None = None,
+    kernels: str = "reference",
 ) -> optax.GradientTransformation:
     """Muon's direction: momentum -> Newton-Schulz over each leaf's matrix axes -> shape scaling.
 
@@ -176,7 +178,8 @@ def scale_by_muon(
     they arrive as ``MaskedNode``). The learning rate and weight decay are applied after this
     (``build_optimizer``). ``mu_dtype``: momentum dtype, default the parameter's. ``shardings``:
     the parameters' NamedShardings (a tree like ``groups_tree``); when given, Newton-Schulz runs
-    per device on gathered matrices (:func:`orthogonalize_sharded`).
+    per device on gathered matrices (:func:`orthogonalize_sharded`). ``kernels``: ``custom`` runs
+    the iterations as the zaya_newton_schulz custom call where registered.
     """
     if len(ns_coeffs) != 3:
         raise ValueError(f"ns_coeffs must be 3 numbers (a, b, c), got {list(ns_coeffs)}")
@@ -203,9 +206,11 @@ def scale_by_muon(
         if group.group != "muon" or isinstance(update, optax.MaskedNode):
             return update
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
-            ortho = orthogonalize_sharded(mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps)
+            ortho = orthogonalize_sharded(
+                mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps, kernels
+            )
         else:
-            ortho = orthogonalize(mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps)
+            ortho = orthogonalize(mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps, kernels)
         return (shape_scale(update.shape, group.matrix_axes, consistent_rms) * ortho).astype(update.dtype)
 
     def update_fn(

@@ -139,6 +139,7 @@ def build_optimizer(
             eps=NS_EPS,
             consistent_rms=optim_cfg.consistent_rms,
             shardings=shardings,
+            kernels=optim_cfg.kernels,
         ),
         optax.add_decayed_weights(optim_cfg.muon_weight_decay),
         scale_by_scheduled_lr(schedule(optim_cfg.muon_lr)),

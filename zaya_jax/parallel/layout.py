@@ -6,9 +6,10 @@ import dataclasses
 from typing import Any
 
 import jax
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config
+from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.parallel.expert import expert_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.ring import ContextParallel
@@ -26,11 +27,16 @@ class Layout:
     replicated: NamedSharding
     moe_dispatch: Any = None  # expert parallelism when the expert axis is > 1
     context: Any = None  # ring attention and conv halos when the context axis is > 1
+    residual_norm: Any = None  # the fused-norm kernel per device when model.kernels == "custom"
 
     @property
     def hooks(self) -> dict[str, Any]:
         """Keyword arguments for ``make_train_step`` / ``make_eval_step`` / ``Zaya``."""
-        return {"moe_dispatch": self.moe_dispatch, "context": self.context}
+        return {
+            "moe_dispatch": self.moe_dispatch,
+            "context": self.context,
+            "residual_norm": self.residual_norm,
+        }
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
@@ -58,6 +64,7 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         else None
     )
     rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
+    seq = "context" if mesh.shape["context"] > 1 else None
     return Layout(
         mesh,
         rules,
@@ -66,4 +73,7 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         replicated(mesh),
         dispatch,
         ContextParallel(mesh, rows) if mesh.shape["context"] > 1 else None,
+        sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
+        if cfg.model.kernels == "custom" and mesh.size > 1
+        else None,
     )

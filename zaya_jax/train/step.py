@@ -103,11 +103,13 @@ def make_train_step(
     set_lr_scale: Callable[[Any, jax.Array], Any],
     moe_dispatch: Any = None,
     context: Any = None,
+    residual_norm: Any = None,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
     batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
-    ``moe_dispatch``, ``context``: expert and context parallelism on a mesh (``Layout.hooks``)."""
-    model = Zaya(cfg.model, moe_dispatch, context=context)
+    ``moe_dispatch``, ``context``, ``residual_norm``: expert and context parallelism and the
+    sharded fused-norm kernel on a mesh (``Layout.hooks``)."""
+    model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
     micro = cfg.train.micro_batches
     grad_fn = jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss), has_aux=True)
 
@@ -171,10 +173,10 @@ def make_train_step(
 
 
 def make_eval_step(
-    cfg: Config, moe_dispatch: Any = None, context: Any = None
+    cfg: Config, moe_dispatch: Any = None, context: Any = None, residual_norm: Any = None
 ) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
     """(params, balancing, batch) -> (summed cross-entropy, number of target tokens)."""
-    model = Zaya(cfg.model, moe_dispatch, context=context)
+    model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
 
     def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         _, stats = loss_and_stats(model, params, balancing, batch, 0.0)

@@ -1,0 +1,48 @@
+"""Kernels on 8 fake CPU devices with exact bfloat16 rounding (--xla_allow_excess_precision=false):
+bf16 results against the reference, the fused norm under shard_map (rows stay split, parameter
+gradients summed over devices), and the model on a data-parallel layout with the kernels on."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def result():
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
+        + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false",
+        "JAX_PLATFORMS": "cpu",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.ops.kernels_worker"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+def test_bfloat16_kernels_round_like_the_reference(result):
+    for shape, errors in result["bf16"].items():
+        assert errors["forward"] <= 1e-6, shape
+        # parameter gradients: the reference sums rows in bf16, the kernel in float32
+        assert errors["gradients"] <= 1e-2, shape
+
+
+def test_fused_norm_under_shard_map_keeps_rows_split(result):
+    r = result["sharded"]
+    assert r["outputs"] <= 1e-6 and r["gradients"] <= 1e-6
+    assert r["all_gathers"] == 0
+    assert r["custom_calls"] >= 2  # forward and backward
+    assert r["out_sharding"] == "P('data', 'context', None)"
+
+
+def test_model_with_kernels_on_a_layout_matches_reference(result):
+    assert result["model"]["loss"] <= 1e-5
+    assert result["model"]["gradients"] <= 1e-5
