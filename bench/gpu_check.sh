@@ -22,3 +22,10 @@ timeout 150 python3 -m zaya_jax.cli train --config small run.dir=/tmp/gpu_run tr
 cp /tmp/gpu_run/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
 grep tokens_per_s /tmp/gpu_run/metrics.jsonl | tail -2
 timeout 90 python3 bench/generate_speed.py --config small --batch 8 --prompt 256 --new 128 2>&1 | tee "$OUT/generate.txt" | tail -14
+# 4. custom-call kernels: build the CUDA library from custom_calls/gpu/kernels.cu, check it against
+#    the references on the GPU (the same tests as the CPU twins) and time it against XLA.
+timeout 120 python3 custom_calls/build.py --gpu cuda 2>&1 | tail -3
+python3 -m zaya_jax.cli doctor --json 2>&1 | tee "$OUT/doctor.json" | tail -12
+JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
+  tests/ops/test_kernels.py 2>&1 | tee "$OUT/gpu_kernel_tests.txt" | tail -5
+timeout 120 python3 bench/kernels.py --repeats 5 2>&1 | tee "$OUT/kernels.json" | tail -2

@@ -49,3 +49,13 @@ def test_data_prepare_writes_shards_and_manifest(tmp_path, capsys):
     assert len(manifest["shards"]) == 2
     assert sum(s["records"] for s in manifest["shards"]) == 2
     assert capsys.readouterr().out
+
+
+def test_doctor_reports_versions_and_registered_kernels(capsys):
+    from zaya_jax.cli import main as cli_main
+
+    assert cli_main(["doctor", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["backend"] == "cpu" and report["devices"]
+    assert report["kernels"]["cpu"] == "registered"
+    assert set(report["kernels"]) == {"cpu", "cuda", "rocm"}

@@ -263,7 +263,46 @@ def build_parser() -> argparse.ArgumentParser:
         help="each parameter's optimizer group (muon/adamw) and matrix axes",
     )
     inspect.set_defaults(func=_cmd_inspect)
+
+    doctor = sub.add_parser("doctor", help="platform, devices, versions and the custom-call kernels per platform")
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.set_defaults(func=_cmd_doctor)
     return parser
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    import platform as host
+
+    import flax
+    import jax
+    import jaxlib
+    import optax
+
+    from zaya_jax import ops
+    from zaya_jax.ops._registry import LIB_DIR
+
+    kernels = ops.kernel_status()
+    report = {
+        "python": host.python_version(),
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "flax": flax.__version__,
+        "optax": optax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "kernels": kernels,
+        "kernels_dir": str(LIB_DIR),
+    }
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        for key, value in report.items():
+            if key == "kernels":
+                for platform, status in value.items():
+                    print(f"kernels[{platform}]: {status}")
+            else:
+                print(f"{key}: {value}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

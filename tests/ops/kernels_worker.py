@@ -27,8 +27,8 @@ def bf16_errors():
         f, h, params = _inputs(shape, jnp.bfloat16)
 
         def loss(impl):
-            def fn(f, h, *p):
-                h_new, y = ops.residual_rms_norm(f, h, *p, eps=1e-5, impl=impl)
+            def fn(f_, h_, *p):
+                h_new, y = ops.residual_rms_norm(f_, h_, *p, eps=1e-5, impl=impl)
                 y = y.astype(jnp.float32)
                 return jnp.sum(jnp.sin(h_new)) + jnp.sum(y * jnp.cos(y))
 
@@ -60,9 +60,9 @@ def sharded():
     text = grad.lower(f, h, *params).compile().as_text()
     grads, outs = grad(f, h, *params)
     ref_grads, ref_outs = jax.grad(
-        lambda f, h, *p: (
-            lambda o: (jnp.sum(o[0] ** 2) + jnp.sum(jnp.sin(o[1])), o)
-        )(ops.residual_rms_norm(f, h, *p, eps=1e-5, impl="reference")),
+        lambda f, h, *p: (lambda o: (jnp.sum(o[0] ** 2) + jnp.sum(jnp.sin(o[1])), o))(
+            ops.residual_rms_norm(f, h, *p, eps=1e-5, impl="reference")
+        ),
         argnums=tuple(range(7)),
         has_aux=True,
     )(np.asarray(f), np.asarray(h), *params)

@@ -22,14 +22,18 @@ SYMBOLS = ("ZayaResidualRmsNormFwd", "ZayaResidualRmsNormBwd", "ZayaNewtonSchulz
 
 
 def _build_module():
-    spec = importlib.util.spec_from_file_location("zaya_custom_calls_build", ROOT / "custom_calls" / "build.py")
+    spec = importlib.util.spec_from_file_location(
+        "zaya_custom_calls_build", ROOT / "custom_calls" / "build.py"
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def _exported(path: Path) -> set[str]:
-    out = subprocess.run(["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        ["nm", "-D", "--defined-only", str(path)], capture_output=True, text=True, check=True
+    )
     return {line.split()[-1] for line in out.stdout.splitlines() if line.strip()}
 
 
@@ -43,7 +47,9 @@ def _sections(path: Path) -> str:
 )
 def test_gpu_source_compiles(tmp_path, monkeypatch, platform, compiler, fatbin):
     if not shutil.which(compiler):
-        pytest.skip(f"{compiler} is not installed on this machine: the {platform} build cannot be checked here")
+        pytest.skip(
+            f"{compiler} is not installed on this machine: the {platform} build cannot be checked here"
+        )
     if platform == "rocm":
         # Debian's hipcc (ROCm 5.2) knows gfx90a but not MI300X's gfx942, which needs ROCm >= 6.
         monkeypatch.setenv("ZAYA_HIP_ARCHS", os.environ.get("ZAYA_TEST_HIP_ARCHS", "gfx90a"))
@@ -79,6 +85,8 @@ def test_trains_with_no_kernels_built(tmp_path, capsys):
     assert set(status.values()) == {"not built"}
     plain = json.loads("\n".join(line for line in lines if not line.startswith("STATUS ")))
 
-    assert main(["train", *args, f"run.dir={tmp_path / 'kernels'}", "--no-progress"]) == 0  # kernels registered here
+    assert (
+        main(["train", *args, f"run.dir={tmp_path / 'kernels'}", "--no-progress"]) == 0
+    )  # kernels registered here
     with_kernels = json.loads(capsys.readouterr().out)
     assert abs(plain["final_loss"] - with_kernels["final_loss"]) <= 1e-4 * abs(with_kernels["final_loss"])

@@ -89,7 +89,9 @@ def test_residual_norm_under_vmap_with_batched_and_unbatched_parameters():
         assert _rel(out, ref) <= 2e-6
     grad = jax.vmap(jax.grad(lambda f, h: jnp.sum(ops.residual_rms_norm(f, h, *params, eps=1e-5)[1] ** 2)))
     ref = jax.vmap(
-        jax.grad(lambda f, h: jnp.sum(ops.residual_rms_norm(f, h, *params, eps=1e-5, impl="reference")[1] ** 2))
+        jax.grad(
+            lambda f, h: jnp.sum(ops.residual_rms_norm(f, h, *params, eps=1e-5, impl="reference")[1] ** 2)
+        )
     )
     assert _rel(jax.jit(grad)(f, h), ref(f, h)) <= 2e-6
 
@@ -114,7 +116,9 @@ def test_newton_schulz_equals_the_reference_and_vmaps(shape):
     vmapped = jax.jit(jax.vmap(lambda m: ops.newton_schulz_iterations(m, 5, coeffs)))(x)
     assert _rel(vmapped, ref) <= 1e-5
     with pytest.raises(ValueError, match="m <= n"):
-        ops.newton_schulz_iterations(jnp.swapaxes(x, -1, -2) if shape[-2] < shape[-1] else x[..., :1], 5, coeffs)
+        ops.newton_schulz_iterations(
+            jnp.swapaxes(x, -1, -2) if shape[-2] < shape[-1] else x[..., :1], 5, coeffs
+        )
 
 
 def test_model_with_kernels_matches_the_reference_model():

@@ -21,7 +21,11 @@ def result():
         "JAX_PLATFORMS": "cpu",
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.ops.kernels_worker"], capture_output=True, text=True, env=env, timeout=600
+        [sys.executable, "-m", "tests.ops.kernels_worker"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
