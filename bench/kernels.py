@@ -33,7 +33,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     backend = jax.default_backend()
-    assert ops.registered("cuda" if backend == "gpu" else backend), "build the kernels first (pip install -e .)"
+    assert ops.registered("cuda" if backend == "gpu" else backend), (
+        "build the kernels first (pip install -e .)"
+    )
     out = {"backend": jax.default_backend()}
 
     rows, width = 8192, 1024  # 4 sequences of 2048 tokens at ZAYA1-8B's half width
@@ -45,7 +47,9 @@ def main() -> None:
         fwd = jax.jit(lambda f, h, *p, impl=impl: ops.residual_rms_norm(f, h, *p, eps=1e-5, impl=impl))
         grad = jax.jit(
             jax.grad(
-                lambda f, h, *p, impl=impl: jnp.sum(ops.residual_rms_norm(f, h, *p, eps=1e-5, impl=impl)[1] ** 2),
+                lambda f, h, *p, impl=impl: jnp.sum(
+                    ops.residual_rms_norm(f, h, *p, eps=1e-5, impl=impl)[1] ** 2
+                ),
                 argnums=tuple(range(7)),
             )
         )
@@ -60,7 +64,9 @@ def main() -> None:
             fn = jax.jit(lambda x, impl=impl: ops.newton_schulz_iterations(x, 5, coeffs, impl=impl))
             out[f"{name}_{impl}_s"] = best(fn, x, repeats=max(2, args.repeats // 2))
     for key in [k for k in out if k.endswith("_custom_s")]:
-        out[key.replace("_custom_s", "_ratio")] = round(out[key] / out[key.replace("_custom_s", "_reference_s")], 3)
+        out[key.replace("_custom_s", "_ratio")] = round(
+            out[key] / out[key.replace("_custom_s", "_reference_s")], 3
+        )
     print(json.dumps(out))
 
 

@@ -264,7 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(func=_cmd_inspect)
 
-    doctor = sub.add_parser("doctor", help="platform, devices, versions and the custom-call kernels per platform")
+    doctor = sub.add_parser(
+        "doctor", help="platform, devices, versions and the custom-call kernels per platform"
+    )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
