@@ -99,8 +99,30 @@ def model_on_layout():
     }
 
 
+def distributed_muon():
+    """Newton-Schulz as the custom call inside distributed Muon's shard_map (fsdp=4 x expert=2)."""
+    from zaya_jax.optim.muon import orthogonalize, orthogonalize_sharded
+
+    mesh = jax.make_mesh((4, 2), ("fsdp", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    sharding = NamedSharding(mesh, PartitionSpec("expert", "fsdp", None))
+    x = jax.random.normal(jax.random.key(0), (4, 32, 48))
+    fn = jax.jit(lambda x: orthogonalize_sharded(x, (1, 2), sharding, impl="custom"))
+    xs = jax.device_put(x, sharding)
+    out = fn(xs)
+    return {
+        "error": _rel(out, orthogonalize(x, (1, 2))),
+        "custom_calls": fn.lower(xs).compile().as_text().count("zaya_newton_schulz"),
+        "sharding": str(out.sharding.spec),
+    }
+
+
 def main():
-    report = {"bf16": bf16_errors(), "sharded": sharded(), "model": model_on_layout()}
+    report = {
+        "bf16": bf16_errors(),
+        "sharded": sharded(),
+        "model": model_on_layout(),
+        "muon": distributed_muon(),
+    }
     print("RESULT " + json.dumps(report))
 
 

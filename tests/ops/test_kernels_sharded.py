@@ -1,6 +1,7 @@
 """Kernels on 8 fake CPU devices with exact bfloat16 rounding (--xla_allow_excess_precision=false):
 bf16 results against the reference, the fused norm under shard_map (rows stay split, parameter
-gradients summed over devices), and the model on a data-parallel layout with the kernels on."""
+gradients summed over devices), the model on a data-parallel layout with the kernels on, and the
+Newton-Schulz kernel inside distributed Muon."""
 
 from __future__ import annotations
 
@@ -50,3 +51,10 @@ def test_fused_norm_under_shard_map_keeps_rows_split(result):
 def test_model_with_kernels_on_a_layout_matches_reference(result):
     assert result["model"]["loss"] <= 1e-5
     assert result["model"]["gradients"] <= 1e-5
+
+
+def test_newton_schulz_kernel_inside_distributed_muon(result):
+    r = result["muon"]
+    assert r["error"] <= 1e-5
+    assert r["custom_calls"] == 1
+    assert r["sharding"] == "P('expert', 'fsdp', None)"
