@@ -9,7 +9,7 @@ Environment: ``ZAYA_KERNELS`` = ``auto`` (default: build what the toolchains all
 failure), ``require`` (a failed CPU build is an error) or ``off`` (build nothing); ``ZAYA_GPU`` =
 ``auto`` | ``cuda`` | ``rocm`` | ``none``; ``ZAYA_CUDA_ARCHS`` (default ``90``, H100/H200);
 ``ZAYA_HIP_ARCHS`` (default ``gfx942,gfx90a``, MI300X/MI250X). The XLA FFI headers come from the
-installed jaxlib (``jax.ffi.include_dir()``).
+installed jaxlib (what ``jax.ffi.include_dir()`` returns).
 """
 
 from __future__ import annotations
@@ -32,13 +32,14 @@ QUIET = ["-Wno-return-type"]
 
 
 def include_dirs() -> list[str]:
-    try:
-        import jax.ffi
-    except ImportError as err:  # jaxlib is a build requirement; this only happens when run by hand
-        raise RuntimeError(
-            "building the kernels needs jax/jaxlib installed (for the XLA FFI headers)"
-        ) from err
-    return [jax.ffi.include_dir(), str(HERE / "include"), str(HERE / "gpu")]
+    try:  # jaxlib (a build requirement) ships the headers: what jax.ffi.include_dir() points at
+        import jaxlib
+    except ImportError as err:
+        raise RuntimeError("building the kernels needs jaxlib installed (for the XLA FFI headers)") from err
+    headers = Path(jaxlib.__file__).resolve().parent / "include"
+    if not (headers / "xla" / "ffi" / "api" / "ffi.h").exists():
+        raise RuntimeError(f"jaxlib at {headers.parent} has no XLA FFI headers (needs jaxlib >= 0.4.31)")
+    return [str(headers), str(HERE / "include"), str(HERE / "gpu")]
 
 
 def compile_commands(platform: str, out: Path) -> list[str]:
