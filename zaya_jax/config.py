@@ -44,6 +44,20 @@ class RunConfig:
     def path(self) -> Path:
         return Path(self.dir) if self.dir else Path("runs") / self.name
 
+    def validate(self) -> None:
+        # The name becomes a directory under runs/: it must not climb out of it or nest.
+        if (
+            not self.name
+            or self.name in (".", "..")
+            or "/" in self.name
+            or "\\" in self.name
+            or "\0" in self.name
+        ):
+            raise ConfigError(
+                f"run.name={self.name!r} must be a plain directory name (no '/', not '.' or '..'); "
+                "use run.dir to place a run elsewhere"
+            )
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -513,16 +527,62 @@ class RuntimeConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DebugConfig:
-    """Fault injection for tests; never active by default."""
+    """Fault injection for tests; never active by default. Each fault fires at most once per run
+    directory (a marker file records it), so a restarted run gets past it."""
 
     # Kill the process with SIGKILL right after this step completes (0: never).
     crash_at_step: int = 0
+    # SIGKILL while the checkpoint of this step is being written (after it starts, before commit).
+    crash_during_save_at_step: int = 0
+    # Make this step's gradients NaN (the non-finite guard must catch it).
+    nan_at_step: int = 0
+    # Stop making progress after this step (the hang watchdog must catch it).
+    hang_at_step: int = 0
+    # Overwrite the data files of the checkpoint of this step once it is committed.
+    corrupt_checkpoint_at_step: int = 0
+
+    def validate(self) -> None:
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) < 0:
+                raise ConfigError(f"debug.{field.name}={getattr(self, field.name)} must be >= 0 (0: never)")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResilienceConfig:
+    """What the trainer does when a step goes wrong or stops making progress."""
+
+    # No step finished for this long (compilation included) -> dump every thread's stack to
+    # <run>/hang_stacks.txt and exit with code 75 (a supervisor restarts it). 0: no watchdog.
+    hang_timeout_s: float = 1800.0
+    # A non-finite loss or gradient norm: "skip" the update, "rollback" to the last checkpoint and
+    # skip the data since then, or "stop" the run (exit 1).
+    on_nonfinite: Literal["skip", "rollback", "stop"] = "skip"
+    # A loss spike (robust z-score of the loss against the last spike_window accepted steps above
+    # spike_zscore): "none" (off), "skip" or "rollback", as above.
+    on_spike: Literal["none", "skip", "rollback"] = "none"
+    spike_zscore: float = 6.0
+    spike_window: int = 100
+    spike_warmup: int = 20  # accepted steps before spikes are judged
+    # More rollbacks than this in one run stop it (the data, not one bad batch, is at fault).
+    max_rollbacks: int = 5
+
+    def validate(self) -> None:
+        if self.hang_timeout_s < 0:
+            raise ConfigError(f"resilience.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0: off)")
+        if self.spike_zscore <= 0:
+            raise ConfigError(f"resilience.spike_zscore={self.spike_zscore} must be > 0")
+        if self.spike_window < 3 or self.spike_warmup < 3:
+            raise ConfigError(
+                f"resilience.spike_window={self.spike_window} and spike_warmup={self.spike_warmup} must be >= 3"
+            )
+        if self.max_rollbacks < 0:
+            raise ConfigError(f"resilience.max_rollbacks={self.max_rollbacks} must be >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``, ``checkpoint``
-    and ``debug`` sections."""
+    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``,
+    ``checkpoint``, ``mesh``, ``runtime``, ``resilience`` and ``debug`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -533,9 +593,13 @@ class Config:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
+    resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
     debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
     def validate(self) -> None:
+        self.run.validate()
+        self.resilience.validate()
+        self.debug.validate()
         self.checkpoint.validate()
         self.mesh.validate()
         self.runtime.validate()

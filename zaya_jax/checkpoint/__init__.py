@@ -18,6 +18,7 @@ any mesh loads on a single CPU.
 from __future__ import annotations
 
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -154,14 +155,49 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
-def restore_training(checkpoints_dir: str | Path, like: Any) -> tuple[Any, dict[str, Any], int] | None:
-    """The latest complete training checkpoint restored into the structure and shardings of the
-    TrainState ``like``: (state, data_state, step), or None when there is none."""
+QUARANTINE = "quarantine"
+
+
+def quarantine(checkpoints_dir: str | Path, step: int) -> Path:
+    """Move an unreadable checkpoint out of the checkpoints directory (never delete it) to
+    ``<run>/quarantine/<step>-<time>``, so a later save of the same step has room."""
+    source = Path(checkpoints_dir) / str(step)
+    target = Path(checkpoints_dir).parent / QUARANTINE / f"{step}-{int(time.time())}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0 and source.exists():
+        source.rename(target)
+    return target
+
+
+def restore_training(
+    checkpoints_dir: str | Path, like: Any, on_unreadable: Any = None
+) -> tuple[Any, dict[str, Any], int] | None:
+    """The latest readable training checkpoint restored into the structure and shardings of the
+    TrainState ``like``: (state, data_state, step), or None when there is none.
+
+    Restoring reads and checks every array; a checkpoint that cannot be read (torn or overwritten
+    files, missing pieces) is moved to ``<run>/quarantine/`` with a warning and the previous one is
+    tried. ``on_unreadable(step, error, moved_to)`` is called for each one skipped."""
     mgr = manager(checkpoints_dir)
     steps = [s for s in mgr.all_steps() if (Path(checkpoints_dir) / str(s) / "train").is_dir()]
-    if not steps:
-        return None
-    step = max(steps)
+    for step in sorted(steps, reverse=True):
+        try:
+            return _restore_step(mgr, checkpoints_dir, step, like)
+        except CheckpointNotFoundError:
+            raise
+        except Exception as err:
+            moved = quarantine(checkpoints_dir, step)
+            warnings.warn(
+                f"checkpoint step {step} in {checkpoints_dir} cannot be read ({type(err).__name__}: "
+                f"{str(err)[:300]}); moved to {moved}, trying the previous one",
+                stacklevel=2,
+            )
+            if on_unreadable is not None:
+                on_unreadable(step, err, moved)
+    return None
+
+
+def _restore_step(mgr: ocp.CheckpointManager, checkpoints_dir: str | Path, step: int, like: Any):
     train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
     data_dir = Path(checkpoints_dir) / str(step) / "data"
     if not (data_dir / _data_filename()).is_file():

@@ -31,6 +31,7 @@ from zaya_jax.optim import (
 )
 from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.parallel.distributed import barrier
+from zaya_jax.resilience import Faults, LossGuard, Watchdog, classify_runtime_error, corrupt_checkpoint
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.step import TrainState, init_sharded_train_state, make_eval_step, make_train_step
@@ -92,6 +93,9 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, bool]:
     run_dir = cfg.run.path
     checkpoints = run_dir / checkpoint.CHECKPOINTS
     resuming = checkpoints.is_dir() and any((p / "train").is_dir() for p in checkpoints.iterdir())
+    if not resuming and _crashed_before_first_checkpoint(run_dir, cfg):
+        _truncate_metrics(run_dir, 0)  # its logged steps are re-run from scratch
+        return run_dir, False
     if not resuming and run_dir.exists() and any(run_dir.iterdir()):
         raise FileExistsError(
             f"run directory {run_dir} already holds a run without training checkpoints to resume from; "
@@ -107,6 +111,23 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, bool]:
     run_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, run_dir / "config.yaml")
     return run_dir, resuming
+
+
+def _crashed_before_first_checkpoint(run_dir: Path, cfg: Config) -> bool:
+    """A run of this very config that died before saving anything: only its logs are there, so
+    starting it again loses nothing (a supervisor restarting it must not be refused)."""
+    saved = run_dir / "config.yaml"
+    checkpoints = run_dir / checkpoint.CHECKPOINTS
+    if not saved.is_file() or (checkpoints.is_dir() and any(p.name.isdigit() for p in checkpoints.iterdir())):
+        return False  # committed checkpoints (model-only ones included) are never started over
+    try:
+        return load_config(saved) == cfg
+    except (ConfigError, ValueError):
+        return False
+
+
+class NonFiniteLossError(RuntimeError):
+    """A non-finite loss or gradient with ``resilience.on_nonfinite=stop``, or too many rollbacks."""
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -204,8 +225,23 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         keep_every=ckpt.keep_every,
     )
     first_step = 1
+    watchdog = Watchdog(run_dir, cfg.resilience.hang_timeout_s, enabled=primary)
+    watchdog.beat(0, "restore" if resuming else "init")
+    faults = Faults(cfg.debug, run_dir, primary=primary)
+    unreadable: list[dict[str, Any]] = []
+
+    def skip_unreadable(step: int, err: BaseException, moved: Path) -> None:
+        unreadable.append(
+            {
+                "event": "checkpoint_unreadable",
+                "checkpoint": step,
+                "error": str(err)[:500],
+                "moved_to": str(moved),
+            }
+        )
+
     if resuming:
-        restored = checkpoint.restore_training(run_dir / checkpoint.CHECKPOINTS, state)
+        restored = checkpoint.restore_training(run_dir / checkpoint.CHECKPOINTS, state, skip_unreadable)
         if restored is not None:
             state, data_state, restored_step = restored
             producer.set_state(data_state)
@@ -213,11 +249,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             if primary:
                 _truncate_metrics(run_dir, restored_step)  # before the writer opens the file
     writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None, enabled=primary)
+    for event in unreadable:
+        writer.event(event)
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(
         make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
-        in_shardings=(state_shardings, layout.batch, layout.replicated),
+        in_shardings=(state_shardings, layout.batch, layout.replicated, layout.replicated),
         out_shardings=(state_shardings, layout.replicated),
         donate_argnums=0,
     )
@@ -245,6 +283,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
 
     def evaluate(state: TrainState) -> float:
         total, count = 0.0, 0.0
+        watchdog.beat(step, "eval")
         if not compiled_eval:
             compiled_eval.append(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
             barrier("eval", cfg.runtime.barrier_timeout_s)
@@ -275,23 +314,74 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     last: dict[str, Any] = {}
     step = saved_step = first_step - 1  # a resumed run's restored step is already saved
     last_save = time.monotonic()
+    guard = LossGuard(cfg.resilience)
+    skipped_steps = rollbacks = 0
+
+    def rollback(bad_step: int, reason: str) -> int | None:
+        """Back to the last checkpoint; the data stream goes on (the window since is skipped).
+        Returns the checkpoint's step, or None when there is none (the update was skipped only)."""
+        nonlocal state, rollbacks
+        saver.finish()
+        restored = checkpoint.restore_training(run_dir / checkpoint.CHECKPOINTS, state, skip_unreadable)
+        if restored is None:
+            writer.event({"event": "rollback_unavailable", "reason": reason, "at_step": bad_step})
+            return None
+        rollbacks += 1
+        if rollbacks > cfg.resilience.max_rollbacks:
+            raise NonFiniteLossError(
+                f"step {bad_step}: {reason}, and {cfg.resilience.max_rollbacks} rollbacks already "
+                "(resilience.max_rollbacks); the data or the settings keep producing bad steps"
+            )
+        state, _, to_step = restored
+        writer.rewind(to_step)
+        writer.event({"event": "rollback", "reason": reason, "from_step": bad_step, "to_step": to_step})
+        return to_step
+
     try:
-        for step in range(first_step, cfg.train.steps + 1):
+        step = first_step
+        while step <= cfg.train.steps:
             wait_start = time.perf_counter()
             plan, host_batch, data_state = next(batches)
             data_wait += time.perf_counter() - wait_start
             batch = put_batch(host_batch, layout.batch)
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
             lr_scale = jnp.asarray(lr_scale, jnp.float32)
+            poison = math.nan if faults.due("nan_at_step", step) else 1.0
+            guard_in = jnp.asarray([guard.limit(), poison], jnp.float32)
             shape = (plan.batch_size, plan.seq_len)
             if shape not in compiled_steps:
-                compiled_steps[shape] = step_fn.lower(state, batch, lr_scale).compile()
+                watchdog.beat(step - 1, "compile")
+                compiled_steps[shape] = step_fn.lower(state, batch, lr_scale, guard_in).compile()
                 barrier(f"step {shape}", cfg.runtime.barrier_timeout_s)
-            state, metrics = compiled_steps[shape](state, batch, lr_scale)
+            state, metrics = compiled_steps[shape](state, batch, lr_scale, guard_in)
             step_tokens = plan.batch_size * plan.seq_len
             tokens_seen = data_state["tokens_seen"]  # the producer's count after this batch
             interval_tokens += step_tokens
             interval_flops += step_tokens * flops_per_token(cfg.model, plan.seq_len)
+            watchdog.beat(step)
+
+            skipped, nonfinite, loss = (float(x) for x in jax.device_get(
+                (metrics["skipped"], metrics["nonfinite"], metrics["loss"])
+            ))  # fmt: skip
+            if skipped:
+                skipped_steps += 1
+                reason = "nonfinite" if nonfinite else "spike"
+                writer.event(
+                    {"event": "skip", "reason": reason, "at_step": step, "loss": loss, "limit": guard.limit()}
+                )
+                action = cfg.resilience.on_nonfinite if nonfinite else cfg.resilience.on_spike
+                if action == "stop":
+                    raise NonFiniteLossError(
+                        f"step {step}: non-finite loss or gradients (loss {loss}); resilience.on_nonfinite=stop. "
+                        f"Resume from the last checkpoint, or set resilience.on_nonfinite=skip or rollback"
+                    )
+                if action == "rollback":
+                    to_step = rollback(step, reason)
+                    if to_step is not None:
+                        saved_step, step = to_step, to_step + 1
+                        continue
+            else:
+                guard.accept(loss)
 
             is_eval = step % cfg.train.eval_every == 0 or step == cfg.train.steps
             if step % cfg.train.log_every == 0 or is_eval:
@@ -320,6 +410,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                     "bias_std": float(metrics["bias_std"]),
                     "bias_skip": float(metrics["bias_skip"]),
                     "router_prob_spread": float(metrics["router_prob_spread"]),
+                    "skipped_steps": skipped_steps,
+                    "rollbacks": rollbacks,
                 }
                 writer.write(last)
                 interval_tokens, interval_flops, data_wait = 0, 0.0, 0.0
@@ -334,19 +426,36 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                 ckpt.every_minutes and time.monotonic() - last_save >= 60 * ckpt.every_minutes
             )
             if due and step != cfg.train.steps:
+                watchdog.beat(step, "save")
                 saver.save(step, cfg, state, data_state)
                 saved_step, last_save = step, time.monotonic()
+                if faults.due("crash_during_save_at_step", step):
+                    faults.crash()  # the save is still being written in the background
+                if faults.due("corrupt_checkpoint_at_step", step):
+                    saver.finish()
+                    corrupt_checkpoint(run_dir / checkpoint.CHECKPOINTS / str(step))
             else:
                 saver.check()  # a save that failed in the background stops the run here
-            if cfg.debug.crash_at_step == step:
-                os.kill(os.getpid(), signal.SIGKILL)
+            if faults.due("crash_at_step", step):
+                faults.crash()
+            if faults.due("hang_at_step", step):
+                faults.hang()
             if stop.requested:
                 writer.event({"event": "stop", "signal": stop.requested})
                 break
+            step += 1
+        step = min(step, cfg.train.steps)
         if step != saved_step:
+            watchdog.beat(step, "save")
             saver.save(step, cfg, state, data_state)
         saver.finish()
+    except jax.errors.JaxRuntimeError as err:
+        writer.event(
+            {"event": "device_error", "class": classify_runtime_error(err), "message": str(err)[:2000]}
+        )
+        raise
     finally:
+        watchdog.close()
         batches.close()
         stop.restore()
         saver.close()

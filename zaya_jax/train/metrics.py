@@ -69,6 +69,22 @@ class MetricsWriter:
                 loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False
             )
 
+    def rewind(self, step: int) -> None:
+        """Drop metric lines after ``step`` (a rollback re-runs those step numbers), atomically."""
+        if not self.enabled:
+            return
+        self._metrics.close()
+        path = self.run_dir / "metrics.jsonl"
+        kept = [
+            line
+            for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line)["step"] <= step
+        ]
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.replace(path)
+        self._metrics = path.open("a")
+
     def close(self) -> None:
         if not self.enabled:
             return

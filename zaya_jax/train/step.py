@@ -113,7 +113,13 @@ def make_train_step(
     micro = cfg.train.micro_batches
     grad_fn = jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss), has_aux=True)
 
-    def step(state: TrainState, batch: Batch, lr_scale: jax.Array) -> tuple[TrainState, dict[str, jax.Array]]:
+    def step(
+        state: TrainState, batch: Batch, lr_scale: jax.Array, guard: jax.Array | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """``guard`` (optional, float32 (2,)): [loss limit, gradient multiplier]. With it the step
+        keeps the previous parameters, optimizer and balancing state when the loss or gradient
+        norm is not finite or the loss exceeds the limit (metrics ``skipped``, ``nonfinite``);
+        the multiplier is 1 except when a test injects NaN."""
         split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
 
         def accumulate(carry, micro_batch):
@@ -136,6 +142,8 @@ def make_train_step(
 
         tokens = jnp.maximum(stats["tokens"], 1.0)
         grads = jax.tree.map(lambda g: g / tokens, grads)
+        if guard is not None:
+            grads = jax.tree.map(lambda g: g * guard[1].astype(g.dtype), grads)
         grad_norm = optax.tree.norm(grads)
         opt_state = set_lr_scale(state.opt_state, lr_scale)
         updates, opt_state = tx.update(grads, opt_state, state.params)
@@ -167,6 +175,13 @@ def make_train_step(
             "router_prob_spread": spread.mean(),
         }
         new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
+        if guard is not None:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+            accept = finite & (metrics["loss"] <= guard[0])
+            kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
+            new_state = kept.replace(step=state.step + 1)
+            metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
+            metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
         return new_state, metrics
 
     return step

@@ -1,0 +1,78 @@
+"""In-trainer liveness: a heartbeat file a supervisor can watch, and a watchdog thread that, when
+no step finishes for ``timeout_s``, dumps every thread's stack and exits with :data:`EXIT_HANG`."""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+EXIT_HANG = 75  # the trainer made no progress for resilience.hang_timeout_s
+HEARTBEAT = "heartbeat.json"
+HANG_STACKS = "hang_stacks.txt"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+class Watchdog:
+    """``beat(step, phase)`` after every step (and around long phases: compiling, evaluating,
+    saving); the heartbeat file ``<run>/heartbeat.json`` holds the last beat. With a timeout, a
+    daemon thread checks the time since the last beat and on expiry writes the stacks of every
+    thread to ``<run>/hang_stacks.txt`` (and stderr), records a ``hang`` event and ends the
+    process with exit code 75: a hung collective or a stuck input cannot be unblocked from inside."""
+
+    def __init__(self, run_dir: Path | None, timeout_s: float, *, enabled: bool = True):
+        self.run_dir, self.timeout_s = run_dir, timeout_s
+        self.enabled = enabled and run_dir is not None
+        self.last = time.monotonic()
+        self.step, self.phase = 0, "start"
+        self._stop = threading.Event()
+        self._thread = None
+        if timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="zaya-watchdog", daemon=True)
+            self._thread.start()
+
+    def beat(self, step: int, phase: str = "step") -> None:
+        self.last, self.step, self.phase = time.monotonic(), step, phase
+        if self.enabled:
+            record = {"time": time.time(), "step": step, "phase": phase, "pid": os.getpid()}
+            write_atomic(self.run_dir / HEARTBEAT, json.dumps(record))
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self.last
+            if idle > self.timeout_s:
+                self._fire(idle)
+
+    def _fire(self, idle: float) -> None:
+        message = (
+            f"zaya: no progress for {idle:.0f} s after step {self.step} (phase {self.phase}; "
+            f"resilience.hang_timeout_s={self.timeout_s:g}); thread stacks follow, exiting with {EXIT_HANG}"
+        )
+        print(message, file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        if self.enabled:
+            with (self.run_dir / HANG_STACKS).open("w") as f:
+                f.write(message + "\n")
+                f.flush()
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            event = {
+                "time": time.time(),
+                "event": "hang",
+                "step": self.step,
+                "detail": {"phase": self.phase, "idle_s": idle},
+            }
+            with (self.run_dir / "events.jsonl").open("a") as f:
+                f.write(json.dumps(event) + "\n")
+        os._exit(EXIT_HANG)
+
+    def close(self) -> None:
+        self._stop.set()
