@@ -12,6 +12,7 @@ from typing import Any
 
 from zaya_jax.checkpoint import CheckpointSaveError
 from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
+from zaya_jax.resilience import NonFiniteLossError
 
 
 def _print_json(obj: Any) -> None:
@@ -264,12 +265,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(func=_cmd_inspect)
 
+    sup = sub.add_parser(
+        "supervise",
+        help="run a command (zaya train ...) and restart it on crash or hang, from its last checkpoint",
+    )
+    sup.add_argument(
+        "--max-restarts", type=int, default=5, help="give up after more failures than this in --window"
+    )
+    sup.add_argument("--window", type=float, default=3600.0, help="seconds over which failures are counted")
+    sup.add_argument("--backoff", type=float, default=5.0, help="first restart delay in seconds (doubles)")
+    sup.add_argument("--max-backoff", type=float, default=300.0, help="longest restart delay in seconds")
+    sup.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="kill and restart the child when <run>/heartbeat.json is older than this (0: rely on the "
+        "trainer's own watchdog, resilience.hang_timeout_s)",
+    )
+    sup.add_argument(
+        "--run-dir", help="where events.jsonl goes (default: the run directory of the train command)"
+    )
+    sup.add_argument("command", nargs=argparse.REMAINDER, help="-- zaya train [options]")
+    sup.set_defaults(func=_cmd_supervise)
+
     doctor = sub.add_parser(
         "doctor", help="platform, devices, versions and the custom-call kernels per platform"
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
     doctor.set_defaults(func=_cmd_doctor)
     return parser
+
+
+def _cmd_supervise(args: argparse.Namespace) -> int:
+    from zaya_jax.resilience.supervise import main as supervise
+
+    return supervise(args)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -317,7 +347,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as err:
         print(f"zaya {args.command}: configuration error: {err}", file=sys.stderr)
         return 2
-    except CheckpointSaveError as err:
+    except (CheckpointSaveError, NonFiniteLossError) as err:
         print(f"zaya {args.command}: {err}", file=sys.stderr)
         return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:

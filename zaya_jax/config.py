@@ -554,6 +554,9 @@ class ResilienceConfig:
     # No step finished for this long (compilation included) -> dump every thread's stack to
     # <run>/hang_stacks.txt and exit with code 75 (a supervisor restarts it). 0: no watchdog.
     hang_timeout_s: float = 1800.0
+    # The same limit while compiling, restoring, saving or starting (phases that legitimately
+    # take long on big models).
+    compile_timeout_s: float = 3600.0
     # A non-finite loss or gradient norm: "skip" the update, "rollback" to the last checkpoint and
     # skip the data since then, or "stop" the run (exit 1).
     on_nonfinite: Literal["skip", "rollback", "stop"] = "skip"
@@ -567,8 +570,11 @@ class ResilienceConfig:
     max_rollbacks: int = 5
 
     def validate(self) -> None:
-        if self.hang_timeout_s < 0:
-            raise ConfigError(f"resilience.hang_timeout_s={self.hang_timeout_s} must be >= 0 (0: off)")
+        if self.hang_timeout_s < 0 or self.compile_timeout_s < 0:
+            raise ConfigError(
+                f"resilience.hang_timeout_s={self.hang_timeout_s} and compile_timeout_s={self.compile_timeout_s} "
+                "must be >= 0 (0: off)"
+            )
         if self.spike_zscore <= 0:
             raise ConfigError(f"resilience.spike_zscore={self.spike_zscore} must be > 0")
         if self.spike_window < 3 or self.spike_warmup < 3:

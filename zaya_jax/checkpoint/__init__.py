@@ -115,6 +115,10 @@ class TrainingSaver:
             f"rerun the same command to {resume}"
         )
 
+    def reload(self) -> None:
+        """Re-read the directory (after checkpoints were moved to quarantine)."""
+        self.mgr.reload()
+
     def check(self) -> None:
         """Raise the error of a background save that has failed since the last check."""
         try:

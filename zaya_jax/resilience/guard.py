@@ -15,6 +15,10 @@ import numpy as np
 from zaya_jax.config import ResilienceConfig
 
 
+class NonFiniteLossError(RuntimeError):
+    """A non-finite loss or gradient with ``resilience.on_nonfinite=stop``, or too many rollbacks."""
+
+
 class LossGuard:
     def __init__(self, cfg: ResilienceConfig):
         self.cfg = cfg

@@ -24,13 +24,18 @@ def write_atomic(path: Path, text: str) -> None:
 
 class Watchdog:
     """``beat(step, phase)`` after every step (and around long phases: compiling, evaluating,
-    saving); the heartbeat file ``<run>/heartbeat.json`` holds the last beat. With a timeout, a
+    saving, which get ``slow_timeout_s``); the heartbeat file ``<run>/heartbeat.json`` holds the last beat. With a timeout, a
     daemon thread checks the time since the last beat and on expiry writes the stacks of every
     thread to ``<run>/hang_stacks.txt`` (and stderr), records a ``hang`` event and ends the
     process with exit code 75: a hung collective or a stuck input cannot be unblocked from inside."""
 
-    def __init__(self, run_dir: Path | None, timeout_s: float, *, enabled: bool = True):
+    SLOW_PHASES = ("init", "restore", "compile", "save")
+
+    def __init__(
+        self, run_dir: Path | None, timeout_s: float, slow_timeout_s: float = 0.0, *, enabled: bool = True
+    ):
         self.run_dir, self.timeout_s = run_dir, timeout_s
+        self.slow_timeout_s = max(slow_timeout_s, timeout_s)
         self.enabled = enabled and run_dir is not None
         self.last = time.monotonic()
         self.step, self.phase = 0, "start"
@@ -46,16 +51,19 @@ class Watchdog:
             record = {"time": time.time(), "step": step, "phase": phase, "pid": os.getpid()}
             write_atomic(self.run_dir / HEARTBEAT, json.dumps(record))
 
+    def limit(self) -> float:
+        return self.slow_timeout_s if self.phase in self.SLOW_PHASES else self.timeout_s
+
     def _watch(self) -> None:
         while not self._stop.wait(min(1.0, self.timeout_s / 4)):
             idle = time.monotonic() - self.last
-            if idle > self.timeout_s:
+            if idle > self.limit():
                 self._fire(idle)
 
     def _fire(self, idle: float) -> None:
         message = (
             f"zaya: no progress for {idle:.0f} s after step {self.step} (phase {self.phase}; "
-            f"resilience.hang_timeout_s={self.timeout_s:g}); thread stacks follow, exiting with {EXIT_HANG}"
+            f"limit {self.limit():g} s, resilience.hang_timeout_s / compile_timeout_s); thread stacks follow, exiting with {EXIT_HANG}"
         )
         print(message, file=sys.stderr, flush=True)
         faulthandler.dump_traceback(file=sys.stderr, all_threads=True)

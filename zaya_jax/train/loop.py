@@ -31,7 +31,14 @@ from zaya_jax.optim import (
 )
 from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.parallel.distributed import barrier
-from zaya_jax.resilience import Faults, LossGuard, Watchdog, classify_runtime_error, corrupt_checkpoint
+from zaya_jax.resilience import (
+    Faults,
+    LossGuard,
+    NonFiniteLossError,
+    Watchdog,
+    classify_runtime_error,
+    corrupt_checkpoint,
+)
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.step import TrainState, init_sharded_train_state, make_eval_step, make_train_step
@@ -96,7 +103,8 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, bool]:
     if not resuming and _crashed_before_first_checkpoint(run_dir, cfg):
         _truncate_metrics(run_dir, 0)  # its logged steps are re-run from scratch
         return run_dir, False
-    if not resuming and run_dir.exists() and any(run_dir.iterdir()):
+    # events.jsonl alone is a supervisor's log from before the trainer's first start
+    if not resuming and run_dir.exists() and any(p.name != "events.jsonl" for p in run_dir.iterdir()):
         raise FileExistsError(
             f"run directory {run_dir} already holds a run without training checkpoints to resume from; "
             "choose another run.name (or run.dir) or move the old run away"
@@ -124,10 +132,6 @@ def _crashed_before_first_checkpoint(run_dir: Path, cfg: Config) -> bool:
         return load_config(saved) == cfg
     except (ConfigError, ValueError):
         return False
-
-
-class NonFiniteLossError(RuntimeError):
-    """A non-finite loss or gradient with ``resilience.on_nonfinite=stop``, or too many rollbacks."""
 
 
 def _truncate_metrics(run_dir: Path, step: int) -> None:
@@ -225,7 +229,9 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         keep_every=ckpt.keep_every,
     )
     first_step = 1
-    watchdog = Watchdog(run_dir, cfg.resilience.hang_timeout_s, enabled=primary)
+    watchdog = Watchdog(
+        run_dir, cfg.resilience.hang_timeout_s, cfg.resilience.compile_timeout_s, enabled=primary
+    )
     watchdog.beat(0, "restore" if resuming else "init")
     faults = Faults(cfg.debug, run_dir, primary=primary)
     unreadable: list[dict[str, Any]] = []
@@ -249,8 +255,11 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
             if primary:
                 _truncate_metrics(run_dir, restored_step)  # before the writer opens the file
     writer = MetricsWriter(run_dir, progress_total=cfg.train.steps if progress else None, enabled=primary)
+    if unreadable:
+        saver.reload()  # their step numbers are free again
     for event in unreadable:
         writer.event(event)
+    unreadable.clear()
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(
@@ -283,7 +292,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
 
     def evaluate(state: TrainState) -> float:
         total, count = 0.0, 0.0
-        watchdog.beat(step, "eval")
+        watchdog.beat(step, "eval" if compiled_eval else "compile")
         if not compiled_eval:
             compiled_eval.append(eval_fn.lower(state.params, state.balancing, held_out[0]).compile())
             barrier("eval", cfg.runtime.barrier_timeout_s)
@@ -323,6 +332,10 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         nonlocal state, rollbacks
         saver.finish()
         restored = checkpoint.restore_training(run_dir / checkpoint.CHECKPOINTS, state, skip_unreadable)
+        saver.reload()
+        for event in unreadable:
+            writer.event(event)
+        unreadable.clear()
         if restored is None:
             writer.event({"event": "rollback_unavailable", "reason": reason, "at_step": bad_step})
             return None
