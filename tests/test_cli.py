@@ -59,3 +59,12 @@ def test_doctor_reports_versions_and_registered_kernels(capsys):
     assert report["backend"] == "cpu" and report["devices"]
     assert report["kernels"]["cpu"] == "registered"
     assert set(report["kernels"]) == {"cpu", "cuda", "rocm"}
+    assert report["recommended_xla_flags"] == {}  # nothing recommended for the CPU
+    assert isinstance(report["plugins"], dict)
+
+
+def test_doctor_refuses_a_silent_cpu_fallback_when_a_gpu_is_required(capsys):
+    from zaya_jax.cli import main as cli_main
+
+    assert cli_main(["doctor", "--require-gpu"]) == 1
+    assert "a GPU was required but JAX runs on the CPU" in capsys.readouterr().err

@@ -292,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
         "doctor", help="platform, devices, versions and the custom-call kernels per platform"
     )
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="exit 1 if JAX runs on the CPU (a silent fallback from a GPU)",
+    )
     doctor.set_defaults(func=_cmd_doctor)
     return parser
 
@@ -303,6 +308,7 @@ def _cmd_supervise(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    import importlib.metadata as metadata
     import platform as host
 
     import flax
@@ -314,6 +320,22 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from zaya_jax.ops._registry import LIB_DIR
 
     kernels = ops.kernel_status()
+    backend = jax.default_backend()
+    platform = jax.devices()[0].platform if backend != "cpu" else "cpu"
+    plugins = {
+        dist.metadata["Name"]: dist.version
+        for dist in metadata.distributions()
+        if (dist.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax-rocm", "jax_cuda", "jax_rocm"))
+    }
+    # Flags worth setting per platform (MoE on MI300X: ragged_dot as hipBLASLt grouped GEMM, bf16).
+    try:
+        version = str(jax.devices()[0].client.platform_version).lower()
+    except AttributeError:
+        version = ""
+    recommended = {"rocm": ["--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"]}.get(
+        "rocm" if "rocm" in version else platform, []
+    )
+    flags = os.environ.get("XLA_FLAGS", "")
     report = {
         "python": host.python_version(),
         "jax": jax.__version__,
@@ -322,9 +344,19 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         "optax": optax.__version__,
         "backend": jax.default_backend(),
         "devices": [str(d) for d in jax.devices()],
+        "plugins": plugins,
         "kernels": kernels,
         "kernels_dir": str(LIB_DIR),
+        "recommended_xla_flags": {flag: flag.split("=")[0] in flags for flag in recommended},
     }
+    if args.require_gpu and backend == "cpu":
+        print(
+            "zaya doctor: a GPU was required but JAX runs on the CPU. Install the plugin "
+            '(pip install -e ".[rocm]" or ".[cuda]"), check ROCR_VISIBLE_DEVICES / CUDA_VISIBLE_DEVICES, '
+            f"and that the driver is visible; installed plugins: {plugins or 'none'}",
+            file=sys.stderr,
+        )
+        return 1
     if args.json:
         print(json.dumps(report, indent=2))
     else:
