@@ -68,6 +68,26 @@ def test_balancing_biases_are_a_separate_non_gradient_collection():
     assert aux["load"][0, 2] == tokens.size
 
 
+def test_router_intermediates_record_eda_states_probs_and_choices():
+    cfg = tiny_config()
+    variables = random_variables(cfg)
+    tokens = jnp.asarray(np.arange(3, 19)[None])
+    (logits, aux), inter = jax.jit(functools.partial(Zaya(cfg).apply, mutable=["intermediates"]))(
+        variables, tokens
+    )
+    rec = {k: v[0] for k, v in inter["intermediates"]["layers"].items()}
+    layers, classes = cfg.num_layers, cfg.num_experts + 1
+    assert rec["router_state"].shape == (layers, 1, 16, cfg.router_hidden_size)
+    assert rec["router_probs"].shape == (layers, 1, 16, classes)
+    np.testing.assert_allclose(np.asarray(rec["router_probs"]).sum(-1), 1.0, rtol=1e-5)
+    # The recorded choices are the ones the statistics counted, layer by layer.
+    counted = jax.nn.one_hot(rec["router_choice"], classes).sum((1, 2))
+    np.testing.assert_array_equal(np.asarray(counted), np.asarray(aux["load"]))
+    # Recording changes nothing, and without mutable=... nothing is recorded.
+    plain, _ = jax.jit(Zaya(cfg).apply)(variables, tokens)
+    np.testing.assert_array_equal(np.asarray(plain), np.asarray(logits))
+
+
 def test_bfloat16_compute_keeps_float32_params_and_residual():
     cfg = tiny_config(dtype="bfloat16")
     variables = random_variables(dataclasses.replace(cfg, dtype="float32"))

@@ -100,6 +100,10 @@ class Block(nn.Module):
             h = merge(o, h)
             m = norm(h.astype(dtype))
         routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
+        # Recorded only when applied with mutable=["intermediates"] (notebooks, diagnostics).
+        self.sow("intermediates", "router_state", routing.state)
+        self.sow("intermediates", "router_probs", routing.probs)
+        self.sow("intermediates", "router_choice", routing.choice)
         is_skip = routing.choice == cfg.num_experts
         weight = jnp.where(is_skip, 0, routing.weight)
         f, dropped = Experts(cfg, self.moe_dispatch, name="experts")(m, routing.choice, weight)
@@ -139,6 +143,10 @@ class Zaya(nn.Module):
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left
     padding) and ``positions`` default to the slot indices. ``aux["cache"]`` is then the updated cache.
     ``segment_ids`` cannot be combined with a cache.
+
+    Applied with ``mutable=["intermediates"]``, each layer also records its router's post-EDA state
+    (``router_state``, (layers, batch, seq, R)), probabilities (``router_probs``) and chosen class
+    (``router_choice``) under ``intermediates["layers"]``, each wrapped in a 1-tuple by ``sow``.
 
     ``moe_dispatch`` optionally replaces the local MoE paths (expert parallelism, see
     ``zaya_jax.parallel.expert``) and ``attention`` the attention kernel (tree attention over a
