@@ -70,7 +70,7 @@ def zaya_step_time(cfg, variables, batch, *, adamw_only: bool, repeats: int) -> 
         )
     tx = build_optimizer(cfg.optim, groups, 1000)
     step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
-    box = [init_train_state(variables, tx)]
+    box = [init_train_state(jax.tree.map(jnp.copy, variables), tx)]  # the step donates its state
     scale = jnp.float32(1.0)
 
     def run():

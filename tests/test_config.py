@@ -94,6 +94,7 @@ def test_wrong_types_name_the_key(override, message):
         (["model.partial_rotary_factor=0.3"], r"partial_rotary_factor=0.3 gives a rotary width of 9"),
         (["model.eos_token_id=264"], r"eos_token_id=264 must be in \[0, model\.vocab_size=264\)"),
         (["model.hidden_size=0"], r"hidden_size=0 must be a positive integer"),
+        (["model.scan_unroll=0"], r"model.scan_unroll=0 must be a positive integer"),
         (["train.seq_len=4096"], r"train\.seq_len=4096 exceeds model\.max_position_embeddings=2048"),
     ],
 )

@@ -105,6 +105,10 @@ class ModelConfig:
     # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
     # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
     remat: Literal["none", "minimal", "full"] = "none"
+    # Layers per iteration of the scan over blocks: 1 keeps one compiled block (compile time and
+    # program size independent of depth); num_layers unrolls the loop, which lets XLA skip stacking
+    # each layer's saved activations (faster on CPU and for shallow models; slower to compile).
+    scan_unroll: int = 1
     # The attention merge + MoE input norm: "reference" (Flax/XLA) or "custom" (the fused
     # zaya_residual_rms_norm custom call where registered for the platform, else the reference).
     kernels: Literal["reference", "custom"] = "reference"
@@ -158,6 +162,7 @@ class ModelConfig:
             "num_experts",
             "moe_intermediate_size",
             "router_hidden_size",
+            "scan_unroll",
         ]
         for name in positive:
             if getattr(self, name) < 1:

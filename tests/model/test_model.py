@@ -154,3 +154,25 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
             np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-12, rtol=0)
     # Fewer activations kept across the scan: the compiled temporaries shrink.
     assert results["full"][1] < results["minimal"][1] < temp_none
+
+
+def test_unrolled_layer_scan_gives_the_same_gradients_without_a_loop():
+    cfg = tiny_config()
+    variables = random_variables(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size)
+    results = {}
+    for unroll in (1, cfg.num_layers):
+        model = Zaya(dataclasses.replace(cfg, scan_unroll=unroll))
+
+        def loss(params, model=model):
+            logits, _ = model.apply({**variables, "params": params}, tokens)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 0])
+
+        lowered = jax.jit(jax.value_and_grad(loss)).lower(variables["params"])
+        results[unroll] = (lowered.compile()(variables["params"]), lowered.as_text().count("stablehlo.while"))
+    (loss_1, grads_1), loops_1 = results[1]
+    (loss_u, grads_u), loops_u = results[cfg.num_layers]
+    assert loops_1 >= 2 and loops_u == 0  # forward and backward scans vs. straight-line code
+    np.testing.assert_allclose(loss_u, loss_1, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(grads_u), jax.tree.leaves(grads_1), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-12, rtol=0)

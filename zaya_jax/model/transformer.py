@@ -267,6 +267,7 @@ class Zaya(nn.Module):
             split_rngs={"params": True},
             in_axes=(0, nn.broadcast),
             length=cfg.num_layers,
+            unroll=min(cfg.scan_unroll, cfg.num_layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
         )(cfg, self.moe_dispatch, self.attention, self.context, self.residual_norm, name="layers")
         (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
