@@ -1,6 +1,6 @@
 """Train-step time with Muon+AdamW (the default groups) against all-AdamW, in one run.
 
-Same model, batch and data; each optimizer's jitted step is timed (best of N after warm-up) at two
+Same model, batch and data; the two optimizers' jitted steps are timed alternately (best of N after warm-up) at two
 batch sizes. Prints step times and the ratio Muon/AdamW. Usage:
 
     python bench/muon_vs_adamw.py [--config tiny] [--tokens 1024 8192] [--repeats 5]
@@ -23,19 +23,30 @@ from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_l
 from zaya_jax.train.step import init_train_state, make_train_step
 
 
-def _step_time(cfg, groups, batch, repeats: int) -> float:
+def _stepper(cfg, groups, batch):
+    """A function running one jitted train step (compiled and warmed up on creation)."""
     tx = build_optimizer(cfg.optim, groups, cfg.train.steps)
     step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
-    state = init_train_state(init_variables(cfg.model, 0), tx)
+    box = [init_train_state(init_variables(cfg.model, 0), tx)]
     scale = jnp.float32(1.0)
-    state, metrics = step(state, batch, scale)  # compile + warm-up
-    jax.block_until_ready(metrics)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        state, metrics = step(state, batch, scale)
+
+    def run() -> None:
+        box[0], metrics = step(box[0], batch, scale)
         jax.block_until_ready(metrics)
-        best = min(best, time.perf_counter() - start)
+
+    run()  # compile + warm-up
+    run()
+    return run
+
+
+def _interleaved_best(runs, repeats: int) -> list[float]:
+    """Best time of each function, alternating them so that machine noise hits both alike."""
+    best = [float("inf")] * len(runs)
+    for _ in range(repeats):
+        for i, run in enumerate(runs):
+            start = time.perf_counter()
+            run()
+            best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
@@ -56,8 +67,9 @@ def main() -> None:
     for tokens in args.tokens:
         batch_size = max(1, tokens // cfg.train.seq_len)
         batch = {k: jnp.asarray(v) for k, v in next_batch(rows, batch_size).items()}
-        t_muon = _step_time(cfg, muon, batch, args.repeats)
-        t_adamw = _step_time(cfg, adamw, batch, args.repeats)
+        t_muon, t_adamw = _interleaved_best(
+            [_stepper(cfg, muon, batch), _stepper(cfg, adamw, batch)], args.repeats
+        )
         results.append(
             {
                 "tokens_per_step": batch_size * cfg.train.seq_len,
