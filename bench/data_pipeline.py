@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import zaya_jax
 from zaya_jax.config import DataSource
 from zaya_jax.data import load_tokenizer, prepare
-from zaya_jax.data.corpus import stdlib_files
+from zaya_jax.data.corpus import read_stdlib
 from zaya_jax.model import init_variables
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.train.loop import BatchProducer
@@ -66,14 +66,18 @@ def step_rate(cfg, repeats: int = 5) -> float:
 
 
 def prepared_corpus(out: Path, mib: float) -> Path:
-    """ArrayRecord shards of the first ``mib`` MiB of the built-in corpus's files."""
+    """ArrayRecord shards (``zaya data prepare``) of the first ``mib`` MiB of the built-in corpus,
+    written as a JSONL file of documents first."""
+    _, texts, _ = read_stdlib()
     chosen, size = [], 0
-    for _, path in stdlib_files():
-        chosen.append(str(path))
-        size += path.stat().st_size
+    for text in texts:
+        chosen.append(text)
+        size += len(text)
         if size >= mib * 2**20:
             break
-    prepare(chosen, out, "byte", num_shards=4)
+    jsonl = out.parent / "corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": t}) + "\n" for t in chosen))
+    prepare([str(jsonl)], out, "byte", num_shards=4)
     return out
 
 
