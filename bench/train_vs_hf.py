@@ -12,10 +12,11 @@ batch of random token ids (next-token loss), float32:
 * ``dense_muon``: zaya-jax with one expert instead of E (every token through the same MLP of the
   same width): the dense model whose per-token active size equals the MoE's.
 
-Prints tokens/s, model-FLOPs utilisation against a float32 matmul peak measured in the same
-process, and every ratio against ``hf_adamw``. Usage:
+Prints tokens/s, model-FLOPs utilisation (against a float32 matmul peak measured in the same
+process on CPU, the datasheet peak on a GPU) and every ratio against ``hf_adamw``. On a GPU both
+frameworks run on it (PyTorch through CUDA or ROCm). Usage:
 
-    python bench/train_vs_hf.py [--config tiny] [--batch 16] [--seq 128] [--repeats 5]
+    python bench/train_vs_hf.py [--config tiny] [--batch 16] [--seq 128] [--repeats 5] [--set key=value ...]
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import transformers
 import zaya_jax
 from zaya_jax.interop.hf import hf_to_variables, model_to_hf_config
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.flops import flops_per_token, measured_cpu_peak
+from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
 from zaya_jax.train.step import init_train_state, make_train_step
 
 
@@ -80,16 +81,16 @@ def zaya_step_time(cfg, variables, batch, *, adamw_only: bool, repeats: int) -> 
     return _best_time(run, repeats)
 
 
-def hf_step_time(hf_cfg: dict, ids: np.ndarray, cfg, repeats: int) -> tuple[float, dict]:
+def hf_step_time(hf_cfg: dict, ids: np.ndarray, cfg, repeats: int, device: str) -> tuple[float, dict]:
     torch.manual_seed(0)
-    model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**hf_cfg)).train()
+    model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**hf_cfg)).train().to(device)
     try:
         opt = torch.optim.AdamW(
             model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
         )
     except (RuntimeError, TypeError):  # no fused CPU AdamW in this PyTorch
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    torch_ids = torch.as_tensor(ids)
+    torch_ids = torch.as_tensor(ids, device=device)
 
     def run():
         loss = model(input_ids=torch_ids, labels=torch_ids, use_cache=False).loss
@@ -97,8 +98,10 @@ def hf_step_time(hf_cfg: dict, ids: np.ndarray, cfg, repeats: int) -> tuple[floa
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
 
-    state = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
     return _best_time(run, repeats), state
 
 
@@ -109,16 +112,23 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128, help="tokens per row that enter the loss")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--impls", nargs="+", default=["sorted", "capacity"], help="zaya-jax MoE paths")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.dtype=float32")
     args = parser.parse_args()
 
-    cfg = zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}"])
+    cfg = zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}", *args.set])
+    if cfg.model.dtype != "float32":
+        parser.error("HF runs in float32 here; compare like with like: --set model.dtype=float32")
     ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, size=(args.batch, args.seq + 1))
     tokens = args.batch * args.seq
-    peak = measured_cpu_peak()
+    on_gpu = jax.default_backend() == "gpu"
+    # Same accelerator for both: the GPU when JAX runs on one and PyTorch sees it (CUDA or ROCm).
+    device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
+    # MFU against one GPU's datasheet peak in the model's dtype, or this CPU's measured peak.
+    peak = peak_flops(cfg.model.dtype)[0] / jax.device_count() if on_gpu else measured_cpu_peak()
 
     # HF consumes seq + 1 ids and scores seq of them; zaya-jax gets the same rows split into
     # inputs and targets, so both see `tokens` loss positions (HF runs one extra position).
-    hf_time, hf_state = hf_step_time(model_to_hf_config(cfg.model), ids, cfg, args.repeats)
+    hf_time, hf_state = hf_step_time(model_to_hf_config(cfg.model), ids, cfg, args.repeats, device)
     variables = jax.tree.map(jnp.asarray, hf_to_variables(hf_state, cfg.model))
     batch = _batch(ids)
     times = {"hf_adamw": hf_time}
@@ -138,10 +148,11 @@ def main() -> None:
     moe_flops = flops_per_token(cfg.model, args.seq)
     dense_flops = flops_per_token(dense_model, args.seq)
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, {jax.devices()[0].platform}, "
-        f"{torch.get_num_threads()} torch threads",
+        "machine": f"{platform.processor() or platform.machine()}, jax on {jax.devices()[0].device_kind}, "
+        f"torch on {device} ({torch.get_num_threads()} threads)",
+        "peak_source": "datasheet" if on_gpu else "measured float32 matmul",
         "shape": {"config": args.config, "batch": args.batch, "seq": args.seq, "dtype": cfg.model.dtype},
-        "cpu_peak_gflops": round(peak / 1e9, 1),
+        "peak_gflops": round(peak / 1e9, 1),
         "step_s": {k: round(v, 4) for k, v in times.items()},
         "tokens_per_s": {k: round(tokens / v) for k, v in times.items()},
         "mfu": {
