@@ -40,14 +40,18 @@ from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
 from zaya_jax.train.step import init_train_state, make_train_step
 
 
-def _best_time(fn, repeats: int, warmup: int = 2) -> float:
-    for _ in range(warmup):  # compilation (JAX), allocator and thread-pool warm-up (both)
-        fn()
-    best = float("inf")
+def _interleaved_best(runs: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
+    """Best time of each function, run in turn (round-robin) so machine noise hits all alike.
+    Warm-up calls first: compilation (JAX), allocator and thread pools (both)."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    best = dict.fromkeys(runs, float("inf"))
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - start)
     return best
 
 
@@ -63,7 +67,7 @@ def _batch(ids: np.ndarray) -> dict[str, jax.Array]:
     }
 
 
-def zaya_step_time(cfg, variables, batch, *, adamw_only: bool, repeats: int) -> float:
+def zaya_stepper(cfg, variables, batch, *, adamw_only: bool):
     groups = model_param_groups(cfg.model, cfg.optim.router_group)
     if adamw_only:
         groups = jax.tree.map(
@@ -78,10 +82,10 @@ def zaya_step_time(cfg, variables, batch, *, adamw_only: bool, repeats: int) -> 
         box[0], metrics = step(box[0], batch, scale)
         jax.block_until_ready(metrics["loss"])
 
-    return _best_time(run, repeats)
+    return run
 
 
-def hf_step_time(hf_cfg: dict, ids: np.ndarray, cfg, repeats: int, device: str) -> tuple[float, dict]:
+def hf_stepper(hf_cfg: dict, ids: np.ndarray, cfg, device: str):
     torch.manual_seed(0)
     model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**hf_cfg)).train().to(device)
     try:
@@ -102,7 +106,7 @@ def hf_step_time(hf_cfg: dict, ids: np.ndarray, cfg, repeats: int, device: str) 
             torch.cuda.synchronize()
 
     state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    return _best_time(run, repeats), state
+    return run, state
 
 
 def main() -> None:
@@ -128,22 +132,19 @@ def main() -> None:
 
     # HF consumes seq + 1 ids and scores seq of them; zaya-jax gets the same rows split into
     # inputs and targets, so both see `tokens` loss positions (HF runs one extra position).
-    hf_time, hf_state = hf_step_time(model_to_hf_config(cfg.model), ids, cfg, args.repeats, device)
+    hf_run, hf_state = hf_stepper(model_to_hf_config(cfg.model), ids, cfg, device)
     variables = jax.tree.map(jnp.asarray, hf_to_variables(hf_state, cfg.model))
     batch = _batch(ids)
-    times = {"hf_adamw": hf_time}
+    runs = {"hf_adamw": hf_run}
     for impl in args.impls:
         impl_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_impl=impl))
-        times[f"zaya_muon_{impl}"] = zaya_step_time(
-            impl_cfg, variables, batch, adamw_only=False, repeats=args.repeats
-        )
-        times[f"zaya_adamw_{impl}"] = zaya_step_time(
-            impl_cfg, variables, batch, adamw_only=True, repeats=args.repeats
-        )
+        runs[f"zaya_muon_{impl}"] = zaya_stepper(impl_cfg, variables, batch, adamw_only=False)
+        runs[f"zaya_adamw_{impl}"] = zaya_stepper(impl_cfg, variables, batch, adamw_only=True)
     dense_model = dataclasses.replace(cfg.model, num_experts=1)
     dense_cfg = dataclasses.replace(cfg, model=dense_model)
     dense_vars = zaya_jax.model.init_variables(dense_model, 0)
-    times["dense_muon"] = zaya_step_time(dense_cfg, dense_vars, batch, adamw_only=False, repeats=args.repeats)
+    runs["dense_muon"] = zaya_stepper(dense_cfg, dense_vars, batch, adamw_only=False)
+    times = _interleaved_best(runs, args.repeats)
 
     moe_flops = flops_per_token(cfg.model, args.seq)
     dense_flops = flops_per_token(dense_model, args.seq)

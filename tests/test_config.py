@@ -3,10 +3,19 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
-from zaya_jax.config import ConfigError, ModelConfig, config_from_dict, dump_config, load_config, to_dict
+from zaya_jax.config import (
+    Config,
+    ConfigError,
+    ModelConfig,
+    config_from_dict,
+    dump_config,
+    load_config,
+    to_dict,
+)
 
 
 @pytest.mark.parametrize("name", ["tiny", "small", "zaya1-8b"])
@@ -173,3 +182,18 @@ def test_nested_lists_of_sections_are_typed():
     )
     assert cfg.data.sources[0].weight == 3.0 and cfg.data.sources[1].kind == "stdlib"
     assert cfg.train.stages[0].mixture == (1.0, 0.5)
+
+
+def test_config_reference_is_generated_and_describes_every_key():
+    from zaya_jax.config_reference import config_reference
+
+    text = config_reference()
+    committed = Path(__file__).resolve().parent.parent / "docs" / "CONFIG.md"
+    assert committed.read_text() == text, (
+        "docs/CONFIG.md is stale: run `python -m zaya_jax.config_reference > docs/CONFIG.md`"
+    )
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    assert all(not row.rstrip().endswith("|  |") for row in rows), "a config field has no comment"
+    for section in dataclasses.fields(Config):
+        for field in dataclasses.fields(section.default_factory):
+            assert f"| `{section.name}.{field.name}` |" in text

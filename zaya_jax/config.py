@@ -37,8 +37,8 @@ class ConfigError(ValueError):
 class RunConfig:
     """Where a run lives: ``dir`` defaults to ``runs/<name>``."""
 
-    name: str = "zaya"
-    dir: str | None = None
+    name: str = "zaya"  # run directory name under runs/ (a plain name, no '/')
+    dir: str | None = None  # explicit run directory (overrides runs/<name>)
 
     @property
     def path(self) -> Path:
@@ -68,40 +68,41 @@ class ModelConfig:
     flatten HF's per-layer-type ``rope_parameters``.
     """
 
-    vocab_size: int = 262272
-    hidden_size: int = 2048
-    num_layers: int = 40
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 128
-    cca_time0: int = 2
-    cca_time1: int = 2
-    attention_bias: bool = False
-    rope_theta: float = 5_000_000.0
-    rope_theta_sliding: float = 10_000.0
-    partial_rotary_factor: float = 0.5
+    vocab_size: int = 262272  # token ids (embedding rows; tied LM head)
+    hidden_size: int = 2048  # residual width H
+    num_layers: int = 40  # decoder blocks (HF num_hidden_layers)
+    num_heads: int = 8  # query heads in the CCA latent
+    num_kv_heads: int = 2  # key/value heads (GQA groups = num_heads / num_kv_heads)
+    head_dim: int = 128  # width per head d
+    cca_time0: int = 2  # taps of CCA's first (depthwise) q/k convolution
+    cca_time1: int = 2  # taps of CCA's second (grouped) q/k convolution
+    attention_bias: bool = False  # biases on the q/k/v/o projections
+    rope_theta: float = 5_000_000.0  # RoPE base of full-attention ('hybrid') layers
+    rope_theta_sliding: float = 10_000.0  # RoPE base of sliding-window layers
+    partial_rotary_factor: float = 0.5  # fraction of head_dim that is rotated
+    # Per layer 'hybrid' or 'hybrid_sliding' (null: all 'hybrid').
     layer_types: tuple[Literal["hybrid", "hybrid_sliding"], ...] | None = None
-    sliding_window: int | None = None
-    max_position_embeddings: int = 131072
-    num_experts: int = 16
-    num_experts_per_tok: int = 1
-    moe_intermediate_size: int = 2048
-    router_hidden_size: int = 256
-    hidden_act: Literal["silu", "gelu", "relu"] = "silu"
-    rms_norm_eps: float = 1e-5
-    initializer_range: float = 0.02
-    tie_word_embeddings: bool = True
-    lm_head_bias: bool = False
-    pad_token_id: int = 0
-    bos_token_id: int = 2
-    eos_token_id: int = 106
+    sliding_window: int | None = None  # keys a sliding layer sees, the current token included
+    max_position_embeddings: int = 131072  # longest sequence (train.seq_len and stages must fit)
+    num_experts: int = 16  # routed experts E (the skip class is extra)
+    num_experts_per_tok: int = 1  # must be 1 (top-1 over E + 1 classes)
+    moe_intermediate_size: int = 2048  # SwiGLU width I of each expert
+    router_hidden_size: int = 256  # router state width R (down-projection, EDA, MLP)
+    hidden_act: Literal["silu", "gelu", "relu"] = "silu"  # expert activation (SwiGLU gate)
+    rms_norm_eps: float = 1e-5  # RMSNorm epsilon
+    initializer_range: float = 0.02  # std of the normal weight init
+    tie_word_embeddings: bool = True  # LM head = embedding table transposed
+    lm_head_bias: bool = False  # bias on the LM head
+    pad_token_id: int = 0  # padding id (embedding row kept at 0)
+    bos_token_id: int = 2  # beginning-of-sequence id
+    eos_token_id: int = 106  # end-of-sequence id (default stop token)
     # What a token routed to the MOD skip class receives from the MoE (spec §7 Q1):
     # "zero" (HF >= 5.13, ZAYA1-8B) or "scaled_input" (p_skip * normed input; legacy fork, SGLang).
     mod_skip_output: Literal["zero", "scaled_input"] = "zero"
     # MoE compute path: "dense" (every expert, a reference for tests), "sorted" (dropless,
     # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
     moe_impl: Literal["dense", "sorted", "capacity"] = "sorted"
-    capacity_factor: float = 1.25
+    capacity_factor: float = 1.25  # slots per expert = factor x tokens / E (moe_impl=capacity)
     # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
     # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
     remat: Literal["none", "minimal", "full"] = "none"
@@ -115,6 +116,7 @@ class ModelConfig:
     # Mixed precision: parameters are stored in param_dtype, matmuls run in dtype; the residual
     # stream is always float32 (spec §2.1).
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # Storage dtype of the parameters (and of the Muon/AdamW moments).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
 
     # ---- derived sizes (spec §2.3 notation) ----
@@ -224,24 +226,25 @@ class DataSource:
     ``text_field``) or ``arrayrecord`` (a directory written by ``zaya data prepare``).
     """
 
-    name: str = "stdlib"
+    name: str = "stdlib"  # unique name (events, mixture order)
+    # stdlib, text, jsonl, parquet or arrayrecord (see above).
     kind: Literal["stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "stdlib"
-    path: str | None = None
-    weight: float = 1.0
-    text_field: str = "text"
+    path: str | None = None  # file, directory or glob (unused for stdlib)
+    weight: float = 1.0  # sampling weight in the mixture
+    text_field: str = "text"  # JSONL field / Parquet column holding the text
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where training text comes from and how it becomes token rows."""
 
-    sources: tuple[DataSource, ...] = (DataSource(),)
+    sources: tuple[DataSource, ...] = (DataSource(),)  # the inputs of the mixture (see below)
     # "byte" (no download; ids 0/1/2 = pad/eos/bos, byte b -> b + 3) or a path to an HF tokenizer.json.
     tokenizer: str = "byte"
-    held_out_fraction: float = 0.02
+    held_out_fraction: float = 0.02  # documents held out for evaluation (by hashed key)
     # "error": an unreadable or undecodable document stops the run naming the file; "skip": counted.
     on_bad_document: Literal["error", "skip"] = "error"
-    prefetch: int = 2
+    prefetch: int = 2  # batches prepared ahead of the step on a background thread
 
     def validate(self) -> None:
         if not self.sources:
@@ -272,24 +275,24 @@ class OptimConfig:
     ``cosine`` (warmup, then cosine to ``min_lr_ratio``) or ``constant`` (warmup only).
     """
 
-    muon_lr: float = 0.02
-    adam_lr: float = 3e-3
-    muon_weight_decay: float = 0.0
-    adam_weight_decay: float = 0.1
-    muon_momentum: float = 0.95
-    nesterov: bool = True
-    ns_steps: int = 5
-    ns_coeffs: tuple[float, ...] = (3.4445, -4.775, 2.0315)
+    muon_lr: float = 0.02  # peak learning rate of the Muon group
+    adam_lr: float = 3e-3  # peak learning rate of the AdamW group
+    muon_weight_decay: float = 0.0  # decoupled weight decay of Muon leaves
+    adam_weight_decay: float = 0.1  # weight decay of AdamW matrices/tables (not norms, biases, scales)
+    muon_momentum: float = 0.95  # Muon momentum
+    nesterov: bool = True  # Nesterov momentum for Muon
+    ns_steps: int = 5  # Newton-Schulz iterations per update
+    ns_coeffs: tuple[float, ...] = (3.4445, -4.775, 2.0315)  # quintic Newton-Schulz coefficients (a, b, c)
     # Moonlight's update-RMS matching: scale Muon updates by this * sqrt(max(A, B)); null = off.
     consistent_rms: float | None = None
-    adam_b1: float = 0.9
-    adam_b2: float = 0.95
-    adam_eps: float = 1e-8
-    grad_clip: float = 1.0
-    schedule: Literal["wsd", "cosine", "constant"] = "wsd"
-    warmup_steps: int = 20
-    decay_fraction: float = 0.2
-    min_lr_ratio: float = 0.0
+    adam_b1: float = 0.9  # AdamW beta1
+    adam_b2: float = 0.95  # AdamW beta2
+    adam_eps: float = 1e-8  # AdamW epsilon
+    grad_clip: float = 1.0  # global gradient-norm clip (0: off)
+    schedule: Literal["wsd", "cosine", "constant"] = "wsd"  # learning-rate shape: wsd, cosine or constant
+    warmup_steps: int = 20  # linear warmup steps
+    decay_fraction: float = 0.2  # wsd: fraction of the steps spent decaying
+    min_lr_ratio: float = 0.0  # final learning rate / peak (cosine, wsd)
     # Learning rate under a batch-size ramp: unchanged, or scaled by (batch / final batch)^(1/2 or 1).
     lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"
     # The router's R x R MLP and down-projection are hidden matrices; "adamw" keeps them out of Muon.
@@ -327,14 +330,14 @@ class BalancingConfig:
     bias += spread * (kp * d(error) + ki * error + kd * d2(error)).
     """
 
-    enabled: bool = True
+    enabled: bool = True  # run the controller (false: biases stay at their init)
     # Dimensionless gains, tuned on a router that sends ~70% of tokens to one of 8 experts:
     # max/min expert load 1.08 after 30 steps and 1.05 after 100, without oscillation.
     kp: float = 1.0
-    ki: float = 1.0
-    kd: float = 0.0
-    skip_target: float = 0.0
-    max_bias: float = 1.0
+    ki: float = 1.0  # integral gain
+    kd: float = 0.0  # derivative gain
+    skip_target: float = 0.0  # fraction of tokens the skip class should take
+    max_bias: float = 1.0  # biases stay within +-max_bias of their init
 
     def validate(self) -> None:
         if not 0.0 <= self.skip_target < 1.0:
@@ -349,8 +352,8 @@ class BalancingConfig:
 class RampPoint:
     """From ``tokens`` tokens seen on, the global batch is ``batch_size`` sequences."""
 
-    tokens: int
-    batch_size: int
+    tokens: int  # tokens seen from which this batch size applies
+    batch_size: int  # global batch in sequences
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,9 +361,9 @@ class Stage:
     """One curriculum stage: ``tokens`` of training at ``seq_len`` with per-source ``mixture`` weights
     (one per ``data.sources`` entry; null keeps the sources' own weights)."""
 
-    tokens: int
-    seq_len: int
-    mixture: tuple[float, ...] | None = None
+    tokens: int  # tokens trained in this stage
+    seq_len: int  # row length in this stage
+    mixture: tuple[float, ...] | None = None  # one weight per data source (null: the sources' weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,17 +372,17 @@ class TrainConfig:
     split into ``micro_batches`` accumulated inside the step. ``batch_ramp`` and ``stages`` override
     batch size and sequence length/mixture as tokens are seen."""
 
-    seed: int = 0
-    steps: int = 200
-    batch_size: int = 8
-    micro_batches: int = 1
-    seq_len: int = 128
-    z_loss: float = 0.0
-    log_every: int = 10
-    eval_every: int = 100
-    eval_batches: int = 4
-    batch_ramp: tuple[RampPoint, ...] = ()
-    stages: tuple[Stage, ...] = ()
+    seed: int = 0  # parameter init and data order
+    steps: int = 200  # optimizer steps in the run
+    batch_size: int = 8  # global batch in sequences
+    micro_batches: int = 1  # gradient accumulation inside the step (batch split into this many)
+    seq_len: int = 128  # tokens per packed row
+    z_loss: float = 0.0  # weight of the log-partition z-loss (0: off)
+    log_every: int = 10  # steps between metrics lines
+    eval_every: int = 100  # steps between held-out evaluations
+    eval_batches: int = 4  # held-out batches per evaluation
+    batch_ramp: tuple[RampPoint, ...] = ()  # batch-size schedule by tokens seen (see below)
+    stages: tuple[Stage, ...] = ()  # curriculum stages: sequence length and mixture by tokens (see below)
 
     def validate(self) -> None:
         for name in (
@@ -420,11 +423,11 @@ class CheckpointConfig:
     ``every_minutes`` minutes (0: off; the final step is always saved), keeping the last ``keep``
     plus every ``keep_every``-th step (0: none)."""
 
-    every_steps: int = 0
-    every_minutes: float = 0.0
-    keep: int = 3
-    keep_every: int = 0
-    async_save: bool = True
+    every_steps: int = 0  # save every N steps (0: off)
+    every_minutes: float = 0.0  # save every N minutes (0: off)
+    keep: int = 3  # most recent checkpoints kept
+    keep_every: int = 0  # also keep every N-th step forever (0: none)
+    async_save: bool = True  # write in the background while training continues
 
     def validate(self) -> None:
         for name in ("every_steps", "keep_every", "every_minutes"):
@@ -443,8 +446,8 @@ MESH_AXES = ("data", "fsdp", "expert", "context")
 class AxisRule:
     """Logical axis ``name`` is split over the mesh axes ``mesh`` (empty: replicated)."""
 
-    name: str
-    mesh: tuple[str, ...] = ()
+    name: str  # logical axis (embed, experts, vocab, ...)
+    mesh: tuple[str, ...] = ()  # mesh axes it is split over (empty: replicated)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -455,17 +458,17 @@ class MeshConfig:
     (and its optimizer state) over fsdp. ``rules`` override entries of the logical-axis table
     (``zaya_jax.parallel.rules.DEFAULT_RULES``)."""
 
-    data: int = -1
-    fsdp: int = 1
-    expert: int = 1
-    context: int = 1
+    data: int = -1  # data-parallel replicas (-1: the devices left over)
+    fsdp: int = 1  # parameter/optimizer sharding over the residual width
+    expert: int = 1  # expert-parallel groups (divides num_experts)
+    context: int = 1  # sequence split (ring attention, CCA halos)
     # Expert parallelism: rows exchanged per device pair = factor x local tokens / |expert|;
     # 0 = all local tokens (dropless). Tokens beyond it are dropped and counted.
     expert_capacity_factor: float = 0.0
     # How tokens travel to their experts: "padded" all_to_all (every platform), "ragged"
     # (jax.lax.ragged_all_to_all, only routed rows; GPU/TPU) or "auto" (ragged unless on CPU).
     expert_exchange: Literal["auto", "padded", "ragged"] = "auto"
-    rules: tuple[AxisRule, ...] = ()
+    rules: tuple[AxisRule, ...] = ()  # overrides of the logical-axis table (see below)
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in MESH_AXES}
@@ -498,13 +501,13 @@ class RuntimeConfig:
     ``xla_flags`` are appended to ``XLA_FLAGS`` as given. The timeouts govern the multi-process
     runtime: start-up, heartbeat (a silent process is declared dead after it) and barriers."""
 
-    all_reduce_combine_threshold_bytes: int = 0
-    all_gather_combine_threshold_bytes: int = 0
-    reduce_scatter_combine_threshold_bytes: int = 0
-    xla_flags: tuple[str, ...] = ()
-    init_timeout_s: int = 300
-    heartbeat_timeout_s: int = 100
-    barrier_timeout_s: float = 3600.0
+    all_reduce_combine_threshold_bytes: int = 0  # XLA GPU all-reduce combining (0: XLA default)
+    all_gather_combine_threshold_bytes: int = 0  # XLA GPU all-gather combining (0: XLA default)
+    reduce_scatter_combine_threshold_bytes: int = 0  # XLA GPU reduce-scatter combining (0: XLA default)
+    xla_flags: tuple[str, ...] = ()  # appended to XLA_FLAGS as given (--xla_NAME=VALUE)
+    init_timeout_s: int = 300  # multi-process start-up timeout
+    heartbeat_timeout_s: int = 100  # a silent process is declared dead after this
+    barrier_timeout_s: float = 3600.0  # limit of the trainer's barriers
 
     def validate(self) -> None:
         for name in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -568,8 +571,8 @@ class ResilienceConfig:
     # A loss spike (robust z-score of the loss against the last spike_window accepted steps above
     # spike_zscore): "none" (off), "skip" or "rollback", as above.
     on_spike: Literal["none", "skip", "rollback"] = "none"
-    spike_zscore: float = 6.0
-    spike_window: int = 100
+    spike_zscore: float = 6.0  # robust z-score above which a loss is a spike
+    spike_window: int = 100  # accepted losses the spike limit is computed from
     spike_warmup: int = 20  # accepted steps before spikes are judged
     # More rollbacks than this in one run stop it (the data, not one bad batch, is at fault).
     max_rollbacks: int = 5
