@@ -30,7 +30,7 @@ timeout 20 python3 -m zaya_jax.cli doctor --json $REQUIRE > "$OUT/doctor.json" 2
 step "custom-call kernels (build)"
 timeout 40 python3 custom_calls/build.py --gpu auto 2>&1 | tail -2
 step "train step vs HF and dense"
-timeout 130 python3 bench/train_vs_hf.py --config $CONFIG --batch 8 --seq $SEQ --repeats 5 --impls sorted \
+timeout 120 python3 bench/train_vs_hf.py --config $CONFIG --batch 8 --seq $SEQ --repeats 5 --impls sorted \
   --set model.dtype=float32 2>&1 | tee "$OUT/train_vs_hf.json" | tail -30
 step "Muon vs AdamW"
 timeout 80 python3 bench/muon_vs_adamw.py --config $CONFIG --tokens $TOKENS --repeats 5 \
@@ -39,9 +39,9 @@ step "checkpoint vs raw I/O"
 timeout 30 python3 bench/checkpoint_speed.py --mib $CKPT_MIB --dir /tmp/zaya_ckpt_bench \
   2>&1 | tee "$OUT/checkpoint_speed.json" | tail -20
 step "data pipeline vs consumption"
-timeout 30 python3 bench/data_pipeline.py --config $CONFIG --batches 50 2>&1 | tee "$OUT/data_pipeline.json" | tail -20
+timeout 30 python3 bench/data_pipeline.py --config $CONFIG --batches 50 --prepared-mib 8 2>&1 | tee "$OUT/data_pipeline.json" | tail -20
 step "decoding"
-timeout 40 python3 bench/generate_speed.py --config $CONFIG --batch 8 --prompt 256 --new 128 \
+timeout 50 python3 bench/generate_speed.py --config $CONFIG --batch 8 --prompt 256 --new 128 \
   2>&1 | tee "$OUT/generate.json" | tail -14
 step "kernels vs XLA"
 timeout 30 python3 bench/kernels.py --repeats 5 2>&1 | tee "$OUT/kernels.json" | tail -12

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.model.experts import capacity_experts, dense_experts, sorted_experts
+from zaya_jax.model.experts import blocked_grouped_matmul, capacity_experts, dense_experts, sorted_experts
 
 E, H, INNER, T = 4, 8, 6, 24
 
@@ -83,3 +83,49 @@ def test_capacity_from_config_rounds_up_per_group():
     cfg = ModelConfig(num_experts=16, capacity_factor=1.25)
     assert cfg.capacity(4096) == 320
     assert cfg.capacity(3) == 1
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        (0, 0, 0, 0),  # every row past the groups (all skip-routed)
+        (200, 0, 3, 64),  # an empty group, a partial block, an exact block; 33 rows past the end
+        (300, 0, 0, 0),  # one group takes everything
+        (1, 1, 1, 1),
+    ],
+)
+def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
+    rows, k, n = 300, 24, 40
+    rng = np.random.default_rng(sum(sizes))
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(len(sizes), k, n)), jnp.float32)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    probe = jnp.asarray(rng.normal(size=(rows, n)), jnp.float32)
+
+    def loss(fn):
+        return jax.jit(
+            jax.value_and_grad(lambda x, w: jnp.sum(fn(x, w, group_sizes) * probe), argnums=(0, 1))
+        )
+
+    (_, ref_grads), (_, grads) = loss(jax.lax.ragged_dot)(x, w), loss(blocked_grouped_matmul)(x, w)
+    forward = jax.jit(blocked_grouped_matmul)(x, w, group_sizes)
+    np.testing.assert_allclose(forward, jax.lax.ragged_dot(x, w, group_sizes), atol=1e-4, rtol=1e-5)
+    assert np.all(np.asarray(forward)[int(sum(sizes)) :] == 0)  # rows past the groups
+    for a, b in zip(grads, ref_grads, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b)) + 1), rtol=0)
+
+
+def test_sorted_path_on_cpu_uses_the_blocked_matmul_not_the_dense_ragged_dot():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
+    choice = jnp.asarray(rng.integers(0, E + 1, size=256), jnp.int32)  # E: the skip class
+    wi = jnp.asarray(rng.normal(size=(E, 32, 8)) / 6, jnp.float32)
+    wo = jnp.asarray(rng.normal(size=(E, 4, 32)) / 2, jnp.float32)
+    args = (x, choice, jnp.ones(256), wi, wo, "silu")
+    # jax expands ragged_dot for XLA:CPU into a masked matmul over every expert; the CPU branch is
+    # the blocked one instead: one loop of per-block matmuls for each of wi and wo.
+    lowered = jax.jit(sorted_experts, static_argnums=5).lower(*args).as_text()
+    assert lowered.count("stablehlo.while") == 2
+    np.testing.assert_allclose(
+        jax.jit(sorted_experts, static_argnums=5)(*args), dense_experts(*args), atol=1e-4, rtol=1e-4
+    )

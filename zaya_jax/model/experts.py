@@ -1,8 +1,9 @@
 """SwiGLU experts and the three MoE compute paths (spec §2.4), all equal where nothing is dropped.
 
 * ``dense``: every expert on every token, combined with a one-hot; the reference for tests.
-* ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot``. Skip-routed
-  tokens sort after every real expert and fall outside all groups, so they cost nothing.
+* ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU a
+  blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed tokens sort after every real
+  expert and fall outside all groups, so they cost nothing.
 * ``capacity``: per-sequence einsum dispatch/combine with ``capacity_factor``; tokens past an
   expert's capacity get no expert output and are counted in ``dropped``.
 
@@ -41,13 +42,61 @@ def dense_experts(x, choice, weight, wi, wo, act):
     return jnp.einsum("teh,te->th", out, combine)
 
 
+CPU_GROUP_BLOCK = 64
+"""Rows per matmul of the CPU grouped matmul; each group wastes less than one block."""
+
+
+def blocked_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot`` computed block by block: the rows of each group are moved to a
+    buffer where every group starts on a multiple of ``CPU_GROUP_BLOCK`` rows, then each block is
+    one (block, K) @ (K, N) matmul with its group's weights (``lax.map``, so no weight copies).
+
+    x: (rows, K) sorted by group; w: (groups, K, N); group_sizes: (groups,) int. Rows past
+    ``sum(group_sizes)`` get zeros, as in ``ragged_dot``. XLA:CPU lowers ``ragged_dot`` to a dense
+    masked matmul over every group (``groups`` times the work); this does (rows + groups * block)
+    rows of work. Gradients by autodiff.
+    """
+    block = CPU_GROUP_BLOCK
+    rows, k = x.shape
+    groups, _, n = w.shape
+    num_blocks = -(-rows // block) + groups  # static bound: each group wastes < 1 block
+    total = num_blocks * block
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    padded = (group_sizes + block - 1) // block * block
+    padded_ends = jnp.cumsum(padded)
+    padded_starts = padded_ends - padded
+    row = jnp.arange(rows)
+    # compare_all: (rows x groups) comparisons, vectorised, instead of a binary-search loop
+    row_group = jnp.searchsorted(ends, row, side="right", method="compare_all")  # groups: past the end
+    valid = row_group < groups
+    group = jnp.minimum(row_group, groups - 1)
+    dest = jnp.where(valid, padded_starts[group] + row - starts[group], total)  # total: dropped
+    buffer = jnp.zeros((total, k), x.dtype).at[dest].set(x, mode="drop", unique_indices=True)
+    block_group = jnp.searchsorted(
+        padded_ends, jnp.arange(num_blocks) * block, side="right", method="compare_all"
+    )
+    block_group = jnp.minimum(block_group, groups - 1)  # blocks past the last group hold zeros
+    out = jax.lax.map(
+        lambda args: args[0] @ w[args[1]], (buffer.reshape(num_blocks, block, k), block_group)
+    ).reshape(total, n)
+    return jnp.where(valid[:, None], out[jnp.minimum(dest, total - 1)], 0).astype(x.dtype)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs), or :func:`blocked_grouped_matmul` on CPU."""
+    return jax.lax.platform_dependent(
+        x, w, group_sizes, cpu=blocked_grouped_matmul, default=jax.lax.ragged_dot
+    )
+
+
 def sorted_experts(x, choice, weight, wi, wo, act):
     """Dropless grouped matmul over tokens sorted by expert (skip class E sorts last, outside groups)."""
     num_experts = wi.shape[0]
     order = jnp.argsort(choice, stable=True)
     group_sizes = jnp.bincount(choice, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    hidden = _swiglu(jax.lax.ragged_dot(x[order], wi, group_sizes), act)
-    out = jax.lax.ragged_dot(hidden, wo, group_sizes) * weight[order][:, None]
+    hidden = _swiglu(grouped_matmul(x[order], wi, group_sizes), act)
+    out = grouped_matmul(hidden, wo, group_sizes) * weight[order][:, None]
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
