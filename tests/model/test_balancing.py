@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 
 from zaya_jax.config import BalancingConfig
-from zaya_jax.model.balancing import init_controller, probability_spread, target_load, update_biases
+from zaya_jax.model.balancing import (
+    init_controller,
+    probability_moments,
+    probability_spread,
+    target_load,
+    update_biases,
+)
 from zaya_jax.model.router import init_balancing_biases
 
 EXPERTS, TOKENS = 8, 1024
@@ -26,7 +32,8 @@ def _run(cfg: BalancingConfig, steps: int, controlled: bool = True) -> np.ndarra
         probs = jax.nn.softmax(logits, axis=-1)
         choice = jnp.argmax(probs + biases[0], axis=-1)
         load = jnp.bincount(choice, length=EXPERTS + 1)[None].astype(jnp.float32)
-        spread = probability_spread(probs.sum(0)[None], jnp.square(probs).sum(0)[None], jnp.float32(TOKENS))
+        moments = probability_moments(probs, jnp.ones((TOKENS,)))
+        spread = probability_spread(moments[0][None], moments[1][None], jnp.float32(TOKENS))
         new_biases, new_state, _ = update_biases(cfg, state, biases, load, spread)
         return load[0], new_biases, new_state
 
@@ -73,6 +80,34 @@ def test_target_and_bias_clamp():
 
 
 def test_spread_is_the_token_std_of_probabilities():
-    probs = jnp.asarray([[0.5, 0.5], [0.7, 0.3], [0.3, 0.7]])
-    spread = probability_spread(probs.sum(0)[None], jnp.square(probs).sum(0)[None], jnp.float32(3))
+    probs = jnp.asarray([[0.5, 0.5], [0.7, 0.3], [0.3, 0.7], [0.9, 0.1]])
+    valid = jnp.asarray([1.0, 1.0, 1.0, 0.0])  # the last token is padding
+    dev_sum, dev_sq_sum = probability_moments(probs, valid)
+    spread = probability_spread(dev_sum[None], dev_sq_sum[None], valid.sum())
     np.testing.assert_allclose(spread, [np.std([0.5, 0.7, 0.3])], rtol=1e-5)
+
+
+def test_spread_of_a_near_uniform_router_is_exact_and_independent_of_how_tokens_are_split():
+    """At initialisation every token sees p ~ 1/C +- 1e-4. Raw float32 sums of p and p^2 cancel
+    in E[p^2] - E[p]^2 and give a spread that depends on the summation order (the mesh layout);
+    the moments about 1/C give the float64 value, whichever way the tokens are split and summed."""
+    classes, tokens = 5, 16384
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0.0, 5e-4, (tokens, classes))
+    probs64 = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    exact = np.std(probs64, axis=0).mean()
+    probs = jnp.asarray(probs64, jnp.float32)
+    ones = jnp.ones((tokens,))
+
+    whole = probability_spread(*(m[None] for m in probability_moments(probs, ones)), jnp.float32(tokens))
+    # The same tokens as 8 shards summed separately, then added (what a data-parallel mesh does).
+    parts = [probability_moments(p, jnp.ones((p.shape[0],))) for p in jnp.split(probs, 8)]
+    shards = probability_spread(
+        sum(p[0] for p in parts)[None], sum(p[1] for p in parts)[None], jnp.float32(tokens)
+    )
+    np.testing.assert_allclose(whole, [exact], rtol=1e-4)
+    np.testing.assert_allclose(shards, whole, rtol=1e-5)
+    # What the raw sums gave: wrong by far more than the tolerance (the defect this guards).
+    raw = jnp.sum(probs, 0), jnp.sum(jnp.square(probs), 0)
+    naive = probability_spread(raw[0][None], raw[1][None], jnp.float32(tokens))
+    assert abs(float(naive[0]) - exact) / exact > 1e-2

@@ -1,6 +1,7 @@
 """Run in a subprocess with 8 fake CPU devices: trains a few steps of a miniature model on fixed
-batches under each mesh layout and prints, as JSON, each layout's per-step losses and gradient norms,
-and its first-step gradients' largest relative difference from the single-device run."""
+batches under each mesh layout, with the balancing controller active, and prints, as JSON, each
+layout's per-step losses, gradient norms, router-probability spreads and balancing biases, and its
+first-step gradients' largest relative difference from the single-device run."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ LAYOUTS = {
     "combined": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
     "expert_capped": ["mesh.data=2", "mesh.expert=4", "mesh.expert_capacity_factor=0.5"],
 }
-STEPS = 3
+STEPS = 6
 
 
 def batches(cfg, steps):
@@ -81,11 +82,14 @@ def run(extra, names):
     )
     first = put_batch(batches(cfg, 1)[0], layout.batch)
     grads = jax.tree.map(np.asarray, grad_fn(state.params, state.balancing, first))
-    losses, norms, dropped = [], [], 0.0
+    trace = {"losses": [], "grad_norms": [], "spreads": [], "biases": []}
+    dropped = 0.0
     for batch in batches(cfg, STEPS):
         state, metrics = step(state, put_batch(batch, layout.batch), np.float32(1.0))
-        losses.append(float(metrics["loss"]))
-        norms.append(float(metrics["grad_norm"]))
+        trace["losses"].append(float(metrics["loss"]))
+        trace["grad_norms"].append(float(metrics["grad_norm"]))
+        trace["spreads"].append(float(metrics["router_prob_spread"]))
+        trace["biases"].append(np.asarray(state.balancing["layers"]["router"]["biases"]).tolist())
         dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
     hlo = step.lower(state, put_batch(batches(cfg, 1)[0], layout.batch), np.float32(1.0)).as_text()
@@ -93,13 +97,13 @@ def run(extra, names):
         "all_to_all": hlo.count("all_to_all"),
         "collective_permute": hlo.count("collective_permute"),
     }
-    return losses, norms, grads, sharded, dict(layout.mesh.shape), dropped, collectives
+    return trace, grads, sharded, dict(layout.mesh.shape), dropped, collectives
 
 
 def main():
     results, reference = {}, None
     for name, extra in LAYOUTS.items():
-        losses, norms, grads, sharded, mesh, dropped, collectives = run(extra, name)
+        trace, grads, sharded, mesh, dropped, collectives = run(extra, name)
         if reference is None:
             reference = grads
         # Largest gradient error of any leaf, relative to that leaf's largest gradient.
@@ -108,8 +112,7 @@ def main():
             for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True)
         )
         results[name] = {
-            "losses": losses,
-            "grad_norms": norms,
+            **trace,
             "grad_error": error,
             "sharded": sharded,
             "mesh": mesh,

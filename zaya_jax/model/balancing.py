@@ -53,10 +53,29 @@ def target_load(num_experts: int, skip_target: float) -> jax.Array:
     return jnp.concatenate([experts, jnp.asarray([skip_target], jnp.float32)])
 
 
-def probability_spread(prob_sum: jax.Array, prob_sq_sum: jax.Array, tokens: jax.Array) -> jax.Array:
-    """(layers,) std over tokens of each class's router probability, averaged over classes."""
+def probability_moments(probs: jax.Array, valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sums over real tokens of each class's router probability and its square, both taken about
+    the uniform value 1/C: ``(sum valid * (p - 1/C), sum valid * (p - 1/C)^2)``, each (C,) float32.
+
+    probs: (..., C); valid: (...) 1 for real tokens. Shifting first keeps the variance exact:
+    a near-uniform router has p ~ 1/C on every token, and raw sums of p and p^2 would cancel
+    catastrophically in E[p^2] - E[p]^2 (float32 sums of 10^4 tokens lose the 1e-5 spread to
+    rounding, differently for every summation order, i.e. for every mesh layout).
+    """
+    centred = probs.astype(jnp.float32) - 1.0 / probs.shape[-1]
+    valid = valid.astype(jnp.float32)[..., None]
+    axes = tuple(range(probs.ndim - 1))
+    return jnp.sum(valid * centred, axis=axes), jnp.sum(valid * jnp.square(centred), axis=axes)
+
+
+def probability_spread(dev_sum: jax.Array, dev_sq_sum: jax.Array, tokens: jax.Array) -> jax.Array:
+    """(layers,) std over tokens of each class's router probability, averaged over classes.
+
+    dev_sum, dev_sq_sum: (layers, C) sums from :func:`probability_moments` (deviations from any
+    fixed value give the same variance; deviations from 1/C keep it free of cancellation).
+    """
     n = jnp.maximum(tokens, 1.0)
-    variance = jnp.maximum(prob_sq_sum / n - jnp.square(prob_sum / n), 0.0)
+    variance = jnp.maximum(dev_sq_sum / n - jnp.square(dev_sum / n), 0.0)
     return jnp.sqrt(variance).mean(axis=-1)
 
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.balancing import probability_moments
 from zaya_jax.model.cca import CCAAttention, attention_mask
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.layers import Dense, param_with_axes
@@ -116,12 +117,12 @@ class Block(nn.Module):
             if token_mask is None
             else token_mask.astype(jnp.float32)
         )
-        probs = routing.probs.astype(jnp.float32)
+        prob_dev_sum, prob_dev_sq_sum = probability_moments(routing.probs, valid)
         stats = {
             "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
             "dropped": jnp.sum(dropped * valid),
-            "prob_sum": jnp.einsum("bt,btc->c", valid, probs),
-            "prob_sq_sum": jnp.einsum("bt,btc->c", valid, jnp.square(probs)),
+            "prob_dev_sum": prob_dev_sum,
+            "prob_dev_sq_sum": prob_dev_sq_sum,
         }
         return (h, routing.state), (stats, cache)
 
@@ -136,8 +137,9 @@ class Zaya(nn.Module):
 
     Returns ``(logits, aux)``: logits (batch, seq, vocab) in the compute dtype; aux holds per-layer
     routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
-    capacity path dropped, ``prob_sum`` and ``prob_sq_sum`` (layers, E+1) sums of router
-    probabilities and their squares over real tokens (their spread scales the balancing controller).
+    capacity path dropped, ``prob_dev_sum`` and ``prob_dev_sq_sum`` (layers, E+1) sums over real
+    tokens of the router probabilities' deviations from 1/(E+1) and of their squares
+    (:func:`~zaya_jax.model.balancing.probability_moments`; their spread scales the balancing controller).
 
     Decoding: pass ``cache`` (from :func:`init_cache`) and ``tokens`` are the next chunk, written at
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left

@@ -91,8 +91,8 @@ def loss_and_stats(
         "routed": (batch["segment_ids"] > 0).sum().astype(jnp.float32),
         "load": aux["load"],
         "dropped": aux["dropped"],
-        "prob_sum": aux["prob_sum"],
-        "prob_sq_sum": aux["prob_sq_sum"],
+        "prob_dev_sum": aux["prob_dev_sum"],
+        "prob_dev_sq_sum": aux["prob_dev_sq_sum"],
     }
     return ce_sum + z_loss * z_sum, stats
 
@@ -134,8 +134,8 @@ def make_train_step(
             "routed": jnp.zeros(()),
             "load": jnp.zeros((layers, classes)),
             "dropped": jnp.zeros((layers,)),
-            "prob_sum": jnp.zeros((layers, classes)),
-            "prob_sq_sum": jnp.zeros((layers, classes)),
+            "prob_dev_sum": jnp.zeros((layers, classes)),
+            "prob_dev_sq_sum": jnp.zeros((layers, classes)),
         }
         zero_grads = jax.tree.map(jnp.zeros_like, state.params)
         (grads, stats), _ = jax.lax.scan(accumulate, (zero_grads, zero_stats), split)
@@ -151,7 +151,7 @@ def make_train_step(
 
         balancing, controller = state.balancing, state.controller
         biases = state.balancing["layers"]["router"]["biases"]
-        spread = probability_spread(stats["prob_sum"], stats["prob_sq_sum"], stats["routed"])
+        spread = probability_spread(stats["prob_dev_sum"], stats["prob_dev_sq_sum"], stats["routed"])
         if cfg.balancing.enabled:
             biases, controller, _ = update_biases(
                 cfg.balancing, state.controller, biases, stats["load"], spread
