@@ -103,6 +103,12 @@ class ModelConfig:
     # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
     moe_impl: Literal["dense", "sorted", "capacity"] = "sorted"
     capacity_factor: float = 1.25  # slots per expert = factor x tokens / E (moe_impl=capacity)
+    # Attention kernel: "blocked" (flash-style, memory linear in the sequence, recomputing
+    # backward) or "dense" (the definition: (seq, seq) scores; a reference for tests).
+    attention_impl: Literal["blocked", "dense"] = "blocked"
+    # Key block length of the blocked kernel (a sequence attending to itself is cut into a power
+    # of two of blocks of about this length). 128 was fastest on CPU (bench/attention.py).
+    attention_block: int = 128
     # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
     # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
     remat: Literal["none", "minimal", "full"] = "none"
@@ -150,6 +156,10 @@ class ModelConfig:
     def resolved_layer_types(self) -> tuple[str, ...]:
         return self.layer_types if self.layer_types is not None else ("hybrid",) * self.num_layers
 
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "hybrid_sliding" in self.resolved_layer_types
+
     def validate(self) -> None:
         positive = [
             "vocab_size",
@@ -165,6 +175,7 @@ class ModelConfig:
             "moe_intermediate_size",
             "router_hidden_size",
             "scan_unroll",
+            "attention_block",
         ]
         for name in positive:
             if getattr(self, name) < 1:

@@ -43,7 +43,9 @@ def test_hf_to_zaya_to_hf_round_trip_is_exact(tmp_path):
         if name.endswith("balancing_biases"):
             before[name], after[name] = before[name][:-1], after[name][:-1]
         np.testing.assert_array_equal(before[name], after[name], err_msg=name)
-    np.testing.assert_array_equal(hf_logits(back, IDS), hf_logits(original, IDS))
+    # Equal weights, but two transformers instances need not give bit-equal logits: on AVX-512
+    # CPUs they differ by up to ~6e-6 (HF's own save_pretrained -> from_pretrained does the same).
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(original, IDS), rtol=0, atol=2e-5)
     config = json.loads((tmp_path / "back" / "config.json").read_text())
     assert config["model_type"] == "zaya" and config["layer_types"][1] == "hybrid_sliding"
 

@@ -1,6 +1,7 @@
 """Ring attention with the sequence split over 8 fake devices equals single-device attention
 (causal, a document boundary inside a block, left padding, with and without a sliding window) in
-outputs and gradients, and moves key/value blocks with collective-permutes only (no all-gather)."""
+outputs (padding rows included: zero in both) and gradients, and moves key/value blocks with
+collective-permutes only (no all-gather)."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def result():
     return json.loads(line[len("RESULT ") :])
 
 
-@pytest.mark.parametrize("case", ["window=0", "window=6"])
+@pytest.mark.parametrize("case", ["window=None", "window=0", "window=6"])
 def test_ring_attention_equals_full_attention(result, case):
     got = result[case]
     assert got["forward"] < 1e-5

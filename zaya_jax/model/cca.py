@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.rope import apply_rope, rope_tables
+from zaya_jax.ops.attention import AttentionMask, attention
 
 
 def shift_right(x: jax.Array, shift: int) -> jax.Array:
@@ -122,56 +123,19 @@ def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
     return x * (jnp.asarray(scale, x.dtype) / jnp.sqrt(jnp.maximum(sum_sq, jnp.asarray(eps * eps, x.dtype))))
 
 
-def attention_mask(seq_len: int, segment_ids: jax.Array | None, token_mask: jax.Array | None) -> jax.Array:
-    """(batch or 1, seq_q, seq_k) bool: causal, same document, key not padding."""
-    idx = jnp.arange(seq_len)
-    mask = (idx[:, None] >= idx[None, :])[None]
-    if segment_ids is not None:
-        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
-    if token_mask is not None:
-        mask = mask & token_mask.astype(bool)[:, None, :]
-    return mask
-
-
-def sliding_window_mask(query_slots: jax.Array, key_slots: jax.Array, window: jax.Array) -> jax.Array:
-    """(1, seq_q, seq_k) bool: key within ``window`` slots of the query (incl. itself); window <= 0 =
-    unlimited. Slots are sequence (or cache) indices, padding included, as in HF's sliding mask."""
-    return ((window <= 0) | (query_slots[:, None] - key_slots[None, :] < window))[None]
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """Causal GQA softmax attention, scale d^-1/2, softmax in float32 (spec §2.3 step 7).
-
-    q: (batch, seq, nq, d); k, v: (batch, seq_k, nk, d); mask: (batch|1, seq, seq_k) bool.
-    Fully masked rows (padding queries) get a uniform softmax instead of NaN.
-    Returns (batch, seq, nq * d). The g = nq/nk query heads of a KV head are stacked along the
-    query axis, so both products are plain batched matmuls over (batch, kv head).
-    """
-    batch, seq, nq, d = q.shape
-    seq_k, nk = k.shape[1], k.shape[2]
-    groups = nq // nk
-    q = q.reshape(batch, seq, nk, groups, d).transpose(0, 2, 3, 1, 4).reshape(batch, nk, groups * seq, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k.transpose(0, 2, 1, 3)) * jnp.asarray(d**-0.5, q.dtype)
-    scores = scores.reshape(batch, nk, groups, seq, seq_k).astype(jnp.float32)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, nk, groups * seq, seq_k)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.transpose(0, 2, 1, 3))
-    return out.reshape(batch, nk, groups, seq, d).transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
-
-
 class CCAAttention(nn.Module):
     """One CCA attention layer. a: (batch, seq, embed) normed input -> (output (batch, seq, embed),
     updated layer cache or None).
 
-    ``slots`` = (query slots (seq,), key slots (seq_k,)) place queries and keys for the sliding
-    window. ``cache`` (decoding) = {"keys", "values": (batch, S, nk, d), "conv": (batch, P, C),
-    "vdel": (batch, nk*d/2)} with the new tokens written at slots [index, index + seq); ``mask``
-    then spans the S cache slots.
+    ``mask`` says which keys each query sees (causal, documents, padding; this layer's sliding
+    ``window`` is added here). ``cache`` (decoding) = {"keys", "values": (batch, S, nk, d),
+    "conv": (batch, P, C), "vdel": (batch, nk*d/2)} with the new tokens written at slots
+    [index, index + seq); ``mask`` then spans the S cache slots.
     """
 
     cfg: ModelConfig
-    # Optional replacement of :func:`dot_product_attention` with the same signature, e.g. tree
-    # attention over a sequence-split decode cache (``zaya_jax.parallel.tree``).
+    # Optional replacement of the attention kernel, ``(q, k, v, mask) -> (batch, seq, nq*d)``, e.g.
+    # tree attention over a sequence-split decode cache (``zaya_jax.parallel.tree``).
     attention: Any = None
     # Optional context parallelism (``zaya_jax.parallel.ring.ContextParallel``): the temporal
     # convolution, value shift and attention of a sequence split over devices.
@@ -185,10 +149,9 @@ class CCAAttention(nn.Module):
         window: jax.Array,
         *,
         positions: jax.Array,
-        mask: jax.Array,
+        mask: AttentionMask,
         segment_ids: jax.Array | None,
         token_mask: jax.Array | None,
-        slots: tuple[jax.Array, jax.Array],
         cache: dict[str, jax.Array] | None = None,
         index: jax.Array | None = None,
     ) -> tuple[jax.Array, dict[str, jax.Array] | None]:
@@ -273,10 +236,13 @@ class CCAAttention(nn.Module):
             v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
             new_cache = {**new_cache, "keys": k, "values": v}
             k, v = k.astype(dtype), v.astype(dtype)
+        if cfg.has_sliding_layers:
+            mask = mask.replace(window=window)
         if cache is None and self.context is not None:
             real = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
-            out = self.context.attention(q, k, v, segments, real, window)
+            out = self.context.attention(q, k, v, segments, real, mask.window)
+        elif self.attention is not None:
+            out = self.attention(q, k, v, mask)
         else:
-            attend = self.attention or dot_product_attention
-            out = attend(q, k, v, mask & sliding_window_mask(*slots, window))
+            out = attention(q, k, v, mask, impl=cfg.attention_impl, block=cfg.attention_block)
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

@@ -15,12 +15,13 @@ import numpy as np
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.balancing import probability_moments
-from zaya_jax.model.cca import CCAAttention, attention_mask
+from zaya_jax.model.cca import CCAAttention
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router
+from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
 
 REMAT_POLICIES = {
@@ -82,7 +83,6 @@ class Block(nn.Module):
             mask=ctx["mask"],
             segment_ids=ctx["segment_ids"],
             token_mask=token_mask,
-            slots=ctx["slots"],
             cache=layer.get("cache"),
             index=ctx.get("cache_index"),
         )
@@ -227,10 +227,9 @@ class Zaya(nn.Module):
                 )
             ctx = {
                 "positions": positions,
-                "mask": attention_mask(seq, segment_ids, token_mask),
+                "mask": self_attention_mask(seq, segment_ids, token_mask),
                 "segment_ids": segment_ids,
                 "token_mask": token_mask,
-                "slots": (jnp.arange(seq), jnp.arange(seq)),
             }
         else:
             if segment_ids is not None:
@@ -243,14 +242,15 @@ class Zaya(nn.Module):
                 jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
             )
             key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
-            key_slots = jnp.arange(key_mask.shape[1])
-            causal = key_slots[None, :] <= query_slots[:, None]
             ctx = {
                 "positions": positions,
-                "mask": causal[None] & key_mask.astype(bool)[:, None, :],
+                "mask": AttentionMask(
+                    q_slots=query_slots.astype(jnp.int32),
+                    k_slots=jnp.arange(key_mask.shape[1], dtype=jnp.int32),
+                    k_valid=key_mask.astype(bool),
+                ),
                 "segment_ids": None,
                 "token_mask": token_mask,
-                "slots": (query_slots, key_slots),
                 "cache_index": index,
             }
             layer_inputs["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}

@@ -72,7 +72,7 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         batch_sharding(mesh),
         replicated(mesh),
         dispatch,
-        ContextParallel(mesh, rows) if mesh.shape["context"] > 1 else None,
+        ContextParallel(mesh, rows, block=cfg.model.attention_block) if mesh.shape["context"] > 1 else None,
         sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
         if cfg.model.kernels == "custom" and mesh.size > 1
         else None,

@@ -2,10 +2,11 @@
 keeps its query block and passes its key/value block (with the keys' segment ids, padding mask and
 global positions) around the ring with ``ppermute``, merging every block into an online softmax.
 
-Causal, packed-document (segment ids), padding and sliding-window masks are applied per block from
-global token indices, so the result equals :func:`zaya_jax.model.cca.dot_product_attention` on the
-whole sequence. This is the attention core of context parallelism; the CCA convolution and
-delayed-value halos are separate.
+Each hop is the blocked (flash-style) kernel, :func:`zaya_jax.ops.attention.blocked_attention`,
+with causal, packed-document (segment ids), padding and sliding-window masks from global token
+indices; hops are merged by their log-sum-exps, so the result equals attention over the whole
+sequence, and the backward pass recomputes each hop's scores. This is the attention core of context
+parallelism; the CCA convolution and delayed-value halos are separate.
 """
 
 from __future__ import annotations
@@ -16,45 +17,60 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
+from zaya_jax.ops.attention import AttentionMask, blocked_attention
 
-def _ring_local(q, k, v, q_seg, k_seg, k_real, window, *, axis: str, size: int):
+
+def _merge(acc: tuple[jax.Array, jax.Array], part: tuple[jax.Array, jax.Array]):
+    """Two attention results over disjoint key sets -> the result over their union. Each is
+    (out (b, s, nq, d) float32, lse (b, s, nq)); a row with no visible key has lse -inf."""
+    (out_a, lse_a), (out_b, lse_b) = acc, part
+    top = jnp.maximum(lse_a, lse_b)
+    top = jnp.where(jnp.isfinite(top), top, 0.0)
+    w_a, w_b = jnp.exp(lse_a - top), jnp.exp(lse_b - top)
+    total = w_a + w_b
+    seen = total > 0
+    safe = jnp.where(seen, total, 1.0)
+    out = (w_a[..., None] * out_a + w_b[..., None] * out_b) / safe[..., None]
+    return out, jnp.where(seen, top + jnp.log(safe), -jnp.inf)
+
+
+def _ring_local(q, k, v, q_seg, k_seg, k_real, window, *, axis: str, size: int, block: int):
+    """One device's queries against every device's keys, one hop of the ring at a time; each hop
+    is :func:`~zaya_jax.ops.attention.blocked_attention` with the hop's global slots, and hops
+    whose keys all come after the queries (or lie beyond the window) are not computed."""
     batch, seq, nq, d = q.shape
-    nk = k.shape[2]
-    groups = nq // nk
     me = jax.lax.axis_index(axis)
-    q_slots = me * seq + jnp.arange(seq)
-    qg = q.reshape(batch, seq, nk, groups, d).astype(jnp.float32) * (d**-0.5)
-    low = jnp.finfo(jnp.float32).min
-    m = jnp.full((batch, nk, groups, seq, 1), low, jnp.float32)
-    l = jnp.zeros((batch, nk, groups, seq, 1), jnp.float32)  # noqa: E741
-    o = jnp.zeros((batch, nk, groups, seq, d), jnp.float32)
+    local = jnp.arange(seq, dtype=jnp.int32)
+    q_slots = me * seq + local
     perm = [(i, (i + 1) % size) for i in range(size)]
+    empty = jnp.zeros_like(q, jnp.float32), jnp.full_like(q[..., 0], -jnp.inf, jnp.float32)
+    acc = None
     for step in range(size):
         source = (me - step) % size  # whose key block this device holds now
-        k_slots = source * seq + jnp.arange(seq)
-        allowed = (k_slots[None, :] <= q_slots[:, None]) & (
-            (window <= 0) | (q_slots[:, None] - k_slots[None, :] < window)
-        )
-        allowed = allowed[None] & (q_seg[:, :, None] == k_seg[:, None, :]) & k_real[:, None, :]
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k.astype(jnp.float32))
-        scores = jnp.where(allowed[:, None, None], scores, low)
-        m_new = jnp.maximum(m, jnp.max(scores, axis=-1, keepdims=True))
-        weights = jnp.exp(scores - m_new)
-        scale = jnp.exp(m - m_new)
-        l = l * scale + jnp.sum(weights, axis=-1, keepdims=True)  # noqa: E741
-        o = o * scale + jnp.einsum("bkgts,bskd->bkgtd", weights, v.astype(jnp.float32))
-        m = m_new
+        mask = AttentionMask(q_slots, source * seq + local, q_seg, k_seg, k_real, window, aligned=step == 0)
+
+        def attend(k, v, mask=mask):
+            return blocked_attention(q, k, v, mask, block=block, out_dtype=jnp.float32)
+
+        if step == 0:  # this device's own keys: the diagonal
+            part = attend(k, v)
+        else:
+            visible = source < me
+            if window is not None:  # nearest pair of the hop: (me - source) * seq - (seq - 1) slots
+                visible = visible & ((window <= 0) | ((me - source) * seq - (seq - 1) < window))
+            part = jax.lax.cond(visible, attend, lambda k, v: empty, k, v)
+        acc = part if acc is None else _merge(acc, part)
         if step + 1 < size:
             k, v, k_seg, k_real = (jax.lax.ppermute(x, axis, perm) for x in (k, v, k_seg, k_real))
-    out = (o / l).astype(v.dtype)
-    return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
+    return acc[0].astype(v.dtype).reshape(batch, seq, nq * d)
 
 
-def ring_attention(mesh: Mesh, axis: str = "context") -> Any:
+def ring_attention(mesh: Mesh, axis: str = "context", block: int = 128) -> Any:
     """``attend(q, k, v, segment_ids, token_mask, window) -> (batch, seq, nq*d)`` with every
     sequence axis split over ``axis``. q: (batch, seq, nq, d); k, v: (batch, seq, nk, d);
-    segment_ids, token_mask: (batch, seq); window: int32 scalar (<= 0: no sliding window)."""
-    return _ring_attention_rows(mesh, None, axis)
+    segment_ids, token_mask: (batch, seq); window: int32 scalar (<= 0: no sliding window) or None.
+    ``block``: the blocked kernel's block length within each hop."""
+    return _ring_attention_rows(mesh, None, axis, block)
 
 
 def _left_halo(x: jax.Array, n: int, axis: str, size: int) -> jax.Array:
@@ -91,10 +107,10 @@ class ContextParallel:
     axis: the CCA q/k convolution and the delayed value get their left halos (P raw columns and
     one token) from the previous device, attention runs as :func:`ring_attention`."""
 
-    def __init__(self, mesh: Mesh, rows: tuple[str, ...] | None, axis: str = "context"):
+    def __init__(self, mesh: Mesh, rows: tuple[str, ...] | None, axis: str = "context", block: int = 128):
         self.mesh, self.axis, self.size = mesh, axis, mesh.shape[axis]
         self.rows = rows
-        self._attend = _ring_attention_rows(mesh, rows, axis)
+        self._attend = _ring_attention_rows(mesh, rows, axis, block)
 
     def temporal(self, z, vd, vd_at_start, segments, dw_kernel, dw_bias, g_kernel, g_bias, context: int):
         seq3 = PartitionSpec(self.rows, self.axis, None)
@@ -112,20 +128,25 @@ class ContextParallel:
         return self._attend(q, k, v, segments, token_mask, window)
 
 
-def _ring_attention_rows(mesh: Mesh, rows: tuple[str, ...] | None, axis: str) -> Any:
+def _ring_attention_rows(mesh: Mesh, rows: tuple[str, ...] | None, axis: str, block: int) -> Any:
     size = mesh.shape[axis]
     seq4 = PartitionSpec(rows, axis, None, None)
     seq2 = PartitionSpec(rows, axis)
 
     def attend(q, k, v, segment_ids, token_mask, window):
+        def local(q, k, v, seg, real, *window):
+            window = window[0] if window else None
+            return _ring_local(
+                q, k, v, seg, seg, real.astype(bool), window, axis=axis, size=size, block=block
+            )
+
+        windows = () if window is None else (window,)
         fn = jax.shard_map(
-            lambda q, k, v, seg, real, window: _ring_local(
-                q, k, v, seg, seg, real.astype(bool), window, axis=axis, size=size
-            ),
+            local,
             mesh=mesh,
-            in_specs=(seq4, seq4, seq4, seq2, seq2, PartitionSpec()),
+            in_specs=(seq4, seq4, seq4, seq2, seq2, *(PartitionSpec() for _ in windows)),
             out_specs=PartitionSpec(rows, axis, None),
         )
-        return fn(q, k, v, segment_ids, token_mask, window)
+        return fn(q, k, v, segment_ids, token_mask, *windows)
 
     return attend
