@@ -389,6 +389,10 @@ class TrainConfig:
     micro_batches: int = 1  # gradient accumulation inside the step (batch split into this many)
     seq_len: int = 128  # tokens per packed row
     z_loss: float = 0.0  # weight of the log-partition z-loss (0: off)
+    # Sequence positions per chunk of the cross-entropy (the LM head is applied chunk by chunk, so
+    # one chunk's float32 logits are rows per device x loss_chunk x vocab x 4 bytes); 0: automatic
+    # (the largest power of two keeping one row's chunk under 2^26 logits: 128 at a 262k vocabulary).
+    loss_chunk: int = 0
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 100  # steps between held-out evaluations
     eval_batches: int = 4  # held-out batches per evaluation
@@ -409,6 +413,8 @@ class TrainConfig:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer")
         if self.z_loss < 0:
             raise ConfigError(f"train.z_loss={self.z_loss} must be >= 0")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"train.loss_chunk={self.loss_chunk} must be >= 0 (0: automatic)")
         sizes = [self.batch_size, *(p.batch_size for p in self.batch_ramp)]
         for size in sizes:
             if size % self.micro_batches:

@@ -106,6 +106,39 @@ def test_loss_is_the_token_weighted_mean_over_unmasked_targets():
     assert float(summed) == pytest.approx((nll * mask).sum(), rel=1e-5)
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_chunked_loss_gradients_equal_the_full_logits_gradients(tied):
+    """The step's loss applies the LM head in chunks of 5 positions (16 per row: chunks do not
+    divide it); its parameter gradients, z-loss included, equal those through the model's logits."""
+    cfg = dataclasses.replace(TINY, tie_word_embeddings=tied, lm_head_bias=not tied)
+    variables = init_variables(cfg, 0)
+    batch = synthetic_batch(4, 2, 16, cfg.vocab_size)
+    model = Zaya(cfg)
+
+    def chunked(params):
+        return loss_and_stats(model, params, variables[BALANCING], batch, z_loss=1e-2, loss_chunk=5)[0]
+
+    def full(params):
+        logits, _ = model.apply(
+            {"params": params, BALANCING: variables[BALANCING]},
+            batch["inputs"],
+            token_mask=batch["segment_ids"] > 0,
+            segment_ids=batch["segment_ids"],
+            positions=batch["positions"],
+        )
+        ce, log_z = token_losses(logits, batch["targets"])
+        return jnp.sum((ce + 1e-2 * jnp.square(log_z)) * batch["loss_mask"])
+
+    assert float(chunked(variables["params"])) == pytest.approx(float(full(variables["params"])), rel=1e-6)
+    got, want = jax.jit(jax.grad(chunked))(variables["params"]), jax.jit(jax.grad(full))(variables["params"])
+    for path, a in jax.tree_util.tree_leaves_with_path(got):
+        b = functools.reduce(lambda tree, key: tree[key.key], path, want)
+        scale = max(float(np.max(np.abs(b))), 1e-8)
+        assert float(np.max(np.abs(np.asarray(a) - np.asarray(b)))) <= 1e-5 * scale, jax.tree_util.keystr(
+            path
+        )
+
+
 def test_z_loss_adds_the_mean_squared_log_partition():
     logits = jnp.asarray([[[1.0, 2.0, 3.0], [0.0, 0.0, 5.0]]])
     targets = jnp.asarray([[2, 0]])

@@ -135,7 +135,9 @@ class Zaya(nn.Module):
     ``positions`` (batch, seq) RoPE positions (default: arange, or the index within the document
     when ``segment_ids`` is given).
 
-    Returns ``(logits, aux)``: logits (batch, seq, vocab) in the compute dtype; aux holds per-layer
+    Returns ``(logits, aux)``: logits (batch, seq, vocab) in the compute dtype (with
+    ``return_hidden=True`` instead the final-norm hidden states (batch, seq, embed) the LM head
+    reads, see :func:`lm_head_weights`); aux holds per-layer
     routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
     capacity path dropped, ``prob_dev_sum`` and ``prob_dev_sq_sum`` (layers, E+1) sums over real
     tokens of the router probabilities' deviations from 1/(E+1) and of their squares
@@ -188,6 +190,7 @@ class Zaya(nn.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         cache: dict[str, jax.Array] | None = None,
+        return_hidden: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
@@ -277,6 +280,8 @@ class Zaya(nn.Module):
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
+        if return_hidden:  # the loss applies the head chunk by chunk (zaya_jax.ops.cross_entropy)
+            return y, stats
         if cfg.tie_word_embeddings:
             logits = jnp.dot(y, embedding.astype(dtype).T)
             if cfg.lm_head_bias:
@@ -295,6 +300,15 @@ class Zaya(nn.Module):
                 name="lm_head",
             )(y)
         return logits, stats
+
+
+def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, jax.Array | None, int]:
+    """The LM head as stored in ``params``: (weight, bias or None, vocab axis of the weight).
+    Tied: the (vocab, embed) embedding table (axis 0); untied: the (embed, vocab) ``lm_head`` kernel."""
+    if cfg.tie_word_embeddings:
+        return params["embedding"], params.get("lm_head_bias"), 0
+    head = params["lm_head"]
+    return head["kernel"], head.get("bias"), 1
 
 
 LAYER_CACHE_KEYS = ("keys", "values", "conv", "vdel")

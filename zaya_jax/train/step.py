@@ -20,6 +20,8 @@ import optax
 from zaya_jax.config import Config
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
+from zaya_jax.model.transformer import lm_head_weights
+from zaya_jax.ops.cross_entropy import chunked_cross_entropy
 
 Batch = dict[str, jax.Array]
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
@@ -70,18 +72,26 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.
 
 
 def loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float
+    model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float, loss_chunk: int = 0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed (not averaged) loss over the batch's real targets, and the statistics to accumulate."""
-    logits, aux = model.apply(
+    """Summed (not averaged) loss over the batch's real targets, and the statistics to accumulate.
+
+    The LM head is applied by :func:`~zaya_jax.ops.cross_entropy.chunked_cross_entropy`,
+    ``loss_chunk`` sequence positions at a time (0: automatic), so the full float32 logits never
+    exist; the result equals :func:`token_losses` of the model's logits."""
+    hidden, aux = model.apply(
         {"params": params, BALANCING: balancing},
         batch["inputs"],
         token_mask=batch["segment_ids"] > 0,
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
+        return_hidden=True,
     )
+    weight, bias, vocab_axis = lm_head_weights(model.cfg, params)
     mask = batch["loss_mask"].astype(jnp.float32)
-    ce, log_z = token_losses(logits, batch["targets"])
+    ce, log_z = chunked_cross_entropy(
+        hidden, weight, batch["targets"], bias=bias, vocab_axis=vocab_axis, chunk=loss_chunk
+    )
     ce_sum = jnp.sum(ce * mask)
     z_sum = jnp.sum(jnp.square(log_z) * mask)
     stats = {
@@ -111,7 +121,10 @@ def make_train_step(
     sharded fused-norm kernel on a mesh (``Layout.hooks``)."""
     model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
     micro = cfg.train.micro_batches
-    grad_fn = jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss), has_aux=True)
+    grad_fn = jax.grad(
+        lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss, cfg.train.loss_chunk),
+        has_aux=True,
+    )
 
     def step(
         state: TrainState, batch: Batch, lr_scale: jax.Array, guard: jax.Array | None = None
@@ -194,7 +207,7 @@ def make_eval_step(
     model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
 
     def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        _, stats = loss_and_stats(model, params, balancing, batch, 0.0)
+        _, stats = loss_and_stats(model, params, balancing, batch, 0.0, cfg.train.loss_chunk)
         return stats["ce_sum"], stats["tokens"]
 
     return evaluate

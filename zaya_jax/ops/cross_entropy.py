@@ -1,0 +1,150 @@
+"""Next-token cross-entropy straight from the final hidden states, chunk by chunk: the LM head's
+(tokens, vocab) float32 logits are never held whole, neither in the forward pass nor in the
+backward (spec §2.1's tied head; with ZAYA1's 262,144-token vocabulary one 4,096-token row of
+logits is 4.3 GB).
+
+A ``lax.scan`` walks over chunks of sequence positions; each step computes one chunk's logits in
+float32, its log-partition and the target logit. The ``custom_vjp`` keeps only the per-token
+log-partition and recomputes each chunk's logits in the backward pass, where
+``d logits = softmax * (g_ce + g_lse) - onehot(target) * g_ce`` gives the chunk's share of the
+hidden-state gradient and accumulates the head's weight (and bias) gradient. Chunks take every
+``n_chunks``-th position of every row, so the batch axis (and a contiguous context split of the
+sequence) keeps its sharding inside each step.
+
+Written here rather than taken from a library: optax's ``softmax_cross_entropy_with_integer_labels``
+needs the full logits, and the blockwise losses of MaxText and Levanter are tied to their model
+and array types. The same scheme as theirs (vocabulary tiling), in plain JAX.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOGITS_BUDGET = 2**26
+"""Float32 logits per chunk that ``auto_chunk`` aims for (256 MiB) per sequence row."""
+
+
+def auto_chunk(vocab_size: int) -> int:
+    """Positions per chunk when the config says 0: the largest power of two whose logits for one
+    row stay within :data:`LOGITS_BUDGET` elements (128 for a 262,144-token vocabulary)."""
+    return 1 << max(4, int(math.floor(math.log2(max(1, LOGITS_BUDGET // vocab_size)))))
+
+
+def _logits(h, weight, bias, vocab_axis):
+    spec = "bte,ve->btv" if vocab_axis == 0 else "bte,ev->btv"
+    logits = jnp.einsum(spec, h, weight, preferred_element_type=jnp.float32)
+    return logits if bias is None else logits + bias.astype(jnp.float32)
+
+
+def _strided_chunks(x: jax.Array, n_chunks: int, length: int) -> jax.Array:
+    """(batch, seq, ...) -> (n_chunks, batch, length, ...): chunk c holds positions c, c + n_chunks, ..."""
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n_chunks * length - x.shape[1])
+    x = jnp.pad(x, pad)
+    x = x.reshape(x.shape[0], length, n_chunks, *x.shape[2:])
+    return jnp.moveaxis(x, 2, 0)
+
+
+def _unchunk(x: jax.Array, seq: int) -> jax.Array:
+    """Inverse of :func:`_strided_chunks`."""
+    x = jnp.moveaxis(x, 0, 2)
+    return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _cross_entropy(h, weight, bias, targets, vocab_axis, chunk):
+    return _forward(h, weight, bias, targets, vocab_axis, chunk)[0]
+
+
+def _layout(seq: int, chunk: int) -> tuple[int, int]:
+    n_chunks = -(-seq // chunk)
+    return n_chunks, -(-seq // n_chunks)
+
+
+def _forward(h, weight, bias, targets, vocab_axis, chunk):
+    seq = h.shape[1]
+    n_chunks, length = _layout(seq, chunk)
+    weight_c = weight.astype(h.dtype)  # the matmul runs in the compute dtype
+
+    def one_chunk(_, inputs):
+        h_c, t_c = inputs
+        logits = _logits(h_c, weight_c, bias, vocab_axis)
+        log_z = jax.nn.logsumexp(logits, axis=-1)
+        target = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
+        return None, (log_z - target, log_z)
+
+    inputs = (_strided_chunks(h, n_chunks, length), _strided_chunks(targets, n_chunks, length))
+    _, (ce, log_z) = jax.lax.scan(one_chunk, None, inputs)
+    ce, log_z = _unchunk(ce, seq), _unchunk(log_z, seq)
+    return (ce, log_z), (h, weight, bias, targets, log_z)
+
+
+def _backward(vocab_axis, chunk, residuals, cotangents):
+    h, weight, bias, targets, log_z = residuals
+    g_ce, g_lse = cotangents
+    seq = h.shape[1]
+    n_chunks, length = _layout(seq, chunk)
+    vocab = weight.shape[vocab_axis]
+    weight_c = weight.astype(h.dtype)
+
+    def one_chunk(carry, inputs):
+        d_weight, d_bias = carry
+        h_c, t_c, lse_c, g_ce_c, g_lse_c = inputs
+        logits = _logits(h_c, weight_c, bias, vocab_axis)
+        probs = jnp.exp(logits - lse_c[..., None])
+        is_target = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]
+        d_logits = probs * (g_ce_c + g_lse_c)[..., None] - jnp.where(is_target, g_ce_c[..., None], 0.0)
+        d_logits_c = d_logits.astype(h.dtype)
+        spec_h = "btv,ve->bte" if vocab_axis == 0 else "btv,ev->bte"
+        spec_w = "btv,bte->ve" if vocab_axis == 0 else "btv,bte->ev"
+        d_h = jnp.einsum(spec_h, d_logits_c, weight_c, preferred_element_type=jnp.float32)
+        d_weight = d_weight + jnp.einsum(spec_w, d_logits_c, h_c, preferred_element_type=jnp.float32)
+        if d_bias is not None:
+            d_bias = d_bias + jnp.sum(d_logits, axis=(0, 1))
+        return (d_weight, d_bias), d_h.astype(h.dtype)
+
+    chunks = functools.partial(_strided_chunks, n_chunks=n_chunks, length=length)
+    inputs = (chunks(h), chunks(targets), chunks(log_z), chunks(g_ce), chunks(g_lse))
+    carry = (
+        jnp.zeros(weight.shape, jnp.float32),
+        None if bias is None else jnp.zeros(bias.shape, jnp.float32),
+    )
+    (d_weight, d_bias), d_h = jax.lax.scan(one_chunk, carry, inputs)
+    return (
+        _unchunk(d_h, seq),
+        d_weight.astype(weight.dtype),
+        None if bias is None else d_bias.astype(bias.dtype),
+        None,
+    )
+
+
+_cross_entropy.defvjp(_forward, _backward)
+
+
+def chunked_cross_entropy(
+    h: jax.Array,
+    weight: jax.Array,
+    targets: jax.Array,
+    *,
+    bias: jax.Array | None = None,
+    vocab_axis: int = 0,
+    chunk: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token cross-entropy and log-partition of the logits ``h @ weight (+ bias)``.
+
+    h: (batch, seq, embed) final hidden states (the matmul runs in h's dtype, accumulating in
+    float32); weight: the LM head, (vocab, embed) with ``vocab_axis=0`` (the tied embedding) or
+    (embed, vocab) with ``vocab_axis=1``; bias: (vocab,) or None; targets: (batch, seq) int.
+    ``chunk``: sequence positions per chunk (0: :func:`auto_chunk`). Returns (ce, log_z), both
+    (batch, seq) float32, equal to ``token_losses`` of the full logits in value and gradient.
+    """
+    if vocab_axis not in (0, 1):
+        raise ValueError(f"vocab_axis must be 0 or 1, got {vocab_axis}")
+    if chunk < 0:
+        raise ValueError(f"chunk must be >= 0 (0: automatic), got {chunk}")
+    chunk = chunk or auto_chunk(weight.shape[vocab_axis])
+    return _cross_entropy(h, weight, bias, targets.astype(jnp.int32), vocab_axis, min(chunk, h.shape[1]))
