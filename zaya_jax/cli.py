@@ -92,7 +92,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     if args.compile_only:
-        return _compile_only(cfg, args.devices)
+        return _compile_only(cfg, args.devices, args.target)
     apply_runtime(cfg.runtime)
     initialize(args.coordinator, args.num_processes, args.process_id, runtime=cfg.runtime)
     summary = train(cfg, progress=not args.no_progress)
@@ -100,8 +100,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compile_only(cfg: Config, devices: int | None) -> int:
-    """Plan on ``devices`` fake CPU devices (set before JAX starts its backends)."""
+def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
+    """Plan ``target``'s program on ``devices`` fake CPU devices (set before JAX starts its backends)."""
     if devices:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
@@ -109,7 +109,7 @@ def _compile_only(cfg: Config, devices: int | None) -> int:
         os.environ["JAX_PLATFORMS"] = "cpu"
     from zaya_jax.parallel.plan import compile_plan
 
-    report = compile_plan(cfg)
+    report = compile_plan(cfg, target)
     _print_json(report)
     for warning in report["gemm_tile_warnings"]:
         print(f"zaya train --compile-only: warning: {warning}", file=sys.stderr)
@@ -190,6 +190,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="lower and compile the step for the configured mesh, print per-device memory; no arrays",
     )
     train.add_argument("--devices", type=int, help="with --compile-only: plan on this many fake CPU devices")
+    train.add_argument(
+        "--target",
+        choices=["gpu", "cpu"],
+        default="gpu",
+        help="with --compile-only: whose program to plan (default gpu: the GPU branch of every "
+        "platform-dependent op, compiled by XLA:CPU with memory twins where needed)",
+    )
     dist = train.add_argument_group(
         "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"
     )

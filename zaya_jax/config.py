@@ -391,7 +391,7 @@ class TrainConfig:
     z_loss: float = 0.0  # weight of the log-partition z-loss (0: off)
     # Sequence positions per chunk of the cross-entropy (the LM head is applied chunk by chunk, so
     # one chunk's float32 logits are rows per device x loss_chunk x vocab x 4 bytes); 0: automatic
-    # (the largest power of two keeping one row's chunk under 2^26 logits: 128 at a 262k vocabulary).
+    # (the largest multiple of 16 keeping one row's chunk under 2^25 logits: 112 at ZAYA1's vocabulary).
     loss_chunk: int = 0
     log_every: int = 10  # steps between metrics lines
     eval_every: int = 100  # steps between held-out evaluations

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layers import param_with_axes
+from zaya_jax.ops.platform import platform_branch
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -83,10 +84,27 @@ def blocked_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
     return jnp.where(valid[:, None], out[jnp.minimum(dest, total - 1)], 0).astype(x.dtype)
 
 
+def ragged_dot_memory_twin(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Planning stand-in for ``ragged_dot`` as a GPU runs it (one grouped GEMM): the same operands,
+    result and FLOPs, computed as ``x @ w[0]``, whose gradients (``g @ w[0]^T`` and a (E, K, N)
+    weight gradient) have the grouped GEMM's buffers too. XLA:CPU would expand the real op into one
+    dense product per group (E times the memory), so a plan compiled on CPU uses this
+    (``zaya_jax.ops.platform``); never used to compute."""
+    del group_sizes
+    with jax.named_scope("ragged_dot_gpu_twin"):
+        return x @ w[0]
+
+
+def _blocked_on_cpu(x, w, group_sizes):
+    with jax.named_scope("blocked_grouped_matmul"):
+        return blocked_grouped_matmul(x, w, group_sizes)
+
+
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs), or :func:`blocked_grouped_matmul` on CPU."""
-    return jax.lax.platform_dependent(
-        x, w, group_sizes, cpu=blocked_grouped_matmul, default=jax.lax.ragged_dot
+    """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs), or :func:`blocked_grouped_matmul` on CPU;
+    while planning a GPU program on CPU, :func:`ragged_dot_memory_twin`."""
+    return platform_branch(
+        x, w, group_sizes, cpu=_blocked_on_cpu, gpu=jax.lax.ragged_dot, gpu_twin=ragged_dot_memory_twin
     )
 
 

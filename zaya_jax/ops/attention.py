@@ -449,9 +449,11 @@ def _backward(blocks: _Blocks, out, lse, d_out, d_lse):
 
             columns = blocks.level_columns(level)
             steps = jnp.arange(columns[0].shape[0])
-            dq_part = jnp.zeros_like(rows[0], jnp.float32)
+            # Start from the query gradient so far: each level waits for the previous one, so XLA
+            # never runs two levels' loops (and holds their temporaries) at the same time.
+            dq_part = _halves(dq, 2, level)[1]
             dq_part, (dk_cols, dv_cols) = jax.lax.scan(column, dq_part, (steps, *columns))
-            dq = _set_second_halves(dq, 2, level, dq_part, add=True)
+            dq = _set_second_halves(dq, 2, level, dq_part)
             # (m, b, nk, r, B, d) -> (b, nk, r, m, B, d): the first halves' key blocks
             dk = _update_halves(dk, 2, level, jnp.moveaxis(dk_cols, 0, 3), 0, True)
             dv = _update_halves(dv, 2, level, jnp.moveaxis(dv_cols, 0, 3), 0, True)

@@ -23,15 +23,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-LOGITS_BUDGET = 2**26
-"""Float32 logits per chunk that ``auto_chunk`` aims for (256 MiB) per sequence row."""
+LOGITS_BUDGET = 2**25
+"""Float32 logits per chunk that ``auto_chunk`` aims for (128 MiB) per sequence row."""
 
 
 def auto_chunk(vocab_size: int) -> int:
-    """Positions per chunk when the config says 0: the largest power of two whose logits for one
-    row stay within :data:`LOGITS_BUDGET` elements (128 for ZAYA1's 262,272-token vocabulary),
+    """Positions per chunk when the config says 0: the largest multiple of 16 whose logits for one
+    row stay within :data:`LOGITS_BUDGET` elements (112 for ZAYA1's 262,272-token vocabulary),
     at least 16."""
-    return 1 << max(4, (LOGITS_BUDGET // vocab_size).bit_length() - 1)
+    return max(16, LOGITS_BUDGET // vocab_size // 16 * 16)
 
 
 def _logits(h, weight, bias, vocab_axis):
@@ -100,20 +100,24 @@ def _backward(vocab_axis, chunk, residuals, cotangents):
         d_logits = probs * (g_ce_c + g_lse_c)[..., None] - jnp.where(is_target, g_ce_c[..., None], 0.0)
         d_logits_c = d_logits.astype(h.dtype)
         spec_h = "btv,ve->bte" if vocab_axis == 0 else "btv,ev->bte"
-        spec_w = "btv,bte->ve" if vocab_axis == 0 else "btv,bte->ev"
         d_h = jnp.einsum(spec_h, d_logits_c, weight_c, preferred_element_type=jnp.float32)
-        d_weight = d_weight + jnp.einsum(spec_w, d_logits_c, h_c, preferred_element_type=jnp.float32)
+        # accumulated as (embed, vocab) whatever the weight's layout: h^T @ d_logits reads both
+        # operands as stored (no transposed copy of the chunk's logits), one transpose at the end
+        d_weight = d_weight + jnp.einsum("bte,btv->ev", h_c, d_logits_c, preferred_element_type=jnp.float32)
         if d_bias is not None:
             d_bias = d_bias + jnp.sum(d_logits, axis=(0, 1))
         return (d_weight, d_bias), d_h.astype(h.dtype)
 
     chunks = functools.partial(_strided_chunks, n_chunks=n_chunks, length=length)
     inputs = (chunks(h), chunks(targets), chunks(log_z), chunks(g_ce), chunks(g_lse))
+    embed = weight.shape[1 - vocab_axis]
     carry = (
-        jnp.zeros(weight.shape, jnp.float32),
+        jnp.zeros((embed, vocab), jnp.float32),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
     )
     (d_weight, d_bias), d_h = jax.lax.scan(one_chunk, carry, inputs)
+    if vocab_axis == 0:
+        d_weight = d_weight.T
     return (
         _unchunk(d_h, seq),
         d_weight.astype(weight.dtype),

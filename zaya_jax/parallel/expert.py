@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
 
 from zaya_jax.model.experts import sorted_experts
+from zaya_jax.ops.platform import planning_gpu_on_cpu, planning_target
 from zaya_jax.parallel.rules import BATCH_AXES
 
 
@@ -168,9 +169,16 @@ def _local_moe_padded(
 
 
 def resolve_exchange(mesh: Mesh, exchange: str) -> str:
-    """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all``, else ``padded``."""
+    """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all``, else ``padded``.
+    While a GPU program is planned on CPU (``zaya_jax.ops.platform.planning_for``), the ragged
+    exchange runs ``emulated`` (its buffers, moved by a padded all_to_all XLA:CPU can compile)."""
+    target = planning_target()
+    if exchange == "ragged" or (exchange == "auto" and target == "gpu"):
+        return "emulated" if planning_gpu_on_cpu() else "ragged"
     if exchange != "auto":
         return exchange
+    if target == "cpu":
+        return "padded"
     return "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
 
 

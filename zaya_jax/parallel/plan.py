@@ -3,7 +3,10 @@ a single array (abstract inputs carrying their shardings), and report per-device
 plans it, plus the model dimensions that fit AMD MI300X GEMM tiles poorly.
 
 ``zaya train --config zaya1-8b --compile-only --devices 64 mesh.fsdp=8 mesh.expert=8`` runs this on
-64 fake CPU devices; XLA:CPU's memory plan approximates, not equals, the GPU one.
+64 fake CPU devices. The program traced is the GPU's (``target="gpu"``, the default): every
+platform-dependent op takes its GPU branch, with a memory twin where XLA:CPU cannot compile the GPU
+op as a GPU does (``zaya_jax.ops.platform``); the report names the twins. XLA:CPU's buffer
+assignment still approximates, not equals, the GPU compiler's.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from zaya_jax.config import Config
 from zaya_jax.model import param_counts
+from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel.layout import make_layout
 from zaya_jax.train.step import BATCH_KEYS, init_train_state, make_train_step
@@ -43,8 +47,21 @@ def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> lis
     return warnings
 
 
-def compile_plan(cfg: Config) -> dict[str, Any]:
-    """Lower and compile the train step on the current devices (usually fake CPU devices)."""
+# Named scopes of the platform-specific code paths, as they appear in the compiled program.
+PLATFORM_PATHS = {
+    "ragged_dot_gpu_twin": "gpu: grouped GEMM (ragged_dot), planned with its memory twin",
+    "blocked_grouped_matmul": "cpu: blocked grouped matmul",
+}
+
+
+def compile_plan(cfg: Config, target: Target = "gpu") -> dict[str, Any]:
+    """Lower and compile the train step on the current devices (usually fake CPU devices), tracing
+    ``target``'s program ("gpu" or "cpu")."""
+    with planning_for(target):
+        return _compile_plan(cfg, target)
+
+
+def _compile_plan(cfg: Config, target: Target) -> dict[str, Any]:
     layout = make_layout(cfg)
     groups = model_param_groups(cfg.model, cfg.optim.router_group)
     tx = build_optimizer(cfg.optim, groups, cfg.train.steps, shardings=layout.variables["params"])
@@ -75,6 +92,7 @@ def compile_plan(cfg: Config) -> dict[str, Any]:
     )
     compiled = step.lower(state, batch, lr).compile()
     memory = compiled.memory_analysis()
+    hlo = compiled.as_text()
 
     def per_device(tree: Any) -> int:
         total = 0
@@ -86,6 +104,8 @@ def compile_plan(cfg: Config) -> dict[str, Any]:
     report = {
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
+        "planned_program": target,
+        "platform_paths": {name: about for name, about in PLATFORM_PATHS.items() if name in hlo},
         "mesh": dict(layout.mesh.shape),
         **param_counts(cfg.model),
         "state_bytes_per_device": per_device(state),
