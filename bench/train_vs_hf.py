@@ -1,22 +1,26 @@
 """Training throughput of zaya-jax against HF transformers ``ZayaForCausalLM`` (PyTorch) and against
-a dense model of equal active size, all measured in this run.
+a dense model of equal active size, each framework in its own process.
 
 One training step = forward, backward, gradient clipping and the optimizer update, on the same
-batch of random token ids (next-token loss), float32:
+batch of random token ids (next-token loss) and the same initial weights, float32:
 
-* ``hf_adamw``: HF ``ZayaForCausalLM`` (built from the preset's model config, the same weights),
-  ``torch.optim.AdamW`` (fused where PyTorch offers it) and ``clip_grad_norm_``;
-* ``zaya_muon``: zaya-jax's jitted train step as ``zaya train`` runs it (Muon+AdamW, balancing
-  controller), per MoE path;
-* ``zaya_adamw``: the same step with every leaf on AdamW (the optimizer HF is run with);
-* ``dense_muon``: zaya-jax with one expert instead of E (every token through the same MLP of the
-  same width): the dense model whose per-token active size equals the MoE's.
+* ``hf_adamw``: HF ``ZayaForCausalLM`` (built from the preset's model config), ``torch.optim.AdamW``
+  (fused where PyTorch offers it) and ``clip_grad_norm_``;
+* ``zaya_muon_<impl>``: zaya-jax's jitted train step as ``zaya train`` runs it (Muon+AdamW,
+  balancing controller), per MoE path;
+* ``zaya_adamw_<impl>``: the same step with every leaf on AdamW (the optimizer HF is run with);
+* ``dense_muon``: zaya-jax with one expert instead of E (the dense model whose per-token active
+  size equals the MoE's).
 
-Prints tokens/s, model-FLOPs utilisation (against a float32 matmul peak measured in the same
-process on CPU, the datasheet peak on a GPU) and every ratio against ``hf_adamw``. On a GPU both
-frameworks run on it (PyTorch through CUDA or ROCm). Usage:
+Timing JAX and PyTorch in one process distorts both on a small machine (each framework's thread
+pools compete: PyTorch ran 4-9x and JAX 1.2-2x slower than alone), so every variant is a worker
+process. The workers are started (and compiled) first; then, round after round, each is told in
+turn to run ``--steps`` steps while the others wait, so machine noise and drift hit all alike.
+Reported: the median of the per-round medians, tokens/s, MFU (against a float32 matmul peak
+measured by a zaya worker on CPU, the datasheet peak on a GPU) and every ratio against HF.
 
-    python bench/train_vs_hf.py [--config tiny] [--batch 16] [--seq 128] [--repeats 5] [--set key=value ...]
+    python bench/train_vs_hf.py [--config tiny] [--batch 16] [--seq 128] [--rounds 5] [--steps 3]
+                                [--impls sorted] [--set key=value ...] [--no-dense]
 """
 
 from __future__ import annotations
@@ -24,89 +28,157 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import torch
-import transformers
-
-import zaya_jax
-from zaya_jax.interop.hf import hf_to_variables, model_to_hf_config
-from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
-from zaya_jax.train.step import init_train_state, make_train_step
 
 
-def _interleaved_best(runs: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """Best time of each function, run in turn (round-robin) so machine noise hits all alike.
-    Warm-up calls first: compilation (JAX), allocator and thread pools (both)."""
-    for run in runs.values():
-        for _ in range(warmup):
-            run()
-    best = dict.fromkeys(runs, float("inf"))
-    for _ in range(repeats):
-        for name, run in runs.items():
+def _config(args):
+    import zaya_jax
+
+    return zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}", *args.set])
+
+
+def _ids(cfg, args) -> np.ndarray:
+    return np.random.default_rng(0).integers(3, cfg.model.vocab_size, size=(args.batch, args.seq + 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers: set up, print READY, then answer "RUN n" with n step times until "QUIT".
+
+
+def _serve(run, info: dict) -> None:
+    print("READY " + json.dumps(info), flush=True)
+    for line in sys.stdin:
+        command = line.split()
+        if not command or command[0] == "QUIT":
+            return
+        times = []
+        for _ in range(int(command[1])):
             start = time.perf_counter()
             run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            times.append(time.perf_counter() - start)
+        print("TIMES " + json.dumps(times), flush=True)
 
 
-def _batch(ids: np.ndarray) -> dict[str, jax.Array]:
+def hf_worker(args) -> None:
+    import torch
+    import transformers
+
+    from zaya_jax.interop.hf import model_to_hf_config
+
+    cfg = _config(args)
+    on_gpu = torch.cuda.is_available() and args.device == "gpu"
+    device = "cuda" if on_gpu else "cpu"
+    torch.manual_seed(0)
+    model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**model_to_hf_config(cfg.model)))
+    model = model.train().to(device)
+    np.savez(args.weights, **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
+    try:
+        opt = torch.optim.AdamW(
+            model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
+        )
+    except (RuntimeError, TypeError):  # no fused AdamW for this device in this PyTorch
+        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    ids = torch.as_tensor(_ids(cfg, args), device=device)
+
+    def run():
+        # HF consumes seq + 1 ids and scores seq positions, as zaya-jax's inputs/targets split.
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if on_gpu:
+            torch.cuda.synchronize()
+
+    for _ in range(args.warmup):
+        run()
+    _serve(run, {"device": device, "threads": torch.get_num_threads(), "torch": torch.__version__})
+
+
+def zaya_worker(args, variant: str) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import zaya_jax
+    from zaya_jax.interop.hf import hf_to_variables
+    from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
+    from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
+    from zaya_jax.train.step import init_train_state, make_train_step
+
+    cfg = _config(args)
+    impl = variant.rsplit("_", 1)[-1]
+    if variant == "dense_muon":
+        model = dataclasses.replace(cfg.model, num_experts=1)
+        cfg = dataclasses.replace(cfg, model=model)
+        variables = zaya_jax.model.init_variables(model, 0)
+    else:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_impl=impl))
+        with np.load(args.weights) as weights:
+            variables = jax.tree.map(jnp.asarray, hf_to_variables(dict(weights), cfg.model))
+    groups = model_param_groups(cfg.model, cfg.optim.router_group)
+    if variant.startswith("zaya_adamw"):
+        groups = jax.tree.map(
+            lambda g: LeafGroup("adamw", None, g.decay), groups, is_leaf=lambda x: isinstance(x, LeafGroup)
+        )
+    tx = build_optimizer(cfg.optim, groups, 1000)
+    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
+    ids = _ids(cfg, args)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     ones = np.ones_like(inputs)
-    return {
+    batch = {
         "inputs": jnp.asarray(inputs, jnp.int32),
         "targets": jnp.asarray(targets, jnp.int32),
         "segment_ids": jnp.asarray(ones, jnp.int32),
         "positions": jnp.asarray(np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape), jnp.int32),
         "loss_mask": jnp.asarray(ones, jnp.float32),
     }
-
-
-def zaya_stepper(cfg, variables, batch, *, adamw_only: bool):
-    groups = model_param_groups(cfg.model, cfg.optim.router_group)
-    if adamw_only:
-        groups = jax.tree.map(
-            lambda g: LeafGroup("adamw", None, g.decay), groups, is_leaf=lambda x: isinstance(x, LeafGroup)
-        )
-    tx = build_optimizer(cfg.optim, groups, 1000)
-    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
-    box = [init_train_state(jax.tree.map(jnp.copy, variables), tx)]  # the step donates its state
+    box = [init_train_state(variables, tx)]
     scale = jnp.float32(1.0)
 
     def run():
         box[0], metrics = step(box[0], batch, scale)
         jax.block_until_ready(metrics["loss"])
 
-    return run
+    for _ in range(args.warmup):
+        run()
+    on_gpu = jax.default_backend() == "gpu"
+    info = {
+        "backend": jax.devices()[0].device_kind,
+        "flops_per_token": flops_per_token(cfg.model, args.seq),
+        "peak": peak_flops(cfg.model.dtype)[0] if on_gpu else measured_cpu_peak(),
+        "peak_source": "datasheet" if on_gpu else "measured float32 matmul",
+    }
+    _serve(run, info)
 
 
-def hf_stepper(hf_cfg: dict, ids: np.ndarray, cfg, device: str):
-    torch.manual_seed(0)
-    model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**hf_cfg)).train().to(device)
-    try:
-        opt = torch.optim.AdamW(
-            model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
-        )
-    except (RuntimeError, TypeError):  # no fused CPU AdamW in this PyTorch
-        opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    torch_ids = torch.as_tensor(ids, device=device)
+# ---------------------------------------------------------------------------------------------
+# The driver
 
-    def run():
-        loss = model(input_ids=torch_ids, labels=torch_ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
 
-    state = {k: v.detach().cpu().numpy().copy() for k, v in model.state_dict().items()}
-    return run, state
+def _start(variant: str, args, weights: Path) -> subprocess.Popen:
+    cmd = [sys.executable, __file__, "--worker", variant, "--weights", str(weights)]
+    for name in ("config", "batch", "seq", "warmup", "device"):
+        cmd += [f"--{name}", str(getattr(args, name))]
+    if args.set:
+        cmd += ["--set", *args.set]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _expect(proc: subprocess.Popen, tag: str, variant: str):
+    for line in proc.stdout:
+        if line.startswith(tag + " "):
+            return json.loads(line[len(tag) + 1 :])
+    raise RuntimeError(f"worker {variant} exited with {proc.wait()} before {tag}")
 
 
 def main() -> None:
@@ -114,53 +186,67 @@ def main() -> None:
     parser.add_argument("--config", default="tiny")
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=128, help="tokens per row that enter the loss")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--impls", nargs="+", default=["sorted", "capacity"], help="zaya-jax MoE paths")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of all variants in turn")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--impls", nargs="+", default=["sorted"], help="zaya-jax MoE paths")
+    parser.add_argument("--optimizers", nargs="+", default=["adamw", "muon"], choices=["adamw", "muon"])
+    parser.add_argument("--no-dense", action="store_true", help="skip the dense model of equal active size")
+    parser.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu"], help="PyTorch device")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.dtype=float32")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.worker == "hf_adamw":
+        return hf_worker(args)
+    if args.worker:
+        return zaya_worker(args, args.worker)
 
-    cfg = zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}", *args.set])
-    if cfg.model.dtype != "float32":
+    if _config(args).model.dtype != "float32":
         parser.error("HF runs in float32 here; compare like with like: --set model.dtype=float32")
-    ids = np.random.default_rng(0).integers(3, cfg.model.vocab_size, size=(args.batch, args.seq + 1))
+    if args.device == "auto":
+        args.device = "gpu"  # PyTorch on the GPU when it sees one, as JAX
+    variants = ["hf_adamw"]
+    variants += [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
+    variants += [] if args.no_dense else ["dense_muon"]
+    with tempfile.TemporaryDirectory() as tmp:
+        weights = Path(tmp) / "weights.npz"
+        workers = {"hf_adamw": _start("hf_adamw", args, weights)}  # writes the weights first
+        info = {"hf_adamw": _expect(workers["hf_adamw"], "READY", "hf_adamw")}
+        for variant in variants[1:]:  # set up (compile) one at a time, the others idle
+            workers[variant] = _start(variant, args, weights)
+            info[variant] = _expect(workers[variant], "READY", variant)
+        rounds = {v: [] for v in variants}
+        for _ in range(args.rounds):
+            for variant, proc in workers.items():
+                proc.stdin.write(f"RUN {args.steps}\n")
+                proc.stdin.flush()
+                rounds[variant].append(statistics.median(_expect(proc, "TIMES", variant)))
+        for proc in workers.values():
+            proc.stdin.write("QUIT\n")
+            proc.stdin.flush()
+            proc.wait(timeout=60)
+
+    step_s = {v: statistics.median(r) for v, r in rounds.items()}
     tokens = args.batch * args.seq
-    on_gpu = jax.default_backend() == "gpu"
-    # Same accelerator for both: the GPU when JAX runs on one and PyTorch sees it (CUDA or ROCm).
-    device = "cuda" if on_gpu and torch.cuda.is_available() else "cpu"
-    # MFU against one GPU's datasheet peak in the model's dtype, or this CPU's measured peak.
-    peak = peak_flops(cfg.model.dtype)[0] / jax.device_count() if on_gpu else measured_cpu_peak()
-
-    # HF consumes seq + 1 ids and scores seq of them; zaya-jax gets the same rows split into
-    # inputs and targets, so both see `tokens` loss positions (HF runs one extra position).
-    hf_run, hf_state = hf_stepper(model_to_hf_config(cfg.model), ids, cfg, device)
-    variables = jax.tree.map(jnp.asarray, hf_to_variables(hf_state, cfg.model))
-    batch = _batch(ids)
-    runs = {"hf_adamw": hf_run}
-    for impl in args.impls:
-        impl_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, moe_impl=impl))
-        runs[f"zaya_muon_{impl}"] = zaya_stepper(impl_cfg, variables, batch, adamw_only=False)
-        runs[f"zaya_adamw_{impl}"] = zaya_stepper(impl_cfg, variables, batch, adamw_only=True)
-    dense_model = dataclasses.replace(cfg.model, num_experts=1)
-    dense_cfg = dataclasses.replace(cfg, model=dense_model)
-    dense_vars = zaya_jax.model.init_variables(dense_model, 0)
-    runs["dense_muon"] = zaya_stepper(dense_cfg, dense_vars, batch, adamw_only=False)
-    times = _interleaved_best(runs, args.repeats)
-
-    moe_flops = flops_per_token(cfg.model, args.seq)
-    dense_flops = flops_per_token(dense_model, args.seq)
+    zaya = next(v for v in variants if v != "hf_adamw")
+    peak = info[zaya]["peak"]
+    moe_flops = info[zaya]["flops_per_token"]
     report = {
-        "machine": f"{platform.processor() or platform.machine()}, jax on {jax.devices()[0].device_kind}, "
-        f"torch on {device} ({torch.get_num_threads()} threads)",
-        "peak_source": "datasheet" if on_gpu else "measured float32 matmul",
-        "shape": {"config": args.config, "batch": args.batch, "seq": args.seq, "dtype": cfg.model.dtype},
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus; jax on "
+        f"{info[zaya]['backend']}, torch {info['hf_adamw']['torch']} on {info['hf_adamw']['device']} "
+        f"({info['hf_adamw']['threads']} threads); one process per variant, run in turn",
+        "shape": {"config": args.config, "batch": args.batch, "seq": args.seq, "set": args.set},
         "peak_gflops": round(peak / 1e9, 1),
-        "step_s": {k: round(v, 4) for k, v in times.items()},
-        "tokens_per_s": {k: round(tokens / v) for k, v in times.items()},
+        "peak_source": info[zaya]["peak_source"],
+        "step_s": {v: round(t, 4) for v, t in step_s.items()},
+        "round_medians_s": {v: [round(t, 4) for t in r] for v, r in rounds.items()},
+        "tokens_per_s": {v: round(tokens / t) for v, t in step_s.items()},
         "mfu": {
-            k: round(tokens * (dense_flops if k.startswith("dense") else moe_flops) / v / peak, 4)
-            for k, v in times.items()
+            v: round(tokens * info.get(v, info[zaya]).get("flops_per_token", moe_flops) / t / peak, 4)
+            for v, t in step_s.items()
         },
-        "ratio_vs_hf": {k: round(times["hf_adamw"] / v, 2) for k, v in times.items()},
+        "ratio_vs_hf": {v: round(step_s["hf_adamw"] / t, 3) for v, t in step_s.items()},
     }
     print(json.dumps(report, indent=2))
 

@@ -70,7 +70,7 @@ def run(extra, names):
     tx = build_optimizer(cfg.optim, groups, 100, shardings=layout.variables["params"])
     state, shardings = init_sharded_train_state(cfg, tx, layout)
     step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
+        make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
     )

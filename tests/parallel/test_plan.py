@@ -12,7 +12,7 @@ from zaya_jax.config import load_config
 from zaya_jax.parallel.plan import gemm_tile_warnings
 
 
-def _plan(*overrides: str) -> dict:
+def _plan(*overrides: str, target: str | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
     cmd = [
         sys.executable,
@@ -24,6 +24,7 @@ def _plan(*overrides: str) -> dict:
         "--compile-only",
         "--devices",
         "8",
+        *(["--target", target] if target else []),
     ]
     result = subprocess.run([*cmd, *overrides], capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -48,3 +49,15 @@ def test_gemm_tile_warnings_name_the_unfriendly_dimensions():
     assert gemm_tile_warnings(cfg) == []  # the published model is tile-friendly
     odd = load_config("zaya1-8b", overrides=["model.moe_intermediate_size=4032"])
     assert gemm_tile_warnings(odd) == ["model.moe_intermediate_size=4032 is a multiple of 64 but not of 128"]
+
+
+def test_the_plan_is_the_gpu_program_not_the_cpu_one():
+    """Planning on fake CPU devices traces the GPU branch of every platform-dependent op (the
+    grouped GEMM and the ragged expert exchange, through their memory twins), never the CPU-only
+    blocked grouped matmul or padded exchange, unless the CPU program is asked for."""
+    gpu, _ = _plan("mesh.data=2", "mesh.expert=4")
+    assert gpu["planned_program"] == "gpu"
+    assert set(gpu["platform_paths"]) == {"ragged_dot_gpu_twin", "ragged_all_to_all_gpu_twin"}
+    cpu, _ = _plan("mesh.data=2", "mesh.expert=4", target="cpu")
+    assert cpu["planned_program"] == "cpu"
+    assert set(cpu["platform_paths"]) == {"blocked_grouped_matmul"}

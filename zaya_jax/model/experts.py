@@ -87,12 +87,14 @@ def blocked_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
 def ragged_dot_memory_twin(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """Planning stand-in for ``ragged_dot`` as a GPU runs it (one grouped GEMM): the same operands,
     result and FLOPs, computed as ``x @ w[0]``, whose gradients (``g @ w[0]^T`` and a (E, K, N)
-    weight gradient) have the grouped GEMM's buffers too. XLA:CPU would expand the real op into one
-    dense product per group (E times the memory), so a plan compiled on CPU uses this
-    (``zaya_jax.ops.platform``); never used to compute."""
+    weight gradient) have the grouped GEMM's buffers too. Written as a batched dot (a batch of
+    one) so that remat policies treat it as they treat ``ragged_dot`` (not a plain weight matmul:
+    ``minimal`` recomputes it). XLA:CPU would expand the real op into one dense product per group
+    (E times the memory), so a plan compiled on CPU uses this (``zaya_jax.ops.platform``); never
+    used to compute."""
     del group_sizes
     with jax.named_scope("ragged_dot_gpu_twin"):
-        return x @ w[0]
+        return jnp.einsum("bmk,bkn->bmn", x[None], w[:1])[0]
 
 
 def _blocked_on_cpu(x, w, group_sizes):

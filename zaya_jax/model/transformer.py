@@ -24,6 +24,10 @@ from zaya_jax.model.router import BALANCING, Router
 from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
 
+ACTIVATION_AXES = ("batch", "seq", None)
+"""Logical axes of the residual stream: rows and positions split like the batch, width whole.
+(A no-op unless traced inside ``flax.linen.logical_axis_rules`` and a mesh, see ``Layout``.)"""
+
 REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -260,6 +264,7 @@ class Zaya(nn.Module):
 
         e = jnp.take(embedding, tokens, axis=0).astype(dtype)
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
+        h = nn.with_logical_constraint(h, ACTIVATION_AXES)
         r = jnp.zeros((batch, seq, cfg.router_hidden_size), dtype)
 
         block = Block
@@ -280,6 +285,7 @@ class Zaya(nn.Module):
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
+        y = nn.with_logical_constraint(y, ACTIVATION_AXES)
         if return_hidden:  # the loss applies the head chunk by chunk (zaya_jax.ops.cross_entropy)
             return y, stats
         if cfg.tie_word_embeddings:

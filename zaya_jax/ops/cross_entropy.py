@@ -19,6 +19,7 @@ and array types. The same scheme as theirs (vocabulary tiling), in plain JAX.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,9 +56,13 @@ def _unchunk(x: jax.Array, seq: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _cross_entropy(h, weight, bias, targets, vocab_axis, chunk):
-    return _forward(h, weight, bias, targets, vocab_axis, chunk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _cross_entropy(h, weight, bias, targets, vocab_axis, chunk, shard_vocab):
+    return _forward(h, weight, bias, targets, vocab_axis, chunk, shard_vocab)[0]
+
+
+def _no_constraint(x: jax.Array, axis: int) -> jax.Array:
+    return x
 
 
 def _layout(seq: int, chunk: int) -> tuple[int, int]:
@@ -65,10 +70,10 @@ def _layout(seq: int, chunk: int) -> tuple[int, int]:
     return n_chunks, -(-seq // n_chunks)
 
 
-def _forward(h, weight, bias, targets, vocab_axis, chunk):
+def _forward(h, weight, bias, targets, vocab_axis, chunk, shard_vocab):
     seq = h.shape[1]
     n_chunks, length = _layout(seq, chunk)
-    weight_c = weight.astype(h.dtype)  # the matmul runs in the compute dtype
+    weight_c = shard_vocab(weight.astype(h.dtype), vocab_axis)  # the matmul runs in the compute dtype
 
     def one_chunk(_, inputs):
         h_c, t_c = inputs
@@ -83,13 +88,13 @@ def _forward(h, weight, bias, targets, vocab_axis, chunk):
     return (ce, log_z), (h, weight, bias, targets, log_z)
 
 
-def _backward(vocab_axis, chunk, residuals, cotangents):
+def _backward(vocab_axis, chunk, shard_vocab, residuals, cotangents):
     h, weight, bias, targets, log_z = residuals
     g_ce, g_lse = cotangents
     seq = h.shape[1]
     n_chunks, length = _layout(seq, chunk)
     vocab = weight.shape[vocab_axis]
-    weight_c = weight.astype(h.dtype)
+    weight_c = shard_vocab(weight.astype(h.dtype), vocab_axis)
 
     def one_chunk(carry, inputs):
         d_weight, d_bias = carry
@@ -112,7 +117,7 @@ def _backward(vocab_axis, chunk, residuals, cotangents):
     inputs = (chunks(h), chunks(targets), chunks(log_z), chunks(g_ce), chunks(g_lse))
     embed = weight.shape[1 - vocab_axis]
     carry = (
-        jnp.zeros((embed, vocab), jnp.float32),
+        shard_vocab(jnp.zeros((embed, vocab), jnp.float32), 1),
         None if bias is None else jnp.zeros(bias.shape, jnp.float32),
     )
     (d_weight, d_bias), d_h = jax.lax.scan(one_chunk, carry, inputs)
@@ -137,18 +142,25 @@ def chunked_cross_entropy(
     bias: jax.Array | None = None,
     vocab_axis: int = 0,
     chunk: int = 0,
+    shard_vocab: Callable[[jax.Array, int], jax.Array] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token cross-entropy and log-partition of the logits ``h @ weight (+ bias)``.
 
     h: (batch, seq, embed) final hidden states (the matmul runs in h's dtype, accumulating in
     float32); weight: the LM head, (vocab, embed) with ``vocab_axis=0`` (the tied embedding) or
     (embed, vocab) with ``vocab_axis=1``; bias: (vocab,) or None; targets: (batch, seq) int.
-    ``chunk``: sequence positions per chunk (0: :func:`auto_chunk`). Returns (ce, log_z), both
-    (batch, seq) float32, equal to ``token_losses`` of the full logits in value and gradient.
+    ``chunk``: sequence positions per chunk (0: :func:`auto_chunk`). ``shard_vocab(x, axis)``
+    (optional, a hashable function) constrains the layout of the head's weight, its gradient and
+    so each chunk's logits along their vocabulary ``axis`` (vocabulary parallelism on a mesh; the
+    step passes one built from the logical-axis rules). Returns (ce, log_z), both (batch, seq)
+    float32, equal to ``token_losses`` of the full logits in value and gradient.
     """
     if vocab_axis not in (0, 1):
         raise ValueError(f"vocab_axis must be 0 or 1, got {vocab_axis}")
     if chunk < 0:
         raise ValueError(f"chunk must be >= 0 (0: automatic), got {chunk}")
     chunk = chunk or auto_chunk(weight.shape[vocab_axis])
-    return _cross_entropy(h, weight, bias, targets.astype(jnp.int32), vocab_axis, min(chunk, h.shape[1]))
+    chunk = min(chunk, h.shape[1])
+    return _cross_entropy(
+        h, weight, bias, targets.astype(jnp.int32), vocab_axis, chunk, shard_vocab or _no_constraint
+    )

@@ -109,15 +109,34 @@ def orthogonalize_sharded(
     impl: str = "reference",
 ) -> jax.Array:
     """:func:`orthogonalize` of a leaf laid out as ``sharding``, with no collective inside the
-    Newton-Schulz iteration: the matrix axes are gathered once on entry (a ``shard_map`` whose input
-    spec replicates them), the batch axes (layers, experts) stay split so each device iterates on its
-    own matrices only, and the result is returned in ``x``'s layout (slicing, no communication).
+    Newton-Schulz iteration: each device iterates on whole matrices, its own share of the stack.
+
+    The mesh axes that split the matrix axes (e.g. ``fsdp`` on the residual width) are moved onto a
+    batch axis (layers, experts) that they divide, so the devices of an FSDP group orthogonalise
+    different matrices instead of all gathering and iterating on the same ones; one exchange on
+    entry and one on exit (``shard_map`` specs and a sharding constraint) move the data. When no
+    batch axis divides, the matrix axes are gathered and the batch axes stay split as stored.
 
     Left to GSPMD, the partitioner splits every NS matmul instead and communicates in each iteration.
     """
     spec = list(sharding.spec) + [None] * (x.ndim - len(sharding.spec))
-    for axis in matrix_axes:
-        spec[axis % x.ndim] = None
+    matrix = {axis % x.ndim for axis in matrix_axes}
+
+    def names(entry) -> tuple[str, ...]:
+        return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+    moved = [name for axis in sorted(matrix) for name in names(spec[axis])]
+    for axis in matrix:
+        spec[axis] = None
+    if moved:
+        size = int(np.prod([sharding.mesh.shape[name] for name in moved]))
+        for axis in range(x.ndim):
+            if axis in matrix:
+                continue
+            held = int(np.prod([sharding.mesh.shape[name] for name in names(spec[axis])]))
+            if x.shape[axis] % (held * size) == 0:
+                spec[axis] = (*names(spec[axis]), *moved)
+                break
     local = PartitionSpec(*spec)
     fn = jax.shard_map(
         functools.partial(

@@ -63,9 +63,27 @@ def emulated_ragged_all_to_all(
     return output.at[target.reshape(-1)].set(received.reshape(-1, *operand.shape[1:]), mode="drop")
 
 
+def ragged_all_to_all_memory_twin(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """Planning stand-in for ``jax.lax.ragged_all_to_all`` as a GPU runs it: the operand travels
+    once (one tiled ``all_to_all`` of its rows) into a result shaped like ``output``, so a plan
+    compiled on CPU holds the collective's buffers, not the emulation's padded copies (which are
+    peers x the operand). Moves the wrong rows: never used to compute (``zaya_jax.ops.platform``)."""
+    del input_offsets, send_sizes, output_offsets, recv_sizes
+    with jax.named_scope("ragged_all_to_all_gpu_twin"):
+        peers = jax.lax.axis_size(axis_name)
+        pad = [(0, (-operand.shape[0]) % peers)] + [(0, 0)] * (operand.ndim - 1)
+        rows = jnp.pad(operand, pad).reshape(peers, -1, *operand.shape[1:])
+        moved = jax.lax.all_to_all(rows, axis_name, 0, 0, tiled=True).reshape(-1, *operand.shape[1:])
+        count = min(moved.shape[0], output.shape[0])
+        return output.at[:count].add(moved[:count].astype(output.dtype))
+
+
 EXCHANGES = {
     "ragged": jax.lax.ragged_all_to_all,
     "emulated": emulated_ragged_all_to_all,
+    "planned": ragged_all_to_all_memory_twin,
 }
 
 
@@ -171,10 +189,10 @@ def _local_moe_padded(
 def resolve_exchange(mesh: Mesh, exchange: str) -> str:
     """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all``, else ``padded``.
     While a GPU program is planned on CPU (``zaya_jax.ops.platform.planning_for``), the ragged
-    exchange runs ``emulated`` (its buffers, moved by a padded all_to_all XLA:CPU can compile)."""
+    exchange is ``planned``: :func:`ragged_all_to_all_memory_twin`, which XLA:CPU can compile."""
     target = planning_target()
     if exchange == "ragged" or (exchange == "auto" and target == "gpu"):
-        return "emulated" if planning_gpu_on_cpu() else "ragged"
+        return "planned" if planning_gpu_on_cpu() else "ragged"
     if exchange != "auto":
         return exchange
     if target == "cpu":
@@ -185,7 +203,8 @@ def resolve_exchange(mesh: Mesh, exchange: str) -> str:
 def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0, exchange: str = "auto") -> Any:
     """The ``moe_dispatch`` hook for :class:`zaya_jax.model.Zaya` on ``mesh``:
     ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global.
-    ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated) or ``auto``."""
+    ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated), ``planned`` (its memory
+    twin, for plans only) or ``auto``."""
     devices = mesh.shape["expert"]
     exchange = resolve_exchange(mesh, exchange)
     if exchange == "padded":

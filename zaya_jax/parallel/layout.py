@@ -31,12 +31,19 @@ class Layout:
 
     @property
     def hooks(self) -> dict[str, Any]:
-        """Keyword arguments for ``make_train_step`` / ``make_eval_step`` / ``Zaya``."""
+        """Keyword arguments for ``Zaya``."""
         return {
             "moe_dispatch": self.moe_dispatch,
             "context": self.context,
             "residual_norm": self.residual_norm,
         }
+
+    @property
+    def step_hooks(self) -> dict[str, Any]:
+        """Keyword arguments for ``make_train_step`` / ``make_eval_step``: the model's hooks and the
+        mesh and rules under which the step is traced, so that logical sharding constraints on
+        activations (the residual stream, the loss's vocabulary split) take effect."""
+        return {**self.hooks, "axis_rules": (self.mesh, self.rules)}
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):

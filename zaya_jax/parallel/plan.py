@@ -50,6 +50,7 @@ def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> lis
 # Named scopes of the platform-specific code paths, as they appear in the compiled program.
 PLATFORM_PATHS = {
     "ragged_dot_gpu_twin": "gpu: grouped GEMM (ragged_dot), planned with its memory twin",
+    "ragged_all_to_all_gpu_twin": "gpu: ragged expert exchange, planned with its memory twin",
     "blocked_grouped_matmul": "cpu: blocked grouped matmul",
 }
 
@@ -85,7 +86,7 @@ def _compile_plan(cfg: Config, target: Target) -> dict[str, Any]:
     }
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
     step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
+        make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
         donate_argnums=0,

@@ -7,6 +7,8 @@ this table alone decides the layout. Defaults:
   state are sharded over the FSDP axis and gathered by XLA where used;
 * ``experts`` -> ``expert``: each expert-axis shard holds E / |expert| experts;
 * ``batch`` -> (``data``, ``fsdp``, ``expert``) and ``seq`` -> ``context`` for activations;
+* ``vocab_parallel`` -> ``fsdp``: the loss computes each chunk's logits split over the vocabulary
+  (the head is resharded from its stored residual-width split once per step);
 * everything else is replicated.
 
 ``mesh.rules`` in the config overrides entries, e.g. ``{name: vocab, mesh: [fsdp]}``.
@@ -32,6 +34,8 @@ DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("embed", ("fsdp",)),
     ("experts", ("expert",)),
     ("vocab", ()),
+    # The LM head inside the chunked loss (not a parameter axis): logits split over the vocabulary.
+    ("vocab_parallel", ("fsdp",)),
     ("heads", ()),
     ("kv", ()),
     ("kv_heads", ()),

@@ -263,13 +263,13 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     if first_step > 1:
         writer.event({"event": "resume", "from_step": first_step - 1})
     step_fn = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, **layout.hooks),
+        make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
         in_shardings=(state_shardings, layout.batch, layout.replicated, layout.replicated),
         out_shardings=(state_shardings, layout.replicated),
         donate_argnums=0,
     )
     eval_fn = jax.jit(
-        make_eval_step(cfg, **layout.hooks),
+        make_eval_step(cfg, **layout.step_hooks),
         in_shardings=(state_shardings.params, state_shardings.balancing, layout.batch),
         out_shardings=layout.replicated,
     )

@@ -8,6 +8,7 @@ A batch is a dict of (batch, seq) arrays: ``inputs``, ``targets``, ``segment_ids
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,14 @@ def token_losses(logits: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.
     return log_z - target_logit, log_z
 
 
+def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
+    """The LM head inside the loss split along its vocabulary (logical axis ``vocab_parallel``),
+    not along the residual width as the parameter is stored; a no-op outside the step's rules."""
+    names = [None] * x.ndim
+    names[axis] = "vocab_parallel"
+    return nn.with_logical_constraint(x, tuple(names))
+
+
 def loss_and_stats(
     model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float, loss_chunk: int = 0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -90,7 +99,13 @@ def loss_and_stats(
     weight, bias, vocab_axis = lm_head_weights(model.cfg, params)
     mask = batch["loss_mask"].astype(jnp.float32)
     ce, log_z = chunked_cross_entropy(
-        hidden, weight, batch["targets"], bias=bias, vocab_axis=vocab_axis, chunk=loss_chunk
+        hidden,
+        weight,
+        batch["targets"],
+        bias=bias,
+        vocab_axis=vocab_axis,
+        chunk=loss_chunk,
+        shard_vocab=_shard_vocab,
     )
     ce_sum = jnp.sum(ce * mask)
     z_sum = jnp.sum(jnp.square(log_z) * mask)
@@ -107,6 +122,21 @@ def loss_and_stats(
     return ce_sum + z_loss * z_sum, stats
 
 
+def _under_axis_rules(fn: Callable, axis_rules: tuple[Any, Any] | None) -> Callable:
+    """``fn`` traced under a mesh and its logical-axis rules (``Layout.step_hooks``), so that the
+    model's and the loss's logical sharding constraints apply; without them they are no-ops."""
+    if axis_rules is None:
+        return fn
+    mesh, rules = axis_rules
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with nn.logical_axis_rules(rules), jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
+
+
 def make_train_step(
     cfg: Config,
     tx: optax.GradientTransformation,
@@ -114,11 +144,13 @@ def make_train_step(
     moe_dispatch: Any = None,
     context: Any = None,
     residual_norm: Any = None,
+    axis_rules: tuple[Any, Any] | None = None,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
     batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
     ``moe_dispatch``, ``context``, ``residual_norm``: expert and context parallelism and the
-    sharded fused-norm kernel on a mesh (``Layout.hooks``)."""
+    sharded fused-norm kernel on a mesh; ``axis_rules``: (mesh, logical-axis rules) for the
+    activations' sharding constraints (``Layout.step_hooks``)."""
     model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
     micro = cfg.train.micro_batches
     grad_fn = jax.grad(
@@ -197,17 +229,22 @@ def make_train_step(
             metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
         return new_state, metrics
 
-    return step
+    return _under_axis_rules(step, axis_rules)
 
 
 def make_eval_step(
-    cfg: Config, moe_dispatch: Any = None, context: Any = None, residual_norm: Any = None
+    cfg: Config,
+    moe_dispatch: Any = None,
+    context: Any = None,
+    residual_norm: Any = None,
+    axis_rules: tuple[Any, Any] | None = None,
 ) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
-    """(params, balancing, batch) -> (summed cross-entropy, number of target tokens)."""
+    """(params, balancing, batch) -> (summed cross-entropy, number of target tokens); arguments
+    as :func:`make_train_step`'s."""
     model = Zaya(cfg.model, moe_dispatch, context=context, residual_norm=residual_norm)
 
     def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
         _, stats = loss_and_stats(model, params, balancing, batch, 0.0, cfg.train.loss_chunk)
         return stats["ce_sum"], stats["tokens"]
 
-    return evaluate
+    return _under_axis_rules(evaluate, axis_rules)
