@@ -165,13 +165,21 @@ def zaya_worker(args, variant: str) -> None:
 
 
 def _start(variant: str, args, weights: Path) -> subprocess.Popen:
+    tree = None
+    if variant.startswith(BASELINE):  # the same worker code, importing zaya_jax from another checkout
+        variant, tree = variant[len(BASELINE) :], args.baseline
     cmd = [sys.executable, __file__, "--worker", variant, "--weights", str(weights)]
     for name in ("config", "batch", "seq", "warmup", "device"):
         cmd += [f"--{name}", str(getattr(args, name))]
     if args.set:
         cmd += ["--set", *args.set]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if tree:
+        env["PYTHONPATH"] = str(Path(tree).resolve())
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+BASELINE = "baseline:"
 
 
 def _expect(proc: subprocess.Popen, tag: str, variant: str):
@@ -194,6 +202,12 @@ def main() -> None:
     parser.add_argument("--no-dense", action="store_true", help="skip the dense model of equal active size")
     parser.add_argument("--device", default="auto", choices=["auto", "gpu", "cpu"], help="PyTorch device")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides, e.g. model.dtype=float32")
+    parser.add_argument(
+        "--baseline",
+        help="another checkout of zaya-jax (e.g. a git worktree of the previous commit): its zaya "
+        "variants run too, in their own processes, and each is compared with this tree's",
+    )
+    parser.add_argument("--no-hf", action="store_true", help="zaya variants only (with --baseline)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -209,11 +223,16 @@ def main() -> None:
     variants = ["hf_adamw"]
     variants += [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
     variants += [] if args.no_dense else ["dense_muon"]
+    if args.baseline:
+        variants += [BASELINE + v for v in variants[1:]]
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights.npz"
         workers = {"hf_adamw": _start("hf_adamw", args, weights)}  # writes the weights first
         info = {"hf_adamw": _expect(workers["hf_adamw"], "READY", "hf_adamw")}
-        for variant in variants[1:]:  # set up (compile) one at a time, the others idle
+        if args.no_hf:
+            workers.pop("hf_adamw").communicate("QUIT\n", timeout=60)
+            variants.remove("hf_adamw")
+        for variant in [v for v in variants if v != "hf_adamw"]:  # set up (compile) one at a time
             workers[variant] = _start(variant, args, weights)
             info[variant] = _expect(workers[variant], "READY", variant)
         rounds = {v: [] for v in variants}
@@ -246,8 +265,13 @@ def main() -> None:
             v: round(tokens * info.get(v, info[zaya]).get("flops_per_token", moe_flops) / t / peak, 4)
             for v, t in step_s.items()
         },
-        "ratio_vs_hf": {v: round(step_s["hf_adamw"] / t, 3) for v, t in step_s.items()},
     }
+    if "hf_adamw" in step_s:
+        report["ratio_vs_hf"] = {v: round(step_s["hf_adamw"] / t, 3) for v, t in step_s.items()}
+    if args.baseline:  # < 1: this tree's step is faster than the baseline's
+        report["time_vs_baseline"] = {
+            v: round(step_s[v] / step_s[BASELINE + v], 3) for v in variants if BASELINE + v in step_s
+        }
     print(json.dumps(report, indent=2))
 
 

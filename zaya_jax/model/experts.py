@@ -43,19 +43,21 @@ def dense_experts(x, choice, weight, wi, wo, act):
     return jnp.einsum("teh,te->th", out, combine)
 
 
-CPU_GROUP_BLOCK = 64
+CPU_GROUP_BLOCK = 128
 """Rows per matmul of the CPU grouped matmul; each group wastes less than one block."""
 
 
 def blocked_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """``jax.lax.ragged_dot`` computed block by block: the rows of each group are moved to a
-    buffer where every group starts on a multiple of ``CPU_GROUP_BLOCK`` rows, then each block is
-    one (block, K) @ (K, N) matmul with its group's weights (``lax.map``, so no weight copies).
+    buffer where every group starts on a multiple of ``CPU_GROUP_BLOCK`` rows, then all blocks go
+    through one batched matmul, each block with its group's weights (gathered per block).
 
     x: (rows, K) sorted by group; w: (groups, K, N); group_sizes: (groups,) int. Rows past
     ``sum(group_sizes)`` get zeros, as in ``ragged_dot``. XLA:CPU lowers ``ragged_dot`` to a dense
     masked matmul over every group (``groups`` times the work); this does (rows + groups * block)
-    rows of work. Gradients by autodiff.
+    rows of work. One batched matmul instead of a loop over blocks (``lax.map``): 0.7x the time of
+    the loop at the ``tiny`` shape, for a copy of the weights per block, which is small for the
+    models a CPU trains. Gradients by autodiff.
     """
     block = CPU_GROUP_BLOCK
     rows, k = x.shape
@@ -78,9 +80,8 @@ def blocked_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
         padded_ends, jnp.arange(num_blocks) * block, side="right", method="compare_all"
     )
     block_group = jnp.minimum(block_group, groups - 1)  # blocks past the last group hold zeros
-    out = jax.lax.map(
-        lambda args: args[0] @ w[args[1]], (buffer.reshape(num_blocks, block, k), block_group)
-    ).reshape(total, n)
+    out = jnp.einsum("bmk,bkn->bmn", buffer.reshape(num_blocks, block, k), w[block_group])
+    out = out.reshape(total, n)
     return jnp.where(valid[:, None], out[jnp.minimum(dest, total - 1)], 0).astype(x.dtype)
 
 
