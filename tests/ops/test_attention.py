@@ -61,8 +61,12 @@ def _compare(q, k, v, w, mask, block):
     def loss(fn):
         return lambda q, k, v: jnp.sum(w * fn(q, k, v))
 
-    dense = lambda q, k, v: dot_product_attention(q, k, v, mask.dense())  # noqa: E731
-    blocked = lambda q, k, v: attention(q, k, v, mask, block=block)  # noqa: E731
+    def dense(q, k, v):
+        return dot_product_attention(q, k, v, mask.dense())
+
+    def blocked(q, k, v):  # the kernel itself, also where attention() would take the dense path
+        return blocked_attention(q, k, v, mask, block=block)[0].reshape(*q.shape[:2], -1)
+
     want, got = dense(q, k, v), jax.jit(blocked)(q, k, v)
     g_want = jax.grad(loss(dense), argnums=(0, 1, 2))(q, k, v)
     g_got = jax.jit(jax.grad(loss(blocked), argnums=(0, 1, 2)))(q, k, v)
@@ -217,6 +221,19 @@ def test_attention_memory_grows_linearly_with_the_sequence():
     assert blocked[2048] < dense[2048] / 4
     # No (s, s) float32 array can fit: a 4096 x 4096 score matrix alone is 64 MiB per head.
     assert blocked[4096] < 4096 * 4096 * 4 * 2
+
+
+def test_a_sequence_within_one_block_takes_the_dense_path_with_the_same_result():
+    q, k, v, _ = _inputs(2, 24, 4, 2)
+    mask = _mask("all", 2, 24)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: attention(q, k, v, mask, block=32))(q, k, v))
+    assert "custom_vjp" not in jaxpr  # no recomputing kernel for a single block
+    np.testing.assert_allclose(
+        attention(q, k, v, mask, block=32),
+        blocked_attention(q, k, v, mask, block=32)[0].reshape(2, 24, -1),
+        rtol=1e-5,
+        atol=1e-6,
+    )
 
 
 def test_an_aligned_mask_needs_as_many_queries_as_keys():
