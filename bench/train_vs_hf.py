@@ -173,7 +173,8 @@ def _start(variant: str, args, weights: Path) -> subprocess.Popen:
         cmd += [f"--{name}", str(getattr(args, name))]
     if args.set:
         cmd += ["--set", *args.set]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # Several processes share one GPU: no JAX worker may preallocate most of its memory.
+    env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
     if tree:
         env["PYTHONPATH"] = str(Path(tree).resolve())
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)

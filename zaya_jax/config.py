@@ -256,6 +256,9 @@ class DataConfig:
     # "error": an unreadable or undecodable document stops the run naming the file; "skip": counted.
     on_bad_document: Literal["error", "skip"] = "error"
     prefetch: int = 2  # batches prepared ahead of the step on a background thread
+    # Training rows are shuffled within windows of this many packed rows (Grain's window shuffle),
+    # so a batch mixes many documents instead of consecutive pieces of one; 0 or 1: packing order.
+    shuffle_window: int = 4096
 
     def validate(self) -> None:
         if not self.sources:
@@ -274,6 +277,8 @@ class DataConfig:
             raise ConfigError(f"data.held_out_fraction={self.held_out_fraction} must be in (0, 0.5)")
         if self.prefetch < 0:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 0")
+        if self.shuffle_window < 0:
+            raise ConfigError(f"data.shuffle_window={self.shuffle_window} must be >= 0 (0: no row shuffle)")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,8 +2,14 @@
 
 Per source: ``grain.MapDataset`` over its documents -> this process's share (``[p::P]``) ->
 ``shuffle`` (seeded; ``repeat`` reseeds it, so every epoch is a new permutation) -> ``repeat`` ->
-``to_iter_dataset`` -> :class:`PackIterDataset`. :class:`RowIterator` interleaves the sources' rows
+``to_iter_dataset`` -> :class:`PackIterDataset` -> ``grain.experimental.WindowShuffleIterDataset``
+(``data.shuffle_window`` rows; training only). :class:`RowIterator` interleaves the sources' rows
 by weight; :func:`next_batch` stacks rows into a batch, so the batch size may change between steps.
+
+Why the row shuffle: packing emits a long document's rows one after another, so without it a
+batch of 16 rows is 2 KB of one source file and consecutive steps walk through the same file. The
+model then fits the file it is in (train loss 1.33 nats/byte against 1.83 held-out in the ``tiny``
+run); rows drawn from a window of thousands make each batch a sample of many documents.
 
 Row format (every array has length ``seq_len``):
 
@@ -319,8 +325,10 @@ def packed_rows(
     repeat: bool = True,
     process_index: int = 0,
     process_count: int = 1,
+    shuffle_window: int = 0,
 ) -> grain.IterDataset:
-    """One source's pipeline: this process's documents, shuffled per epoch, packed into rows."""
+    """One source's pipeline: this process's documents, shuffled per epoch, packed into rows, the
+    rows shuffled within windows of ``shuffle_window`` (0 or 1: in packing order)."""
     ds = grain.MapDataset.source(documents)
     if process_count > 1:
         ds = ds[process_index::process_count]
@@ -328,7 +336,10 @@ def packed_rows(
         ds = ds.shuffle(seed=seed)
     if repeat:
         ds = ds.repeat()
-    return PackIterDataset(ds.to_iter_dataset(_READ_OPTIONS), seq_len=seq_len, eos_id=eos_id, pad_id=pad_id)
+    rows = PackIterDataset(ds.to_iter_dataset(_READ_OPTIONS), seq_len=seq_len, eos_id=eos_id, pad_id=pad_id)
+    if shuffle and shuffle_window > 1:
+        rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=shuffle_window, seed=seed)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,6 +388,7 @@ class RowIterator:
         split: Split = "train",
         process_index: int = 0,
         process_count: int = 1,
+        shuffle_window: int = 0,
     ):
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
@@ -389,6 +401,7 @@ class RowIterator:
             "seed": seed,
             "shuffle": shuffle,
             "repeat": repeat,
+            "shuffle_window": shuffle_window,
             "process_index": process_index,
             "process_count": process_count,
             "sources": {s.name: s.fingerprint for s in sources},
@@ -404,6 +417,7 @@ class RowIterator:
                 repeat=repeat,
                 process_index=process_index,
                 process_count=process_count,
+                shuffle_window=shuffle_window,
             ).__iter__()
             for s in sources
         ]
@@ -492,7 +506,8 @@ def make_row_iterator(
     shuffle: bool = True,
     repeat: bool = True,
 ) -> RowIterator:
-    """Packed rows of ``seq_len`` from the sources of ``data_cfg`` (see :class:`RowIterator`).
+    """Packed rows of ``seq_len`` from the sources of ``data_cfg`` (see :class:`RowIterator`);
+    training rows are shuffled within windows of ``data_cfg.shuffle_window`` rows.
 
     ``mixture``: one weight per source (default: each source's ``weight``). Process ``p`` of
     ``process_count`` reads documents ``p, p + P, ...`` of every source, disjoint from the others.
@@ -511,6 +526,7 @@ def make_row_iterator(
         process_count=process_count,
         shuffle=shuffle,
         repeat=repeat,
+        shuffle_window=data_cfg.shuffle_window if split == "train" else 0,
     )
 
 
