@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 
@@ -135,7 +136,8 @@ def test_restored_iterator_continues_exactly(tmp_path):
 
 
 def test_restoring_into_another_seq_len_continues_the_same_token_stream(one_source):
-    cfg, _ = one_source
+    # The packing order (a row window shuffle reorders rows of one length; see the next test).
+    cfg = dataclasses.replace(one_source[0], shuffle_window=0)
     short = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0)
     take(short, 7)
     state = short.get_state()
@@ -291,3 +293,51 @@ def test_prefetcher_runs_ahead_on_a_thread_and_stops_on_close():
     assert len(calls) <= 1 + 3 + 1  # bounded by depth
     with pytest.raises(StopIteration):
         next(prefetcher)
+
+
+def _keys(rows):
+    return [row["inputs"].tobytes() + row["segment_ids"].tobytes() for row in rows]
+
+
+def test_training_rows_are_shuffled_within_windows_of_the_packing_order(one_source):
+    """``data.shuffle_window`` W: each run of W rows is the next W packed rows in another order, so
+    a batch mixes documents (without it consecutive rows are consecutive pieces of one document)."""
+    window = 16
+    packed = make_row_iterator(dataclasses.replace(one_source[0], shuffle_window=0), TOK, seq_len=SEQ, seed=3)
+    mixed = make_row_iterator(
+        dataclasses.replace(one_source[0], shuffle_window=window), TOK, seq_len=SEQ, seed=3
+    )
+    in_order, shuffled = _keys(take(packed, 3 * window)), _keys(take(mixed, 3 * window))
+    for w in range(3):
+        part = slice(w * window, (w + 1) * window)
+        assert sorted(shuffled[part]) == sorted(in_order[part])
+        assert shuffled[part] != in_order[part]
+
+
+def test_a_shuffled_stream_resumes_mid_window_exactly(one_source):
+    cfg = dataclasses.replace(one_source[0], shuffle_window=16)
+    rows = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=5)
+    take(rows, 21)  # inside the second window
+    state = json.loads(json.dumps(rows.get_state()))  # as saved in a checkpoint
+    expected = _keys(take(rows, 20))
+    restored = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=5)
+    restored.set_state(state)
+    assert _keys(take(restored, 20)) == expected
+
+
+def test_the_row_shuffle_is_for_training_rows_only(one_source):
+    cfg = dataclasses.replace(one_source[0], shuffle_window=16)
+    evaluation = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, split="all", repeat=False)
+    unshuffled = make_row_iterator(
+        dataclasses.replace(cfg, shuffle_window=0), TOK, seq_len=SEQ, seed=0, split="all", repeat=False
+    )
+    training = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, split="train")
+    assert _keys(evaluation) == _keys(unshuffled)  # documents shuffled, rows in packing order
+    assert _keys(take(training, 16)) != _keys(
+        take(
+            make_row_iterator(
+                dataclasses.replace(cfg, shuffle_window=0), TOK, seq_len=SEQ, seed=0, split="train"
+            ),
+            16,
+        )
+    )

@@ -371,7 +371,9 @@ class RowIterator:
     repeated document order plus the offset inside the current document) and the mixer's row counts.
     ``set_state`` on an iterator built from the same data, seed and process layout continues exactly
     where the saved one stopped. ``seq_len`` and the mixture may differ (a curriculum stage change):
-    sources then continue from their saved documents and the new mixture starts fresh.
+    sources then continue from their saved documents and the new mixture starts fresh; with a row
+    window shuffle (``shuffle_window``) the saved window is refilled at the new length from its
+    start, so up to one window of tokens is seen again.
     """
 
     def __init__(
