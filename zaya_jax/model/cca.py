@@ -201,14 +201,14 @@ class CCAAttention(nn.Module):
         new_cache = None
         if cache is None and self.context is not None:
             segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
-            context = cfg.cca_time0 + cfg.cca_time1 - 2
+            context = cfg.conv_context
             conv, vd = self.context.temporal(z, vd, vd_at_start, segments, *conv_weights, context)
         elif cache is None:
             conv = two_stage_conv(z, *conv_weights, segment_ids)
             # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
             vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
         else:
-            context = cfg.cca_time0 + cfg.cca_time1 - 2
+            context = cfg.conv_context
             z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
             conv = two_stage_conv_valid(z_full, *conv_weights)
             previous = jnp.where(index == 0, vd_at_start[:, 0], cache["vdel"].astype(dtype))

@@ -331,7 +331,7 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> 
     """
     dtype = jnp.dtype(dtype or cfg.dtype)
     layers, nk, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-    context = cfg.cca_time0 + cfg.cca_time1 - 2
+    context = cfg.conv_context
     return {
         "keys": jnp.zeros((layers, batch, length, nk, d), dtype),
         "values": jnp.zeros((layers, batch, length, nk, d), dtype),
