@@ -161,11 +161,9 @@ def _halves(x: jax.Array, axis: int, level: int) -> tuple[jax.Array, jax.Array]:
     return jnp.take(x, 0, axis=axis + 1), jnp.take(x, 1, axis=axis + 1)
 
 
-def _set_second_halves(x: jax.Array, axis: int, level: int, value: jax.Array, add: bool = False) -> jax.Array:
-    return _update_halves(x, axis, level, value, 1, add)
-
-
-def _update_halves(x, axis, level, value, which, add):
+def _update_halves(x: jax.Array, axis: int, level: int, value: jax.Array, which: int, add: bool) -> jax.Array:
+    """``x`` with the first (``which=0``) or second (1) halves of :func:`_halves` replaced by, or
+    (``add``) incremented by, ``value``."""
     n = x.shape[axis]
     r = 2**level
     view = x.reshape(*x.shape[:axis], r, 2, n // (2 * r), *x.shape[axis + 1 :])
@@ -400,7 +398,7 @@ def _forward(blocks: _Blocks):
             columns = blocks.level_columns(level)
             steps = jnp.arange(columns[0].shape[0])
             part, _ = jax.lax.scan(column, part, (steps, *columns))
-            state = tuple(_set_second_halves(x, 2, level, y) for x, y in zip(state, part, strict=True))
+            state = tuple(_update_halves(x, 2, level, y, 1, False) for x, y in zip(state, part, strict=True))
     else:
 
         def key_block(state, inputs):
@@ -461,7 +459,7 @@ def _backward(blocks: _Blocks, out, lse, d_out, d_lse):
             # never runs two levels' loops (and holds their temporaries) at the same time.
             dq_part = _halves(dq, 2, level)[1]
             dq_part, (dk_cols, dv_cols) = jax.lax.scan(column, dq_part, (steps, *columns))
-            dq = _set_second_halves(dq, 2, level, dq_part)
+            dq = _update_halves(dq, 2, level, dq_part, 1, False)
             # (m, b, nk, r, B, d) -> (b, nk, r, m, B, d): the first halves' key blocks
             dk = _update_halves(dk, 2, level, jnp.moveaxis(dk_cols, 0, 3), 0, True)
             dv = _update_halves(dv, 2, level, jnp.moveaxis(dv_cols, 0, 3), 0, True)
