@@ -29,7 +29,7 @@ from zaya_jax.data import load_tokenizer, prepare
 from zaya_jax.data.corpus import read_stdlib
 from zaya_jax.model import init_variables
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.loop import BatchProducer
+from zaya_jax.train.schedule import BatchProducer
 from zaya_jax.train.step import init_train_state, make_train_step
 
 

@@ -2,7 +2,7 @@
 
 Both produce the same greedy tokens (checked). The reference runs one jitted full forward over a
 fixed-length buffer per new token (no recompilation, no cache); the cached path is
-``zaya_jax.eval.generate.generate`` (one prefill, then a jitted while_loop of one-token steps).
+``zaya_jax.generate.generate`` (one prefill, then a jitted while_loop of one-token steps).
 Usage:
 
     python bench/generate_speed.py [--config tiny] [--batch 4] [--prompt 128] [--new 128]
@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zaya_jax
-from zaya_jax.eval.generate import generate
+from zaya_jax.generate import generate
 from zaya_jax.model import Zaya, init_variables
 
 

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax import ops
+from zaya_jax.config import NS_COEFFS
 
 
 def best(fn, *args, repeats):
@@ -56,7 +57,7 @@ def main() -> None:
         out[f"norm_fwd_{impl}_s"] = best(fwd, f, h, *params, repeats=args.repeats)
         out[f"norm_fwd_bwd_{impl}_s"] = best(grad, f, h, *params, repeats=args.repeats)
 
-    coeffs = (3.4445, -4.775, 2.0315)
+    coeffs = NS_COEFFS
     for name, shape in (("ns_8x256x512", (8, 256, 512)), ("ns_2x1024x1024", (2, 1024, 1024))):
         x = jax.random.normal(keys[0], shape)
         x = x / jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)

@@ -65,7 +65,7 @@ def loss_only(repo: Path) -> dict:
     full float32 logits against the chunked loss (only with a checkout that has it)."""
     code = """
 import json, jax, jax.numpy as jnp
-from zaya_jax.train.step import token_losses
+from zaya_jax.loss import token_losses
 h = jax.ShapeDtypeStruct((1, 4096, 128), jnp.float32)
 w = jax.ShapeDtypeStruct((262144, 128), jnp.float32)
 t = jax.ShapeDtypeStruct((1, 4096), jnp.int32)

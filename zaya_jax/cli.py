@@ -107,7 +107,7 @@ def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
         ).strip()
         os.environ["JAX_PLATFORMS"] = "cpu"
-    from zaya_jax.parallel.plan import compile_plan
+    from zaya_jax.train.plan import compile_plan
 
     report = compile_plan(cfg, target)
     _print_json(report)
@@ -117,7 +117,7 @@ def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
 
 
 def _cmd_eval(args: argparse.Namespace) -> int:
-    from zaya_jax.eval import evaluate_path
+    from zaya_jax.lm import evaluate_path
 
     result = evaluate_path(
         args.path,
@@ -137,10 +137,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    import zaya_jax
     from zaya_jax.data import load_tokenizer
+    from zaya_jax.lm import load
 
-    lm = zaya_jax.load(args.path)
+    lm = load(args.path)
     if args.tokenizer:
         lm.tokenizer = load_tokenizer(args.tokenizer)
     out = lm.generate(
@@ -309,9 +309,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
-    from zaya_jax.resilience.supervise import main as supervise
+    from zaya_jax.resilience.supervise import supervise_command
 
-    return supervise(args)
+    child = list(args.command)
+    if child and child[0] == "--":
+        child = child[1:]
+    if not child:
+        raise ValueError(
+            "nothing to supervise: give the command after --, e.g. zaya supervise -- zaya train ..."
+        )
+    run_dir = Path(args.run_dir) if args.run_dir else _run_dir_of(child)
+    return supervise_command(
+        child,
+        run_dir,
+        max_restarts=args.max_restarts,
+        window_s=args.window,
+        backoff_s=args.backoff,
+        max_backoff_s=args.max_backoff,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+
+
+def _run_dir_of(child: list[str]) -> Path:
+    """The run directory a ``zaya train`` command line writes to (its config resolved the way the
+    trainer resolves it)."""
+    if "train" not in child:
+        raise ValueError(f"cannot tell the run directory of {' '.join(child)!r}: pass --run-dir")
+    args = build_parser().parse_args(child[child.index("train") :])
+    return load_config(args.config, args.overrides).run.path
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

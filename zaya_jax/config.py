@@ -24,6 +24,8 @@ from typing import Any, Literal
 
 import yaml
 
+from zaya_jax.files import write_atomic
+
 _INHERITS = "inherits"
 _REPO_CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 _PACKAGED_CONFIGS = Path(__file__).resolve().parent / "configs"
@@ -281,6 +283,10 @@ class DataConfig:
             raise ConfigError(f"data.shuffle_window={self.shuffle_window} must be >= 0 (0: no row shuffle)")
 
 
+# Keller Jordan's quintic Newton-Schulz coefficients (a, b, c): f(X) = a X + b (X X^T) X + c (X X^T)^2 X.
+NS_COEFFS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """Muon for hidden weight matrices, AdamW for everything else, in one optax chain.
@@ -298,7 +304,7 @@ class OptimConfig:
     muon_momentum: float = 0.95  # Muon momentum
     nesterov: bool = True  # Nesterov momentum for Muon
     ns_steps: int = 5  # Newton-Schulz iterations per update
-    ns_coeffs: tuple[float, ...] = (3.4445, -4.775, 2.0315)  # quintic Newton-Schulz coefficients (a, b, c)
+    ns_coeffs: tuple[float, ...] = NS_COEFFS  # quintic Newton-Schulz coefficients (a, b, c)
     # Moonlight's update-RMS matching: scale Muon updates by this * sqrt(max(A, B)); null = off.
     consistent_rms: float | None = None
     adam_b1: float = 0.9  # AdamW beta1
@@ -564,7 +570,8 @@ class DebugConfig:
     crash_at_step: int = 0
     # SIGKILL while the checkpoint of this step is being written (after it starts, before commit).
     crash_during_save_at_step: int = 0
-    # Make this step's gradients NaN (the non-finite guard must catch it).
+    # Make this step's loss and gradients NaN: its host batch gets a NaN loss mask, outside the
+    # jitted step (the non-finite guard must catch it).
     nan_at_step: int = 0
     # Stop making progress after this step (the hang watchdog must catch it).
     hang_at_step: int = 0
@@ -894,7 +901,4 @@ def save_config(cfg: Config, path: str | Path) -> Path:
     """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(dump_config(cfg))
-    tmp.replace(path)
-    return path
+    return write_atomic(path, dump_config(cfg))

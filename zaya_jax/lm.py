@@ -4,21 +4,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax import checkpoint
-from zaya_jax.config import Config, ModelConfig
+from zaya_jax.config import Config, DataConfig, ModelConfig
+from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import load_tokenizer
+from zaya_jax.eval import evaluate
+from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import load_hf_directory
 from zaya_jax.model import Zaya
-
-if TYPE_CHECKING:
-    from zaya_jax.eval.generate import Generation
 
 
 @dataclasses.dataclass
@@ -69,7 +70,7 @@ class LanguageModel:
         attention_mask: Any | None = None,
         mesh: Any | None = None,
     ) -> Generation:
-        """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.eval.generate`).
+        """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.generate`).
 
         ``prompts``: a string or list of strings (needs ``self.tokenizer``), a list of token-id lists
         (left-padded here), or a (batch, seq) / (seq,) id array with an optional left-padding
@@ -77,7 +78,6 @@ class LanguageModel:
         ``stop_tokens`` is given. Returns a :class:`Generation`; ``texts`` is filled when a tokenizer
         is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
         """
-        from zaya_jax.eval.generate import generate  # zaya_jax.eval imports this module
 
         tok = self.tokenizer
         if isinstance(prompts, str):
@@ -136,3 +136,16 @@ def load(path: str | Path) -> LanguageModel:
         return LanguageModel(cfg, jax.tree.map(jnp.asarray, variables), tokenizer=_find_tokenizer(path, None))
     run_config, variables, step = checkpoint.restore_model(path)
     return LanguageModel(run_config.model, variables, run_config, step, _find_tokenizer(path, run_config))
+
+
+def evaluate_path(
+    path: str | Path, data_paths: Sequence[str] = (), tokenizer: str | None = None, **kwargs: Any
+) -> dict[str, Any]:
+    """:func:`evaluate` on a run, checkpoint or HF directory. Without ``data_paths`` the run's own
+    data config (or the built-in corpus) is used, held-out split; with them, all of those files."""
+    lm = load(path)
+    data = lm.run_config.data if lm.run_config is not None else DataConfig()
+    if data_paths:
+        data = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in data_paths))
+        kwargs.setdefault("split", "all")
+    return evaluate(lm, data, tokenizer=tokenizer, **kwargs)

@@ -10,7 +10,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from zaya_jax.config import DataConfig, DataSource
-from zaya_jax.data.pipeline import ROW_KEYS
+from zaya_jax.data import BATCH_KEYS
 
 
 def write_jsonl(path: Path, texts: Sequence[str], field: str = "text") -> Path:
@@ -52,8 +52,8 @@ def train_bpe_tokenizer(path: Path) -> Path:
 
 def assert_valid_row(row: dict[str, np.ndarray], seq_len: int, pad_id: int) -> None:
     """The row format of zaya_jax.data.pipeline: shapes, dtypes, segments, targets, masks."""
-    assert sorted(row) == sorted(ROW_KEYS)
-    for key in ROW_KEYS:
+    assert sorted(row) == sorted(BATCH_KEYS)
+    for key in BATCH_KEYS:
         assert row[key].shape == (seq_len,), key
     assert row["loss_mask"].dtype == np.float32
     for key in ("inputs", "targets", "segment_ids", "positions"):

@@ -20,7 +20,7 @@ from zaya_jax.data import (
     next_batch,
     tokenized_documents,
 )
-from zaya_jax.data.pipeline import Prefetcher
+from zaya_jax.data.prefetch import Prefetcher
 
 TOK = ByteTokenizer()
 SEQ = 16
@@ -341,3 +341,52 @@ def test_the_row_shuffle_is_for_training_rows_only(one_source):
             16,
         )
     )
+
+
+def test_packer_rows_and_state_are_pinned():
+    """The exact rows and resume state of the built-in packer (checkpointed data positions of
+    existing runs depend on both): three documents, EOS 1, padding 0, rows of 4 pairs."""
+    import grain
+
+    from zaya_jax.data.packing import PackIterDataset
+
+    documents = [np.asarray(d) for d in ([5, 6, 7], [8, 9], [10, 11, 12, 13])]
+    source = grain.MapDataset.source(documents).to_iter_dataset()
+    rows = iter(PackIterDataset(source, seq_len=4, eos_id=1, pad_id=0))
+    expected = [
+        {
+            "inputs": [5, 6, 7, 8],
+            "targets": [6, 7, 1, 9],
+            "segment_ids": [1, 1, 1, 2],
+            "positions": [0, 1, 2, 0],
+        },
+        {
+            "inputs": [9, 10, 11, 12],
+            "targets": [1, 11, 12, 13],
+            "segment_ids": [1, 2, 2, 2],
+            "positions": [0, 0, 1, 2],
+        },
+        {
+            "inputs": [13, 0, 0, 0],
+            "targets": [1, 0, 0, 0],
+            "segment_ids": [1, 0, 0, 0],
+            "positions": [0, 0, 0, 0],
+        },
+    ]
+    first = next(rows)
+    state = rows.get_state()
+    assert state == {"parent": {"next_index": 1}, "offset": 1, "has_document": True}  # inside document 2
+    got = [first, next(rows), next(rows)]
+    for row, want in zip(got, expected, strict=True):
+        for key, values in want.items():
+            assert row[key].tolist() == values, key
+        assert row["loss_mask"].tolist() == [float(s > 0) for s in want["segment_ids"]]
+    with pytest.raises(StopIteration):
+        next(rows)
+    resumed = iter(
+        PackIterDataset(grain.MapDataset.source(documents).to_iter_dataset(), seq_len=4, eos_id=1, pad_id=0)
+    )
+    resumed.set_state(state)
+    for row in got[1:]:
+        again = next(resumed)
+        assert all(np.array_equal(again[k], row[k]) for k in row)

@@ -83,7 +83,7 @@ def model_on_layout():
     for kernels in ("reference", "custom"):
         cfg = Config(model=dataclasses.replace(base, kernels=kernels), mesh=MeshConfig(data=8))
         layout = make_layout(cfg)
-        model = Zaya(cfg.model, **layout.hooks)
+        model = Zaya(cfg.model, layout.hooks)
 
         def loss(params, model=model):
             logits, _ = model.apply({**variables, "params": params}, tokens)

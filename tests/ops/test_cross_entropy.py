@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from zaya_jax.loss import token_losses
 from zaya_jax.ops.cross_entropy import auto_chunk, chunked_cross_entropy
-from zaya_jax.train.step import token_losses
 
 
 def _case(batch=2, seq=21, embed=16, vocab=50, seed=0, vocab_axis=0, bias=False):

@@ -12,6 +12,7 @@ import pytest
 
 from tests.random_model import random_variables, tiny_config
 from zaya_jax import ops
+from zaya_jax.config import NS_COEFFS
 from zaya_jax.model import Zaya
 
 # bfloat16: the kernels round after every bf16 op, as the reference's program is written; XLA by
@@ -108,7 +109,7 @@ def test_residual_norm_rejects_mismatched_inputs():
 def test_newton_schulz_equals_the_reference_and_vmaps(shape):
     x = jax.random.normal(jax.random.key(1), shape)
     x = x / jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
-    coeffs = (3.4445, -4.775, 2.0315)
+    coeffs = NS_COEFFS
     fn = jax.jit(lambda x: ops.newton_schulz_iterations(x, 5, coeffs))
     assert "zaya_newton_schulz" in fn.lower(x).as_text()
     ref = ops.newton_schulz_iterations(x, 5, coeffs, impl="reference")

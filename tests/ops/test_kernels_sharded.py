@@ -5,32 +5,14 @@ Newton-Schulz kernel inside distributed Muon."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.workers import run_worker
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "")
-        + " --xla_force_host_platform_device_count=8 --xla_allow_excess_precision=false",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.ops.kernels_worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_worker("tests.ops.kernels_worker", 8, "--xla_allow_excess_precision=false")
 
 
 def test_bfloat16_kernels_round_like_the_reference(result):

@@ -12,10 +12,11 @@ import jax
 import numpy as np
 
 import zaya_jax
+from zaya_jax.loss import loss_and_stats
 from zaya_jax.model import Zaya
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import make_layout, put_batch
-from zaya_jax.train.step import init_sharded_train_state, loss_and_stats, make_train_step
+from zaya_jax.train.step import init_sharded_train_state, make_train_step
 
 MODEL = [
     "model.hidden_size=32",
@@ -74,7 +75,7 @@ def run(extra, names):
         in_shardings=(shardings, layout.batch, layout.replicated),
         out_shardings=(shardings, layout.replicated),
     )
-    model = Zaya(cfg.model, **layout.hooks)
+    model = Zaya(cfg.model, layout.hooks)
     grad_fn = jax.jit(
         jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, 0.0)[0]),
         in_shardings=(shardings.params, shardings.balancing, layout.batch),

@@ -4,31 +4,14 @@ single-device optimizer. The GSPMD default (no per-device NS) is compiled alongs
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+
+from tests.workers import run_worker
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.muon_worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_worker("tests.parallel.muon_worker", 8)
 
 
 def test_no_collective_inside_the_newton_schulz_iteration(result):

@@ -16,34 +16,16 @@ absolute (1e-11; the controller moves them by ~1e-6 per step at initialisation).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 
 from tests.parallel.layouts_worker import LAYOUTS, STEPS
+from tests.workers import run_worker
 
 
 @pytest.fixture(scope="module")
 def results():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.layouts_worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_worker("tests.parallel.layouts_worker", 8, timeout=900)
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", "expert_capped")])

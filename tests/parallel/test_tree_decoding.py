@@ -4,36 +4,18 @@ tokens; the partial attentions are combined by all-reduces, not by passing K/V a
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from jax.sharding import Mesh
 
 from tests.random_model import random_variables, tiny_config
-from zaya_jax.eval.generate import generate
+from tests.workers import run_worker
+from zaya_jax.generate import generate
 
 
 @pytest.fixture(scope="module")
 def result():
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.parallel.tree_worker"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT ") :])
+    return run_worker("tests.parallel.tree_worker", 8)
 
 
 def test_sequence_split_cache_decodes_the_single_device_tokens(result):

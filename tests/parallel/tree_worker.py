@@ -10,7 +10,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tests.random_model import random_variables, tiny_config
-from zaya_jax.eval.generate import _generate_fn, generate
+from zaya_jax.generate import _generate_fn, generate
 
 
 def main():

@@ -22,10 +22,13 @@ def test_guarded_step_keeps_the_previous_state_on_a_bad_step():
     state = init_train_state(init_variables(cfg.model, 0), tx)
     batch = synthetic_batch(0, 2, 16)
     one = jnp.asarray(1.0)
-    state, _ = step(state, batch, one, jnp.asarray([np.inf, 1.0], jnp.float32))  # past lr warm-up's 0
+    state, _ = step(state, batch, one, jnp.float32(np.inf))  # past lr warm-up's 0
+    # a NaN fault is injected on the host, as the loop's FaultHook does: the loss mask poisoned
+    poisoned = {**batch, "loss_mask": batch["loss_mask"] * np.float32(np.nan)}
+    cases = {"ok": (batch, np.inf), "spike": (batch, 0.0), "nan": (poisoned, np.inf)}
     outcomes = {}
-    for name, guard in {"ok": [np.inf, 1.0], "spike": [0.0, 1.0], "nan": [np.inf, np.nan]}.items():
-        new, metrics = step(state, batch, one, jnp.asarray(guard, jnp.float32))
+    for name, (inputs, limit) in cases.items():
+        new, metrics = step(state, inputs, one, jnp.float32(limit))
         changed = any(
             not np.array_equal(a, b)
             for a, b in zip(jax.tree.leaves(new.params), jax.tree.leaves(state.params), strict=True)

@@ -13,9 +13,10 @@ import pytest
 
 from tests.random_model import TINY
 from zaya_jax.config import Config, OptimConfig, RunConfig, TrainConfig
+from zaya_jax.loss import loss_and_stats, token_losses
 from zaya_jax.model import BALANCING, Zaya, init_variables
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.step import init_train_state, loss_and_stats, make_train_step, token_losses
+from zaya_jax.train.step import init_train_state, make_train_step
 
 
 def _cfg(**train) -> Config:

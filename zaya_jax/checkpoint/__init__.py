@@ -174,19 +174,20 @@ def quarantine(checkpoints_dir: str | Path, step: int) -> Path:
 
 
 def restore_training(
-    checkpoints_dir: str | Path, like: Any, on_unreadable: Any = None
-) -> tuple[Any, dict[str, Any], int] | None:
+    checkpoints_dir: str | Path, like: Any
+) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
     """The latest readable training checkpoint restored into the structure and shardings of the
-    TrainState ``like``: (state, data_state, step), or None when there is none.
+    TrainState ``like``: ((state, data_state, step) or None when there is none, the unreadable ones).
 
     Restoring reads and checks every array; a checkpoint that cannot be read (torn or overwritten
     files, missing pieces) is moved to ``<run>/quarantine/`` with a warning and the previous one is
-    tried. ``on_unreadable(step, error, moved_to)`` is called for each one skipped."""
+    tried. Each one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``."""
     mgr = manager(checkpoints_dir)
     steps = [s for s in mgr.all_steps() if (Path(checkpoints_dir) / str(s) / "train").is_dir()]
+    unreadable: list[dict[str, Any]] = []
     for step in sorted(steps, reverse=True):
         try:
-            return _restore_step(mgr, checkpoints_dir, step, like)
+            return _restore_step(mgr, checkpoints_dir, step, like), unreadable
         except CheckpointNotFoundError:
             raise
         except Exception as err:
@@ -196,9 +197,8 @@ def restore_training(
                 f"{str(err)[:300]}); moved to {moved}, trying the previous one",
                 stacklevel=2,
             )
-            if on_unreadable is not None:
-                on_unreadable(step, err, moved)
-    return None
+            unreadable.append({"checkpoint": step, "error": str(err)[:500], "moved_to": str(moved)})
+    return None, unreadable
 
 
 def _restore_step(mgr: ocp.CheckpointManager, checkpoints_dir: str | Path, step: int, like: Any):

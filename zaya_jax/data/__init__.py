@@ -1,18 +1,20 @@
-"""Tokenizers, document sources, corpus preparation and Grain pipelines (packing, mixtures)."""
+"""Tokenizers, document sources, corpus preparation and Grain pipelines.
 
-from zaya_jax.data.pipeline import (
-    Prefetcher,
-    RowIterator,
-    eval_batches,
-    make_row_iterator,
-    next_batch,
-    tokenized_documents,
-)
+``sources`` (reading files) -> ``tokenizers`` -> ``prepare`` (ArrayRecord shards) -> ``documents``
+(token documents per source and split) -> ``packing`` (rows) -> ``pipeline`` (mixture, batches)
+-> ``prefetch`` (a thread ahead of training); ``batch`` names the fields of a batch."""
+
+from zaya_jax.data.batch import BATCH_FIELDS, BATCH_KEYS
+from zaya_jax.data.documents import tokenized_documents
+from zaya_jax.data.pipeline import RowIterator, eval_batches, make_row_iterator, next_batch
+from zaya_jax.data.prefetch import Prefetcher
 from zaya_jax.data.prepare import open_prepared, prepare, read_manifest
 from zaya_jax.data.sources import DataError, read_documents
 from zaya_jax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
 __all__ = [
+    "BATCH_FIELDS",
+    "BATCH_KEYS",
     "ByteTokenizer",
     "DataError",
     "HFTokenizer",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
+from zaya_jax.files import sha256_file, write_atomic
 
 FORMAT = "zaya-jax-tokens"
 FORMAT_VERSION = 1
@@ -40,14 +40,6 @@ _VERIFIED: dict[tuple[str, int, int], str] = {}
 
 def shard_name(index: int, num_shards: int) -> str:
     return f"shard-{index:05d}-of-{num_shards:05d}.array_record"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _check_out_dir(out: Path) -> bool:
@@ -88,7 +80,6 @@ def prepare(
     create = _check_out_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / shard_name(i, num_shards) for i in range(num_shards)]
-    tmp_manifest = out / (MANIFEST + ".tmp")
     writers: list[ArrayRecordWriter] = []
     started = time.perf_counter()
     try:
@@ -137,7 +128,7 @@ def prepare(
                 "records": records[i],
                 "tokens": tokens[i],
                 "bytes": p.stat().st_size,
-                "sha256": _sha256(p),
+                "sha256": sha256_file(p),
             }
             for i, p in enumerate(paths)
         ]
@@ -156,16 +147,12 @@ def prepare(
             "inputs": input_stats,
             "seconds": round(time.perf_counter() - started, 3),
         }
-        with tmp_manifest.open("w") as f:
-            json.dump(manifest, f, indent=2)
-            f.flush()
-            os.fsync(f.fileno())
-        tmp_manifest.replace(out / MANIFEST)
+        write_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
     except BaseException:
         for writer in writers:
             if writer.is_open():
                 writer.close()
-        for p in [*paths, tmp_manifest]:
+        for p in paths:
             p.unlink(missing_ok=True)
         if create:
             out.rmdir()
@@ -216,7 +203,7 @@ def verify_shards(directory: str | Path, manifest: dict[str, Any]) -> None:
         key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
         if _VERIFIED.get(key) == shard["sha256"]:
             continue
-        digest = _sha256(path)
+        digest = sha256_file(path)
         if digest != shard["sha256"]:
             raise DataError(
                 f"shard {path} is corrupt: its sha256 {digest[:16]}... differs from the manifest's "

@@ -8,7 +8,6 @@ different tokenizer than the one that wrote them.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from zaya_jax.data.sources import DataError
+from zaya_jax.files import sha256_file
 
 # Byte tokenizer layout (also the `tiny` preset's pad/eos/bos ids).
 BYTE_PAD_ID = 0
@@ -98,14 +98,6 @@ def _id_array(ids: Iterable[int] | np.ndarray) -> np.ndarray:
     return ids.astype(np.int64, copy=False).reshape(-1)
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 class HFTokenizer:
     """A local Hugging Face ``tokenizer.json`` (never downloads).
 
@@ -142,7 +134,7 @@ class HFTokenizer:
         self.eos_id = self._special_id(eos_token, _EOS_CANDIDATES, "eos_token")
         self.pad_id = self._special_id(pad_token, _PAD_CANDIDATES, "pad_token", fallback=self.eos_id)
         self.bos_id = self._special_id(bos_token, _BOS_CANDIDATES, "bos_token", fallback=self.eos_id)
-        self._sha256 = _sha256_file(self.path)
+        self._sha256 = sha256_file(self.path)
 
     def _special_id(
         self, given: str | int | None, candidates: Sequence[str], arg: str, fallback: int | None = None

@@ -2,26 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.config import Config, ConfigError, DataConfig
+from zaya_jax.config import Config, ConfigError, DataConfig, ModelConfig
 from zaya_jax.data import load_tokenizer, make_row_iterator
-from zaya_jax.data.sources import source_for_path
-from zaya_jax.lm import LanguageModel, load
-from zaya_jax.train.step import make_eval_step
+from zaya_jax.loss import make_eval_step
+
+
+class Evaluable(Protocol):
+    """What evaluation needs of a model (``zaya_jax.LanguageModel`` has it)."""
+
+    config: ModelConfig
+    variables: dict[str, Any]
 
 
 def evaluate(
-    lm: LanguageModel,
+    lm: Evaluable,
     data: DataConfig,
     *,
     split: str = "held_out",
@@ -55,16 +57,3 @@ def evaluate(
         raise ValueError(f"no evaluation tokens: the {split!r} split of the data is empty")
     loss = total / tokens
     return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
-
-
-def evaluate_path(
-    path: str | Path, data_paths: Sequence[str] = (), tokenizer: str | None = None, **kwargs: Any
-) -> dict[str, Any]:
-    """:func:`evaluate` on a run, checkpoint or HF directory. Without ``data_paths`` the run's own
-    data config (or the built-in corpus) is used, held-out split; with them, all of those files."""
-    lm = load(path)
-    data = lm.run_config.data if lm.run_config is not None else DataConfig()
-    if data_paths:
-        data = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in data_paths))
-        kwargs.setdefault("split", "all")
-    return evaluate(lm, data, tokenizer=tokenizer, **kwargs)

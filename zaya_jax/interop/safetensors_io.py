@@ -14,6 +14,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from zaya_jax.files import atomic_file
+
 _DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
@@ -127,10 +129,8 @@ def write_safetensors(
         arrays.append(array)
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    with tmp.open("wb") as f:
+    with atomic_file(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
         for array in arrays:
             f.write(array.tobytes())
-    tmp.replace(path)

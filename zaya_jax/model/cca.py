@@ -17,13 +17,13 @@ of T new tokens costs O(T) projections and convolutions plus attention over the 
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.rope import apply_rope, rope_tables
 from zaya_jax.ops.attention import AttentionMask, attention
@@ -123,23 +123,54 @@ def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
     return x * (jnp.asarray(scale, x.dtype) / jnp.sqrt(jnp.maximum(sum_sq, jnp.asarray(eps * eps, x.dtype))))
 
 
+def _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids):
+    """Steps 3-4 on a whole sequence: the two-stage convolution, and the value shift (the delayed
+    half is the previous token's projection, ``W_vdel . 0`` at a document start)."""
+    seq = z.shape[1]
+    conv = two_stage_conv(z, *conv_weights, segment_ids)
+    vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
+    return conv, vd
+
+
+def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int):
+    """Steps 3-4 for T new tokens after the cached ones (spec §3): the convolution reads the cached
+    last P raw columns, the value shift the cached last delayed projection. Returns (conv, vd, the
+    conv-state and delayed-value parts of the new cache)."""
+    dtype = z.dtype
+    z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
+    conv = two_stage_conv_valid(z_full, *conv_weights)
+    previous = jnp.where(index == 0, vd_at_start[:, 0], cache["vdel"].astype(dtype))
+    updates = {
+        "conv": z_full[:, z_full.shape[1] - context :].astype(cache["conv"].dtype),
+        "vdel": vd[:, -1].astype(cache["vdel"].dtype),
+    }
+    return conv, jnp.concatenate([previous[:, None], vd[:, :-1]], axis=1), updates
+
+
+def _write_cache(cache, k, v, index):
+    """The new keys and values written at slots [index, index + T); returns (k, v over all slots, updates)."""
+    start = (0, index, 0, 0)
+    k = jax.lax.dynamic_update_slice(cache["keys"], k.astype(cache["keys"].dtype), start)
+    v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
+    return k, v, {"keys": k, "values": v}
+
+
 class CCAAttention(nn.Module):
-    """One CCA attention layer. a: (batch, seq, embed) normed input -> (output (batch, seq, embed),
-    updated layer cache or None).
+    """One CCA attention layer (spec §2.3). a: (batch, seq, embed) normed input -> (output (batch,
+    seq, embed), updated layer cache or None).
 
     ``mask`` says which keys each query sees (causal, documents, padding; this layer's sliding
     ``window`` is added here). ``cache`` (decoding) = {"keys", "values": (batch, S, nk, d),
     "conv": (batch, P, C), "vdel": (batch, nk*d/2)} with the new tokens written at slots
     [index, index + seq); ``mask`` then spans the S cache slots.
+
+    Three modes share the spec's steps and differ only in the temporal parts (convolution, value
+    shift) and the attention: *plain* (one device holds the sequence), *context* (the sequence is
+    split over devices: ``hooks.context``) and *decode* (a ``cache``).
     """
 
     cfg: ModelConfig
-    # Optional replacement of the attention kernel, ``(q, k, v, mask) -> (batch, seq, nq*d)``, e.g.
-    # tree attention over a sequence-split decode cache (``zaya_jax.parallel.tree``).
-    attention: Any = None
-    # Optional context parallelism (``zaya_jax.parallel.ring.ContextParallel``): the temporal
-    # convolution, value shift and attention of a sequence split over devices.
-    context: Any = None
+    hooks: ModelHooks = SINGLE_DEVICE
 
     @nn.compact
     def __call__(
@@ -160,25 +191,27 @@ class CCAAttention(nn.Module):
         batch, seq, _ = a.shape
         nq, nk, d, groups = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_groups
         std = cfg.initializer_range
+        mode = "decode" if cache is not None else "context" if self.hooks.context is not None else "plain"
 
         def dense(name: str, features: int, axes: tuple[str, str]) -> Dense:
             return Dense(features, axes, cfg.attention_bias, std, dtype, pdtype, name=name)
 
-        if token_mask is not None:  # padded positions become exact zeros before every projection
+        # Steps 0-1: padded positions become exact zeros, then the projections into the compressed latent.
+        if token_mask is not None:
             a = a * token_mask[:, :, None].astype(a.dtype)
         q0 = dense("q_proj", cfg.q_width, ("embed", "heads"))(a)
         k0 = dense("k_proj", cfg.kv_width, ("embed", "kv"))(a)
         v_current = dense("v_current", cfg.kv_width // 2, ("embed", "kv"))(a)
         v_delayed_proj = dense("v_delayed", cfg.kv_width // 2, ("embed", "kv"))
 
-        # q/k "mean" residual paths: each q head averaged with its KV head, each KV head with its q group.
+        # Step 2: q/k "mean" residual paths: each q head averaged with its KV head, each KV head with its q group.
         q_heads = q0.reshape(batch, seq, nq, d)
         k_heads = k0.reshape(batch, seq, nk, d)
         q_res = (q_heads + jnp.repeat(k_heads, groups, axis=2)) * jnp.asarray(0.5, dtype)
         k_res = jnp.mean(q_res.reshape(batch, seq, nk, groups, d), axis=3)
 
-        normal = nn.initializers.normal(std)
-        zeros = nn.initializers.zeros
+        # Steps 3-4: the two-stage causal convolution of [q0 || k0] and the delayed value half.
+        normal, zeros = nn.initializers.normal(std), nn.initializers.zeros
         channels = cfg.conv_channels
         dw_kernel = param_with_axes(
             self, "conv_dw_kernel", normal, (cfg.cca_time0, channels), ("conv", "qk"), pdtype
@@ -189,60 +222,49 @@ class CCAAttention(nn.Module):
             self, "conv_grouped_kernel", normal, grouped_shape, ("conv", "qk_heads", "head_dim", None), pdtype
         )
         g_bias = param_with_axes(self, "conv_grouped_bias", zeros, (channels,), ("qk",), pdtype)
-        conv_weights = (
-            dw_kernel.astype(dtype),
-            dw_bias.astype(dtype),
-            g_kernel.astype(dtype),
-            g_bias.astype(dtype),
-        )
+        conv_weights = tuple(w.astype(dtype) for w in (dw_kernel, dw_bias, g_kernel, g_bias))
         z = jnp.concatenate([q0, k0], axis=-1)
         vd = v_delayed_proj(a)
         vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
+        segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
         new_cache = None
-        if cache is None and self.context is not None:
-            segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
-            context = cfg.conv_context
-            conv, vd = self.context.temporal(z, vd, vd_at_start, segments, *conv_weights, context)
-        elif cache is None:
-            conv = two_stage_conv(z, *conv_weights, segment_ids)
-            # Value shift: the delayed half is the previous token's projection, W_vdel . 0 at a document start.
-            vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
+        if mode == "plain":
+            conv, vd = _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids)
+        elif mode == "context":
+            conv, vd = self.hooks.context.temporal(
+                z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
+            )
         else:
-            context = cfg.conv_context
-            z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
-            conv = two_stage_conv_valid(z_full, *conv_weights)
-            previous = jnp.where(index == 0, vd_at_start[:, 0], cache["vdel"].astype(dtype))
-            new_cache = {
-                "conv": z_full[:, z_full.shape[1] - context :].astype(cache["conv"].dtype),
-                "vdel": vd[:, -1].astype(cache["vdel"].dtype),
-            }
-            vd = jnp.concatenate([previous[:, None], vd[:, :-1]], axis=1)
+            conv, vd, new_cache = _temporal_decode(
+                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context
+            )
         conv = conv.reshape(batch, seq, nq + nk, d)
         q = conv[:, :, :nq] + q_res
         k = conv[:, :, nq:] + k_res
         v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
-        # QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
+        # Step 5: QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
         temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype)
         q = l2_normalize(q, math.sqrt(d))
         k = l2_normalize(k, math.sqrt(d)) * temp.astype(dtype)[None, None, :, None]
 
+        # Step 6: partial NeoX RoPE.
         cos, sin = rope_tables(positions, inv_freq, dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-        if cache is not None:
-            start = (0, index, 0, 0)
-            k = jax.lax.dynamic_update_slice(cache["keys"], k.astype(cache["keys"].dtype), start)
-            v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
-            new_cache = {**new_cache, "keys": k, "values": v}
-            k, v = k.astype(dtype), v.astype(dtype)
+        # Steps 7-8: causal GQA attention (sliding-window layers add their window), then o_proj.
         if cfg.has_sliding_layers:
             mask = mask.replace(window=window)
-        if cache is None and self.context is not None:
+        if mode == "context":
             real = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
-            out = self.context.attention(q, k, v, segments, real, mask.window)
-        elif self.attention is not None:
-            out = self.attention(q, k, v, mask)
+            out = self.hooks.context.attention(q, k, v, segments, real, mask.window)
         else:
-            out = attention(q, k, v, mask, impl=cfg.attention_impl, block=cfg.attention_block)
+            if mode == "decode":
+                k, v, kv_cache = _write_cache(cache, k, v, index)
+                new_cache = {**new_cache, **kv_cache}
+                k, v = k.astype(dtype), v.astype(dtype)
+            if self.hooks.attention is not None:
+                out = self.hooks.attention(q, k, v, mask)
+            else:
+                out = attention(q, k, v, mask, impl=cfg.attention_impl, block=cfg.attention_block)
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

@@ -13,13 +13,12 @@ Tokens routed to the skip class (``choice == E``) get 0 from every path; ``Block
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.hooks import MoeDispatch
 from zaya_jax.model.layers import param_with_axes
 from zaya_jax.ops.platform import platform_branch
 
@@ -145,9 +144,9 @@ class Experts(nn.Module):
     """E SwiGLU experts; m: (batch, seq, embed); choice, weight: (batch, seq) -> (out, dropped (batch, seq))."""
 
     cfg: ModelConfig
-    # Optional ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` replacing the local paths, e.g.
-    # expert parallelism over a mesh (``zaya_jax.parallel.expert``); the model itself knows no mesh.
-    dispatch: Any = None
+    # Optional replacement of the local paths, e.g. expert parallelism over a mesh
+    # (``zaya_jax.parallel.expert``); the model itself knows no mesh.
+    dispatch: MoeDispatch | None = None
 
     @nn.compact
     def __call__(self, m: jax.Array, choice: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -1,23 +1,6 @@
 """Small building blocks shared by the model modules: parameters with logical axis names, dense layers.
 
-Logical axis names used by the model (mapped to mesh axes by one rules table per mesh preset):
-
-=================  ==========================================================
-``vocab``          vocabulary rows of the embedding / LM head
-``embed``          the residual width H
-``heads``          the flattened query latent nq*d
-``kv``             the flattened key/value latent nk*d (and its halves)
-``kv_heads``       one entry per KV head (``temp``)
-``qk``             the C = (nq+nk)*d channels of the q/k convolution
-``qk_heads``       the nq+nk heads of the grouped convolution
-``head_dim``       one head's d channels
-``conv``           convolution taps
-``router``         the router width R
-``router_classes`` the E+1 router classes (E experts + the skip)
-``experts``        the expert stack
-``expert_mlp``     an expert's hidden width (I, or 2I for fused gate/up)
-``layers``         the scanned layer stack (added by ``nn.scan``)
-=================  ==========================================================
+Every axis name is one of the registry's (:mod:`zaya_jax.model.axes`); an unknown name is an error.
 """
 
 from __future__ import annotations
@@ -27,6 +10,8 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from zaya_jax.model.axes import AXIS
 
 Initializer = Callable[..., jax.Array]
 
@@ -42,6 +27,11 @@ def param_with_axes(
     """Declare a parameter carrying logical axis names (one per dimension)."""
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} axis names for a rank-{len(shape)} parameter")
+    unknown = [a for a in axes if a is not None and a not in AXIS]
+    if unknown:
+        raise ValueError(
+            f"{name}: logical axes {unknown} are not in zaya_jax.model.axes.AXES; add them there"
+        )
     return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 

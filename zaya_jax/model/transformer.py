@@ -14,19 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.balancing import probability_moments
 from zaya_jax.model.cca import CCAAttention
 from zaya_jax.model.experts import Experts
+from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router
 from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
-
-ACTIVATION_AXES = ("batch", "seq", None)
-"""Logical axes of the residual stream: rows and positions split like the batch, width whole.
-(A no-op unless traced inside ``flax.linen.logical_axis_rules`` and a mesh, see ``Layout``.)"""
 
 REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
@@ -66,10 +64,7 @@ class Block(nn.Module):
     """
 
     cfg: ModelConfig
-    moe_dispatch: Any = None
-    attention: Any = None
-    context: Any = None
-    residual_norm: Any = None
+    hooks: ModelHooks = SINGLE_DEVICE
 
     @nn.compact
     def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
@@ -79,7 +74,7 @@ class Block(nn.Module):
         token_mask = ctx["token_mask"]
 
         a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
-        o, cache = CCAAttention(cfg, self.attention, self.context, name="attn")(
+        o, cache = CCAAttention(cfg, self.hooks, name="attn")(
             a,
             layer["inv_freq"],
             layer["window"],
@@ -93,7 +88,7 @@ class Block(nn.Module):
         merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
         norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
         if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
-            fused = self.residual_norm or functools.partial(residual_rms_norm, impl="custom")
+            fused = self.hooks.residual_norm or functools.partial(residual_rms_norm, impl="custom")
             h, m = fused(
                 o.astype(dtype),
                 h,
@@ -111,7 +106,7 @@ class Block(nn.Module):
         self.sow("intermediates", "router_choice", routing.choice)
         is_skip = routing.choice == cfg.num_experts
         weight = jnp.where(is_skip, 0, routing.weight)
-        f, dropped = Experts(cfg, self.moe_dispatch, name="experts")(m, routing.choice, weight)
+        f, dropped = Experts(cfg, self.hooks.moe_dispatch, name="experts")(m, routing.choice, weight)
         if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
             f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
         h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
@@ -156,19 +151,15 @@ class Zaya(nn.Module):
     (``router_state``, (layers, batch, seq, R)), probabilities (``router_probs``) and chosen class
     (``router_choice``) under ``intermediates["layers"]``, each wrapped in a 1-tuple by ``sow``.
 
-    ``moe_dispatch`` optionally replaces the local MoE paths (expert parallelism, see
-    ``zaya_jax.parallel.expert``) and ``attention`` the attention kernel (tree attention over a
-    sequence-split cache, ``zaya_jax.parallel.tree``), and ``context`` runs the CCA temporal parts
-    and attention of a sequence split over devices (``zaya_jax.parallel.ring``); parameters and
-    results are the same. ``residual_norm`` replaces the fused merge+norm op used when
-    ``cfg.kernels == "custom"`` (a ``shard_map``-wrapped one on a mesh, ``Layout.hooks``).
+    ``hooks`` (:class:`~zaya_jax.model.hooks.ModelHooks`) optionally replace local code paths for
+    a mesh: the MoE paths (expert parallelism), the attention kernel (tree attention over a
+    sequence-split cache), CCA's temporal parts and attention over a sequence split across devices
+    (ring attention), and the fused merge+norm op used when ``cfg.kernels == "custom"``;
+    parameters and results are the same.
     """
 
     cfg: ModelConfig
-    moe_dispatch: Any = None
-    attention: Any = None
-    context: Any = None
-    residual_norm: Any = None
+    hooks: ModelHooks = SINGLE_DEVICE
 
     def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
         cfg = self.cfg
@@ -279,7 +270,7 @@ class Zaya(nn.Module):
             length=cfg.num_layers,
             unroll=min(cfg.scan_unroll, cfg.num_layers),
             metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.moe_dispatch, self.attention, self.context, self.residual_norm, name="layers")
+        )(cfg, self.hooks, name="layers")
         (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
         if cache is not None:
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}

@@ -59,7 +59,3 @@ def load() -> dict[str, str]:
 def registered(platform: str) -> bool:
     """Whether the custom calls are registered for a jax platform name (cpu, cuda, rocm)."""
     return load().get(platform) == "registered"
-
-
-def library_path(platform: str) -> Path:
-    return LIB_DIR / PLATFORMS[platform][1]

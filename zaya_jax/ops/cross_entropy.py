@@ -153,7 +153,7 @@ def chunked_cross_entropy(
     (optional, a hashable function) constrains the layout of the head's weight, its gradient and
     so each chunk's logits along their vocabulary ``axis`` (vocabulary parallelism on a mesh; the
     step passes one built from the logical-axis rules). Returns (ce, log_z), both (batch, seq)
-    float32, equal to ``token_losses`` of the full logits in value and gradient.
+    float32, equal to ``zaya_jax.loss.token_losses`` of the full logits in value and gradient.
     """
     if vocab_axis not in (0, 1):
         raise ValueError(f"vocab_axis must be 0 or 1, got {vocab_axis}")

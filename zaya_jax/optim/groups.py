@@ -10,7 +10,6 @@ else is **AdamW**. The kernel layout is (..., in, out), so the first matrix axis
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -20,39 +19,12 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.axes import AXES, AxisRole
 
 Group = Literal["muon", "adamw"]
-AxisRole = Literal["batch", "matrix", "adamw"]
 
-# The group table: one role per logical axis name.
-#   batch  - a stack of independent matrices; Newton-Schulz runs once per entry (per layer, per expert).
-#   matrix - a hidden width a dense projection maps between; two of them make a Muon matrix.
-#   adamw  - any leaf with this axis is AdamW.
-_AXIS_ROLES: dict[str, AxisRole] = {
-    "layers": "batch",
-    "experts": "batch",
-    "embed": "matrix",
-    "heads": "matrix",
-    "kv": "matrix",
-    "expert_mlp": "matrix",
-    "router": "matrix",
-    "router_mlp": "matrix",
-    # The model's input and output layers: Muon's spectral-norm argument is for hidden-to-hidden maps;
-    # the embedding is a lookup table (one sparse row per token) and the LM head a classifier.
-    "vocab": "adamw",
-    # The router's output layer (R x (E+1)) is the router's classifier head, the analogue of the LM
-    # head; its E+1 columns are few, so orthogonalising would give every class logit an equal-norm
-    # update regardless of its gradient, fighting the balancing biases that steer the same logits.
-    "router_classes": "adamw",
-    # CCA's two-stage q/k convolution: taps x channels / per-head d x d blocks over time, not a
-    # projection between hidden widths.
-    "conv": "adamw",
-    "qk": "adamw",
-    "qk_heads": "adamw",
-    "head_dim": "adamw",
-    # One key temperature per KV head.
-    "kv_heads": "adamw",
-}
+# One role per parameter axis name, from the registry (zaya_jax.model.axes, which says why).
+_AXIS_ROLES: dict[str, AxisRole] = {axis.name: axis.role for axis in AXES if axis.role is not None}
 # The router's hidden widths; ``router_group="adamw"`` moves matrices over them out of Muon.
 _ROUTER_AXES = frozenset({"router", "router_mlp"})
 
@@ -197,8 +169,3 @@ def describe_groups(model_cfg: ModelConfig, router_group: Group = "muon") -> dic
             "shape": list(shape.shape),
         }
     return out
-
-
-def group_table() -> Mapping[str, AxisRole]:
-    """The logical-axis role table the groups derive from (read-only view, for docs and inspect)."""
-    return dict(_AXIS_ROLES)

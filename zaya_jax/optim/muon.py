@@ -29,11 +29,11 @@ import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
+from zaya_jax.config import NS_COEFFS
 from zaya_jax.ops.newton_schulz import newton_schulz_iterations
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
-DEFAULT_NS_COEFFS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
-"""Keller Jordan's quintic coefficients (a, b, c): f(X) = a X + b (X X^T) X + c (X X^T)^2 X."""
+DEFAULT_NS_COEFFS = NS_COEFFS  # Keller Jordan's quintic (a, b, c), zaya_jax.config.NS_COEFFS
 
 NS_EPS = 1e-8
 """Added to the Frobenius norm before dividing by it (optax's default ``eps``)."""

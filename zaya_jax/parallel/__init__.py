@@ -4,8 +4,8 @@ batches (``zaya_jax.parallel.rules``, ``zaya_jax.parallel.mesh``)."""
 from zaya_jax.parallel.layout import Layout, make_layout
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, mesh_sizes, put_batch, replicated
 from zaya_jax.parallel.rules import (
-    BATCH_AXES,
     DEFAULT_RULES,
+    batch_spec,
     logical_rules,
     logical_to_spec,
     matching_shardings,
@@ -13,10 +13,10 @@ from zaya_jax.parallel.rules import (
 )
 
 __all__ = [
-    "BATCH_AXES",
     "DEFAULT_RULES",
     "Layout",
     "batch_sharding",
+    "batch_spec",
     "logical_rules",
     "logical_to_spec",
     "make_layout",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from zaya_jax.model.experts import sorted_experts
 from zaya_jax.ops.platform import planning_gpu_on_cpu, planning_target
-from zaya_jax.parallel.rules import BATCH_AXES
+from zaya_jax.parallel.rules import DEFAULT_RULES, batch_spec
 
 
 def pair_capacity(tokens: int, devices: int, capacity_factor: float) -> int:
@@ -200,7 +201,12 @@ def resolve_exchange(mesh: Mesh, exchange: str) -> str:
     return "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
 
 
-def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0, exchange: str = "auto") -> Any:
+def expert_dispatch(
+    mesh: Mesh,
+    capacity_factor: float = 0.0,
+    exchange: str = "auto",
+    rules: Sequence[tuple[str, Any]] = DEFAULT_RULES,
+) -> Any:
     """The ``moe_dispatch`` hook for :class:`zaya_jax.model.Zaya` on ``mesh``:
     ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global.
     ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated), ``planned`` (its memory
@@ -213,8 +219,7 @@ def expert_dispatch(mesh: Mesh, capacity_factor: float = 0.0, exchange: str = "a
         local_moe = functools.partial(_local_moe_ragged, exchange=exchange)
     else:
         raise ValueError(f"unknown expert exchange {exchange!r}; use auto, padded, ragged or emulated")
-    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
-    seq = "context" if mesh.shape["context"] > 1 else None
+    rows, seq = batch_spec(mesh, rules)
     tokens = PartitionSpec(rows, seq, None)
     per_token = PartitionSpec(rows, seq)
     experts = PartitionSpec("expert", None, None)

@@ -9,11 +9,12 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config
+from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.parallel.expert import expert_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.ring import ContextParallel
-from zaya_jax.parallel.rules import BATCH_AXES, logical_rules, matching_shardings, variable_shardings
+from zaya_jax.parallel.rules import batch_spec, logical_rules, matching_shardings, variable_shardings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,25 +26,16 @@ class Layout:
     variables: dict[str, Any]
     batch: NamedSharding
     replicated: NamedSharding
-    moe_dispatch: Any = None  # expert parallelism when the expert axis is > 1
-    context: Any = None  # ring attention and conv halos when the context axis is > 1
-    residual_norm: Any = None  # the fused-norm kernel per device when model.kernels == "custom"
-
-    @property
-    def hooks(self) -> dict[str, Any]:
-        """Keyword arguments for ``Zaya``."""
-        return {
-            "moe_dispatch": self.moe_dispatch,
-            "context": self.context,
-            "residual_norm": self.residual_norm,
-        }
+    # Expert parallelism when the expert axis is > 1, ring attention and conv halos when the
+    # context axis is > 1, the fused-norm kernel per device when model.kernels == "custom".
+    hooks: ModelHooks = SINGLE_DEVICE
 
     @property
     def step_hooks(self) -> dict[str, Any]:
         """Keyword arguments for ``make_train_step`` / ``make_eval_step``: the model's hooks and the
         mesh and rules under which the step is traced, so that logical sharding constraints on
         activations (the residual stream, the loss's vocabulary split) take effect."""
-        return {**self.hooks, "axis_rules": (self.mesh, self.rules)}
+        return {"hooks": self.hooks, "axis_rules": (self.mesh, self.rules)}
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
@@ -66,21 +58,24 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
     dispatch = (
-        expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, cfg.mesh.expert_exchange)
+        expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, cfg.mesh.expert_exchange, rules)
         if mesh.shape["expert"] > 1
         else None
     )
-    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1) or None
-    seq = "context" if mesh.shape["context"] > 1 else None
+    rows, seq = batch_spec(mesh, rules)
     return Layout(
         mesh,
         rules,
         variable_shardings(cfg.model, mesh, rules),
-        batch_sharding(mesh),
+        batch_sharding(mesh, rules),
         replicated(mesh),
-        dispatch,
-        ContextParallel(mesh, rows, block=cfg.model.attention_block) if mesh.shape["context"] > 1 else None,
-        sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
-        if cfg.model.kernels == "custom" and mesh.size > 1
-        else None,
+        ModelHooks(
+            moe_dispatch=dispatch,
+            context=ContextParallel(mesh, rows, block=cfg.model.attention_block)
+            if mesh.shape["context"] > 1
+            else None,
+            residual_norm=sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
+            if cfg.model.kernels == "custom" and mesh.size > 1
+            else None,
+        ),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -11,7 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import MESH_AXES, Config, ConfigError, MeshConfig
-from zaya_jax.parallel.rules import BATCH_AXES
+from zaya_jax.parallel.rules import DEFAULT_RULES, batch_spec
 
 
 def mesh_sizes(mesh_cfg: MeshConfig, device_count: int) -> dict[str, int]:
@@ -64,11 +65,10 @@ def make_mesh(cfg: Config, devices: Any | None = None) -> Mesh:
     return Mesh(array, MESH_AXES)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """(batch, seq) arrays: rows over data x fsdp x expert, the sequence over context."""
-    rows = tuple(a for a in BATCH_AXES if mesh.shape[a] > 1)
-    seq = "context" if mesh.shape["context"] > 1 else None
-    return NamedSharding(mesh, PartitionSpec(rows or None, seq))
+def batch_sharding(mesh: Mesh, rules: Sequence[tuple[str, Any]] = DEFAULT_RULES) -> NamedSharding:
+    """(batch, seq) arrays: by default rows over data x fsdp x expert, the sequence over context
+    (:func:`~zaya_jax.parallel.rules.batch_spec`)."""
+    return NamedSharding(mesh, batch_spec(mesh, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

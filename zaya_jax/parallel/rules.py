@@ -1,15 +1,10 @@
 """The logical-axis rules table: which mesh axes split each logical axis name.
 
 Model code names every parameter axis (``zaya_jax.model.layers``) and knows nothing of meshes;
-this table alone decides the layout. Defaults:
-
-* ``embed`` (the residual width H of every weight) -> ``fsdp``: parameters and their optimizer
-  state are sharded over the FSDP axis and gathered by XLA where used;
-* ``experts`` -> ``expert``: each expert-axis shard holds E / |expert| experts;
-* ``batch`` -> (``data``, ``fsdp``, ``expert``) and ``seq`` -> ``context`` for activations;
-* ``vocab_parallel`` -> ``fsdp``: the loss computes each chunk's logits split over the vocabulary
-  (the head is resharded from its stored residual-width split once per step);
-* everything else is replicated.
+this table alone decides the layout. The defaults come from the registry of logical axes
+(``zaya_jax.model.axes``): ``embed`` over ``fsdp``, ``experts`` over ``expert``, ``batch`` over
+(``data``, ``fsdp``, ``expert``), ``seq`` over ``context``, ``vocab_parallel`` over ``fsdp``, the rest
+replicated.
 
 ``mesh.rules`` in the config overrides entries, e.g. ``{name: vocab, mesh: [fsdp]}``.
 """
@@ -23,37 +18,23 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zaya_jax.config import MeshConfig, ModelConfig
+from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
 from zaya_jax.model import Zaya
+from zaya_jax.model.axes import AXES, BATCH_AXES
 
-BATCH_AXES = ("data", "fsdp", "expert")
-
-DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", BATCH_AXES),
-    ("seq", ("context",)),
-    ("embed", ("fsdp",)),
-    ("experts", ("expert",)),
-    ("vocab", ()),
-    # The LM head inside the chunked loss (not a parameter axis): logits split over the vocabulary.
-    ("vocab_parallel", ("fsdp",)),
-    ("heads", ()),
-    ("kv", ()),
-    ("kv_heads", ()),
-    ("qk", ()),
-    ("qk_heads", ()),
-    ("head_dim", ()),
-    ("conv", ()),
-    ("router", ()),
-    ("router_classes", ()),
-    ("expert_mlp", ()),
-    ("layers", ()),
-)
+# The default table, from the registry (zaya_jax.model.axes): logical name -> mesh axes.
+DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple((axis.name, axis.mesh) for axis in AXES)
 
 
 def logical_rules(mesh_cfg: MeshConfig) -> tuple[tuple[str, Any], ...]:
     """The default table with ``mesh_cfg.rules`` applied, in Flax's ``(name, mesh axes)`` form."""
     table = dict(DEFAULT_RULES)
     for rule in mesh_cfg.rules:
+        if rule.name not in table:
+            raise ConfigError(
+                f"mesh.rules names the logical axis {rule.name!r}, which the model does not have; use one of "
+                f"{sorted(table)} (zaya_jax.model.axes)"
+            )
         table[rule.name] = tuple(rule.mesh)
     return tuple((name, axes if axes else None) for name, axes in table.items())
 
@@ -69,6 +50,12 @@ def logical_to_spec(
         axes = tuple(a for a in (axes or ()) if mesh.shape[a] > 1)
         spec.append(axes if len(axes) > 1 else (axes[0] if axes else None))
     return PartitionSpec(*spec)
+
+
+def batch_spec(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> PartitionSpec:
+    """The PartitionSpec of a (batch, seq) array: its logical axes ``batch`` and ``seq`` under
+    ``rules`` (by default rows over data x fsdp x expert, positions over context)."""
+    return logical_to_spec(BATCH_AXES, rules, mesh)
 
 
 def variable_shardings(
@@ -120,8 +107,8 @@ def matching_shardings(tree: Any, params: Any, param_shardings: Any, mesh: Mesh)
 
 
 __all__ = [
-    "BATCH_AXES",
     "DEFAULT_RULES",
+    "batch_spec",
     "logical_rules",
     "logical_to_spec",
     "matching_shardings",

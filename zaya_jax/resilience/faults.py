@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from zaya_jax.config import DebugConfig
-from zaya_jax.resilience.watchdog import write_atomic
+from zaya_jax.files import write_atomic
 
 FIRED = "faults_fired.json"
 

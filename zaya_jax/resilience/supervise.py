@@ -23,21 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from zaya_jax.files import append_event
 from zaya_jax.resilience.watchdog import EXIT_HANG, HEARTBEAT
 
 EXIT_USAGE = 2  # argparse and configuration errors: restarting cannot help
-
-
-def run_dir_of(child: list[str]) -> Path:
-    """The run directory a ``zaya train`` command line writes to (its config resolved the way the
-    trainer resolves it)."""
-    from zaya_jax.cli import build_parser
-    from zaya_jax.config import load_config
-
-    if "train" not in child:
-        raise ValueError(f"cannot tell the run directory of {' '.join(child)!r}: pass --run-dir")
-    args = build_parser().parse_args(child[child.index("train") :])
-    return load_config(args.config, args.overrides).run.path
 
 
 class Supervisor:
@@ -61,15 +50,7 @@ class Supervisor:
         self.stopping: str | None = None
 
     def event(self, name: str, **detail: Any) -> None:
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        line = {
-            "time": time.time(),
-            "event": name,
-            "step": None,
-            "detail": {"source": "supervisor", **detail},
-        }
-        with (self.run_dir / "events.jsonl").open("a") as f:
-            f.write(json.dumps(line) + "\n")
+        append_event(self.run_dir, name, None, {"source": "supervisor", **detail})
         print(f"zaya supervise: {name} {json.dumps(detail)}", file=sys.stderr, flush=True)
 
     def _forward(self, signum: int, frame: Any) -> None:
@@ -149,25 +130,10 @@ def _describe(code: int) -> str:
     return f"exit code {code}"
 
 
-def main(args: Any) -> int:
-    child = list(args.command)
-    if child and child[0] == "--":
-        child = child[1:]
-    if not child:
-        raise ValueError(
-            "nothing to supervise: give the command after --, e.g. zaya supervise -- zaya train ..."
-        )
-    if child[0] == "zaya":  # the same installation as this supervisor, whatever PATH says
+def supervise_command(child: list[str], run_dir: Path, **options: Any) -> int:
+    """Run ``child`` under a :class:`Supervisor` writing to ``run_dir``; its exit code. A leading
+    ``zaya`` runs this very installation (``python -m zaya_jax.cli``), whatever PATH says."""
+    if child and child[0] == "zaya":
         child = [sys.executable, "-m", "zaya_jax.cli", *child[1:]]
-    run_dir = Path(args.run_dir) if args.run_dir else run_dir_of(child)
-    supervisor = Supervisor(
-        child,
-        run_dir,
-        max_restarts=args.max_restarts,
-        window_s=args.window,
-        backoff_s=args.backoff,
-        max_backoff_s=args.max_backoff,
-        heartbeat_timeout_s=args.heartbeat_timeout,
-    )
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    return supervisor.run()
+    return Supervisor(child, run_dir, **options).run()

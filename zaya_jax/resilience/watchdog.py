@@ -11,15 +11,11 @@ import threading
 import time
 from pathlib import Path
 
+from zaya_jax.files import append_event, write_atomic
+
 EXIT_HANG = 75  # the trainer made no progress for resilience.hang_timeout_s
 HEARTBEAT = "heartbeat.json"
 HANG_STACKS = "hang_stacks.txt"
-
-
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
 
 
 class Watchdog:
@@ -49,7 +45,7 @@ class Watchdog:
         self.last, self.step, self.phase = time.monotonic(), step, phase
         if self.enabled:
             record = {"time": time.time(), "step": step, "phase": phase, "pid": os.getpid()}
-            write_atomic(self.run_dir / HEARTBEAT, json.dumps(record))
+            write_atomic(self.run_dir / HEARTBEAT, json.dumps(record), durable=False)
 
     def limit(self) -> float:
         return self.slow_timeout_s if self.phase in self.SLOW_PHASES else self.timeout_s
@@ -72,14 +68,7 @@ class Watchdog:
                 f.write(message + "\n")
                 f.flush()
                 faulthandler.dump_traceback(file=f, all_threads=True)
-            event = {
-                "time": time.time(),
-                "event": "hang",
-                "step": self.step,
-                "detail": {"phase": self.phase, "idle_s": idle},
-            }
-            with (self.run_dir / "events.jsonl").open("a") as f:
-                f.write(json.dumps(event) + "\n")
+            append_event(self.run_dir, "hang", self.step, {"phase": self.phase, "idle_s": idle})
         os._exit(EXIT_HANG)
 
     def close(self) -> None:

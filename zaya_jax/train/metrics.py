@@ -1,15 +1,42 @@
-"""Where training metrics go: ``metrics.jsonl`` (one JSON object per line, each with ``step``),
-TensorBoard event files (``tb/``), ``events.jsonl`` for run events, and a progress bar."""
+"""Where training metrics go: trackers (``metrics.jsonl``, TensorBoard), ``events.jsonl`` for run
+events, and a progress bar; and how a step's outputs become one metrics record.
+
+A tracker is anything with ``log(step, record)``, ``rewind(step)`` and ``close()``
+(:class:`Tracker`); :class:`MetricsWriter` sends every record to each of them.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import jax
+import numpy as np
 from tqdm import tqdm
+
+from zaya_jax.config import Config, to_dict
+from zaya_jax.files import EVENTS, event_line, filter_jsonl
+
+# Step outputs that steer the loop (the loss guard), not metrics of the run.
+CONTROL_KEYS = ("skipped", "nonfinite")
+
+
+def metric_record(step: int, metrics: dict[str, Any], **host: Any) -> dict[str, Any]:
+    """One ``metrics.jsonl`` record: every output of the jitted step under its own name, then the
+    host-side fields ``host``; arrays become floats (scalars) or lists rounded to 4 decimals."""
+    fields = {k: v for k, v in jax.device_get({**metrics, **host}).items() if k not in CONTROL_KEYS}
+    return {"step": step, **{name: _python(value) for name, value in fields.items()}}
+
+
+def _python(value: Any) -> Any:
+    if not isinstance(value, np.ndarray | np.generic):
+        return value
+    value = np.asarray(value)
+    return value.item() if value.ndim == 0 else [round(float(x), 4) for x in value.reshape(-1)]
 
 
 def _jsonable(value: Any) -> Any:
@@ -18,46 +45,90 @@ def _jsonable(value: Any) -> Any:
     return value
 
 
-class MetricsWriter:
-    """Append-only metric sinks of one run directory. Lines are flushed as written, so a crash
-    loses nothing already logged."""
+class Tracker(Protocol):
+    def log(self, step: int, record: dict[str, Any]) -> None: ...
 
-    def __init__(self, run_dir: str | Path, progress_total: int | None = None, enabled: bool = True):
+    def rewind(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """``metrics.jsonl``: flushed line by line, so a crash loses nothing already logged."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a")
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines after ``step`` (a rollback re-runs those step numbers), atomically."""
+        self._file.close()
+        filter_jsonl(self.path, lambda record: record["step"] <= step)
+        self._file = self.path.open("a")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class TensorBoardTracker:
+    """TensorBoard scalars under the record's names (a vector ``v`` as ``v/0``, ``v/1``, ...)."""
+
+    def __init__(self, directory: Path):
         from tensorboardX import SummaryWriter
 
-        self.enabled = enabled  # False on every process but the first of a multi-process run
-        self.run_dir = Path(run_dir)
-        self._step = 0
-        if not enabled:
-            return
-        self._metrics = (self.run_dir / "metrics.jsonl").open("a")
-        self._events = (self.run_dir / "events.jsonl").open("a")
-        self._tb = SummaryWriter(str(self.run_dir / "tb"))
-        self._bar = tqdm(total=progress_total, unit="step", dynamic_ncols=True) if progress_total else None
+        self._tb = SummaryWriter(str(directory))
 
-    def write(self, record: dict[str, Any]) -> None:
-        """One metrics line; numeric fields also go to TensorBoard under their names."""
-        if not self.enabled:
-            return
-        clean = {k: _jsonable(v) for k, v in record.items()}
-        self._metrics.write(json.dumps(clean) + "\n")
-        self._metrics.flush()
-        step = int(record["step"])
-        self._step = step
-        for key, value in clean.items():
-            if key != "step" and isinstance(value, int | float) and value is not None:
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        for key, value in record.items():
+            if key == "step" or value is None:
+                continue
+            if isinstance(value, int | float):
                 self._tb.add_scalar(key, value, step)
             elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
                 for i, v in enumerate(value):
                     self._tb.add_scalar(f"{key}/{i}", v, step)
 
-    def event(self, detail: dict[str, Any]) -> None:
-        """A run event in ``events.jsonl``: ``{"time", "event", "step", "detail"}``."""
+    def rewind(self, step: int) -> None:
+        pass  # TensorBoard keeps the old points; the repeated steps are written again
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class MetricsWriter:
+    """The metric and event sinks of one run directory; a no-op on every process but the first."""
+
+    def __init__(self, run_dir: str | Path, progress_total: int | None = None, enabled: bool = True):
+        self.enabled = enabled
+        self.run_dir = Path(run_dir)
+        self._step = 0
+        if not enabled:
+            return
+        self.trackers: list[Tracker] = [
+            JsonlTracker(self.run_dir / "metrics.jsonl"),
+            TensorBoardTracker(self.run_dir / "tb"),
+        ]
+        self._events = (self.run_dir / EVENTS).open("a")
+        self._bar = tqdm(total=progress_total, unit="step", dynamic_ncols=True) if progress_total else None
+
+    def write(self, record: dict[str, Any]) -> None:
+        """One metrics record (with its ``step``) to every tracker."""
         if not self.enabled:
             return
-        detail = dict(detail)
-        line = {"time": time.time(), "event": detail.pop("event"), "step": self._step, "detail": detail}
-        self._events.write(json.dumps(line, default=str) + "\n")
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        self._step = int(record["step"])
+        for tracker in self.trackers:
+            tracker.log(self._step, clean)
+
+    def event(self, name: str, /, **detail: Any) -> None:
+        """A run event in ``events.jsonl``: ``{"time", "event": name, "step", "detail"}``."""
+        if not self.enabled:
+            return
+        self._events.write(event_line(name, self._step, detail))
         self._events.flush()
 
     def advance(self, last: dict[str, Any]) -> None:
@@ -70,26 +141,57 @@ class MetricsWriter:
             )
 
     def rewind(self, step: int) -> None:
-        """Drop metric lines after ``step`` (a rollback re-runs those step numbers), atomically."""
         if not self.enabled:
             return
-        self._metrics.close()
-        path = self.run_dir / "metrics.jsonl"
-        kept = [
-            line
-            for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line)["step"] <= step
-        ]
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        tmp.replace(path)
-        self._metrics = path.open("a")
+        for tracker in self.trackers:
+            tracker.rewind(step)
 
     def close(self) -> None:
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
-        self._tb.close()
-        self._metrics.close()
+        for tracker in self.trackers:
+            tracker.close()
         self._events.close()
+
+
+def start_event(writer: MetricsWriter, cfg: Config, layout: Any, peak: float, peak_source: str) -> None:
+    """The run's ``start`` event: peak FLOPs and their source, devices, mesh, XLA flags, runtime."""
+    writer.event(
+        "start",
+        peak_flops=peak,
+        peak_source=peak_source,
+        devices=jax.device_count(),
+        mesh=layout.describe(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        runtime=to_dict(cfg.runtime),
+    )
+
+
+class Throughput:
+    """Tokens, model FLOPs and data-wait time since the last logged record."""
+
+    def __init__(self, peak_flops: float):
+        self.peak = peak_flops
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens, self.flops, self.data_wait = 0, 0.0, 0.0
+        self.start = time.perf_counter()
+
+    def add(self, tokens: int, flops: float) -> None:
+        self.tokens += tokens
+        self.flops += flops
+
+    def pause(self, seconds: float) -> None:
+        """Leave ``seconds`` (an evaluation) out of the interval: tokens/s counts training only."""
+        self.start += seconds
+
+    def fields(self) -> dict[str, Any]:
+        elapsed = time.perf_counter() - self.start
+        return {
+            "tokens_per_s": self.tokens / elapsed,
+            "mfu": self.flops / elapsed / self.peak if math.isfinite(self.peak) else None,
+            "data_wait_s": self.data_wait,
+        }

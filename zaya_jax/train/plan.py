@@ -18,11 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import Config
-from zaya_jax.model import param_counts
+from zaya_jax.data import BATCH_FIELDS
+from zaya_jax.model import init_variables, param_counts
 from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.parallel.layout import make_layout
-from zaya_jax.train.step import BATCH_KEYS, init_train_state, make_train_step
+from zaya_jax.parallel import make_layout
+from zaya_jax.train.step import init_train_state, make_train_step
 
 
 def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> list[str]:
@@ -67,22 +68,15 @@ def _compile_plan(cfg: Config, target: Target) -> dict[str, Any]:
     groups = model_param_groups(cfg.model, cfg.optim.router_group)
     tx = build_optimizer(cfg.optim, groups, cfg.train.steps, shardings=layout.variables["params"])
 
-    def init(key: jax.Array) -> Any:
-        import flax.linen as nn
-
-        from zaya_jax.model import Zaya
-
-        return init_train_state(nn.unbox(Zaya(cfg.model).init(key, jnp.zeros((1, 1), jnp.int32))), tx)
-
-    abstract = jax.eval_shape(init, jax.random.key(0))
+    abstract = jax.eval_shape(
+        lambda key: init_train_state(init_variables(cfg.model, key), tx), jax.random.key(0)
+    )
     shardings = layout.state_shardings(abstract)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
     rows, seq = cfg.train.batch_size, cfg.train.seq_len
     batch = {
-        key: jax.ShapeDtypeStruct(
-            (rows, seq), jnp.float32 if key == "loss_mask" else jnp.int32, sharding=layout.batch
-        )
-        for key in BATCH_KEYS
+        key: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=layout.batch)
+        for key, dtype in BATCH_FIELDS.items()
     }
     lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
     step = jax.jit(

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from zaya_jax.config import load_config
-from zaya_jax.parallel.plan import gemm_tile_warnings
+from zaya_jax.train.plan import gemm_tile_warnings
 
 
 def _plan(*overrides: str, target: str | None = None) -> dict:

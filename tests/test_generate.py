@@ -14,7 +14,7 @@ import pytest
 import zaya_jax
 from tests.random_model import random_variables, tiny_config
 from zaya_jax.cli import main
-from zaya_jax.eval.generate import filter_logits, generate, left_pad
+from zaya_jax.generate import filter_logits, generate, left_pad
 from zaya_jax.model import Zaya, init_cache
 
 

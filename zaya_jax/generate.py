@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import Zaya, init_cache
+from zaya_jax.model.hooks import ModelHooks
 from zaya_jax.parallel.tree import tree_attention
 
 
@@ -88,7 +89,7 @@ def _generate_fn(
     stop_tokens: tuple[int, ...],
     mesh: Mesh | None = None,
 ):
-    model = Zaya(cfg, attention=tree_attention(mesh) if mesh is not None else None)
+    model = Zaya(cfg, ModelHooks(attention=tree_attention(mesh) if mesh is not None else None))
 
     def choose(logits, key, temperature, top_p, vocab_limit):
         logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)

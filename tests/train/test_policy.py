@@ -1,0 +1,61 @@
+"""The driver's pure parts: the step-outcome policy and the generic metrics record."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.config import ResilienceConfig
+from zaya_jax.train.metrics import metric_record
+from zaya_jax.train.policy import Action, Outcome, decide
+
+
+def _outcome(skipped: bool, nonfinite: bool = False) -> Outcome:
+    return Outcome(
+        step=7, loss=float("nan") if nonfinite else 9.0, skipped=skipped, nonfinite=nonfinite, limit=3.0
+    )
+
+
+def test_policy_maps_each_outcome_to_its_configured_action():
+    skip = ResilienceConfig(on_nonfinite="skip", on_spike="skip")
+    assert decide(_outcome(False), skip, 0).action is Action.ACCEPT
+    assert decide(_outcome(True, nonfinite=True), skip, 0).action is Action.SKIP
+    assert decide(_outcome(True), skip, 0).action is Action.SKIP
+
+    rollback = ResilienceConfig(on_nonfinite="rollback", on_spike="rollback", max_rollbacks=2)
+    assert decide(_outcome(True, nonfinite=True), rollback, 1).action is Action.ROLLBACK
+    assert decide(_outcome(True), rollback, 1).action is Action.ROLLBACK
+    too_many = decide(_outcome(True, nonfinite=True), rollback, 2)
+    assert too_many.action is Action.STOP and "resilience.max_rollbacks" in too_many.message
+
+    stop = decide(_outcome(True, nonfinite=True), ResilienceConfig(on_nonfinite="stop"), 0)
+    assert stop.action is Action.STOP and "step 7" in stop.message and "on_nonfinite=stop" in stop.message
+    # a spike under on_spike=skip is skipped even when non-finite losses would stop the run
+    assert (
+        decide(_outcome(True), ResilienceConfig(on_nonfinite="stop", on_spike="skip"), 0).action
+        is Action.SKIP
+    )
+
+
+def test_outcome_reads_the_steps_guard_metrics():
+    metrics = {"skipped": jnp.float32(1.0), "nonfinite": jnp.float32(0.0), "loss": jnp.float32(5.5)}
+    outcome = Outcome.of(3, metrics, 4.0)
+    assert (outcome.skipped, outcome.nonfinite, outcome.loss, outcome.reason) == (True, False, 5.5, "spike")
+
+
+def test_metric_record_names_every_step_output_and_converts_arrays():
+    metrics = {
+        "loss": jnp.float32(2.5),
+        "expert_load": jnp.asarray([0.123456, 0.876544]),
+        "skipped": jnp.float32(0.0),  # steers the loop; not a metric of the run
+        "nonfinite": jnp.float32(0.0),
+    }
+    record = metric_record(4, metrics, lr=np.float32(1e-3), tokens_seen=128)
+    assert record == {
+        "step": 4,
+        "loss": 2.5,
+        "expert_load": [0.1235, 0.8765],
+        "lr": np.float32(1e-3).item(),
+        "tokens_seen": 128,
+    }
+    assert all(type(v) in (int, float, list) for v in record.values())

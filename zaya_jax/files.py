@@ -1,0 +1,91 @@
+"""Durable files: the one atomic write, the one ``events.jsonl`` line writer and the one sha256.
+
+The bottom layer of the package (standard library only), so the config, data, interop, resilience
+and training code all write files the same way: a reader never sees half a file, and a crash right
+after a write returns never loses it (the file and its directory entry are fsynced).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+EVENTS = "events.jsonl"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # a directory that cannot be opened (some platforms); the rename stands
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path, mode: str = "w", *, durable: bool = True) -> Iterator[IO[Any]]:
+    """Open ``path.tmp`` for writing; on a clean exit flush, fsync (unless ``durable=False``: a
+    file rewritten every step, such as the heartbeat) and rename it over ``path``, then fsync the
+    directory. On an exception the temporary file is removed and ``path`` is left as it was."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with tmp.open(mode) as f:
+            yield f
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    if durable:
+        _fsync_dir(path.parent)
+
+
+def write_atomic(path: str | Path, data: str | bytes, *, durable: bool = True) -> Path:
+    """Replace ``path`` by ``data`` atomically (and durably; see :func:`atomic_file`)."""
+    with atomic_file(path, "wb" if isinstance(data, bytes) else "w", durable=durable) as f:
+        f.write(data)
+    return Path(path)
+
+
+def filter_jsonl(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> None:
+    """Keep only the lines of a JSON-lines file for which ``keep(record)`` holds, atomically."""
+    path = Path(path)
+    if not path.is_file():
+        return
+    kept = [line for line in path.read_text().splitlines() if line.strip() and keep(json.loads(line))]
+    write_atomic(path, "".join(line + "\n" for line in kept))
+
+
+def event_line(name: str, step: int | None, detail: dict[str, Any]) -> str:
+    """One ``events.jsonl`` line: ``{"time", "event", "step", "detail"}``."""
+    line = {"time": time.time(), "event": name, "step": step, "detail": detail}
+    return json.dumps(line, default=str) + "\n"
+
+
+def append_event(run_dir: str | Path, name: str, step: int | None, detail: dict[str, Any]) -> None:
+    """Append one event to ``<run_dir>/events.jsonl`` (opened and closed: for rare writers such as
+    the supervisor and the hang watchdog; the trainer keeps the file open)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with (run_dir / EVENTS).open("a") as f:
+        f.write(event_line(name, step, detail))
+
+
+def sha256_file(path: str | Path) -> str:
+    """Hex sha256 of a file's bytes, read in 4 MiB pieces."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

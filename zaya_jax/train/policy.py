@@ -1,0 +1,74 @@
+"""What the loop does after a step: accept it, skip it, roll back to the last checkpoint, or stop.
+
+A pure function of the step's outcome, the ``resilience.*`` settings and the rollbacks so far, so
+the loop acts on a returned :class:`Decision` and no state changes hands through closures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import jax
+
+from zaya_jax.config import ResilienceConfig
+
+
+class Action(enum.Enum):
+    ACCEPT = "accept"  # the update stands
+    SKIP = "skip"  # the step kept its previous state (the jitted step already did so)
+    ROLLBACK = "rollback"  # restore the last checkpoint; the data stream goes on
+    STOP = "stop"  # raise NonFiniteLossError
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What one step reported: its loss, whether its update was kept and why not."""
+
+    step: int
+    loss: float
+    skipped: bool
+    nonfinite: bool
+    limit: float  # the loss limit the step ran under
+
+    @classmethod
+    def of(cls, step: int, metrics: dict[str, Any], limit: float) -> Outcome:
+        skipped, nonfinite, loss = (float(x) for x in jax.device_get(
+            (metrics["skipped"], metrics["nonfinite"], metrics["loss"])
+        ))  # fmt: skip
+        return cls(step, loss, bool(skipped), bool(nonfinite), limit)
+
+    @property
+    def reason(self) -> str:
+        return "nonfinite" if self.nonfinite else "spike"
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    action: Action
+    message: str = ""  # for STOP: the error to raise
+
+
+def decide(outcome: Outcome, cfg: ResilienceConfig, rollbacks: int) -> Decision:
+    """The action for ``outcome`` under ``cfg`` (``on_nonfinite``, ``on_spike``, ``max_rollbacks``),
+    ``rollbacks`` having been made already in this run."""
+    if not outcome.skipped:
+        return Decision(Action.ACCEPT)
+    setting = cfg.on_nonfinite if outcome.nonfinite else cfg.on_spike
+    if setting == "stop":
+        return Decision(
+            Action.STOP,
+            f"step {outcome.step}: non-finite loss or gradients (loss {outcome.loss}); "
+            "resilience.on_nonfinite=stop. Resume from the last checkpoint, or set "
+            "resilience.on_nonfinite=skip or rollback",
+        )
+    if setting == "rollback":
+        if rollbacks >= cfg.max_rollbacks:
+            return Decision(
+                Action.STOP,
+                f"step {outcome.step}: {outcome.reason}, and {cfg.max_rollbacks} rollbacks already "
+                "(resilience.max_rollbacks); the data or the settings keep producing bad steps",
+            )
+        return Decision(Action.ROLLBACK)
+    return Decision(Action.SKIP)

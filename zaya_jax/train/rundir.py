@@ -1,0 +1,109 @@
+"""A run directory: its file names, and how ``zaya train`` may use it (start, resume, refuse).
+
+Layout::
+
+    <run>/config.yaml      the resolved config of the run
+    <run>/checkpoints/     Orbax checkpoints (zaya_jax.checkpoint)
+    <run>/metrics.jsonl    one JSON object per logged step (and per evaluation)
+    <run>/events.jsonl     run events: start, resume, skip, rollback, stop, end, supervisor lines
+    <run>/summary.json     the summary of the last completed ``zaya train``
+    <run>/tb/              TensorBoard event files
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from zaya_jax import checkpoint
+from zaya_jax.config import Config, ConfigError, load_config, save_config
+from zaya_jax.files import EVENTS, filter_jsonl, write_atomic
+
+
+@dataclasses.dataclass(frozen=True)
+class RunDir:
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / "config.yaml"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / checkpoint.CHECKPOINTS
+
+    @property
+    def metrics(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def events(self) -> Path:
+        return self.path / EVENTS
+
+    @property
+    def summary(self) -> Path:
+        return self.path / "summary.json"
+
+    def has_training_checkpoint(self) -> bool:
+        return self.checkpoints.is_dir() and any((p / "train").is_dir() for p in self.checkpoints.iterdir())
+
+    def has_any_checkpoint(self) -> bool:
+        return self.checkpoints.is_dir() and any(p.name.isdigit() for p in self.checkpoints.iterdir())
+
+    def truncate_metrics(self, step: int) -> None:
+        """Drop metric lines logged after ``step`` (the steps a resumed or rolled-back run repeats)."""
+        filter_jsonl(self.metrics, lambda record: record["step"] <= step)
+
+    def write_summary(self, summary: dict) -> None:
+        write_atomic(self.summary, json.dumps(summary, indent=2))
+
+    @classmethod
+    def open(cls, cfg: Config) -> tuple[RunDir, bool]:
+        """The run directory of ``cfg`` prepared for training: (run, resuming). Decided by the first
+        process and followed by the others.
+
+        A directory holding training checkpoints is resumed (with the same ``model.*`` only); a run
+        of this very config that died before its first checkpoint is started again (its logs are
+        truncated); any other non-empty directory is refused, so nothing saved is overwritten."""
+        run = cls(cfg.run.path)
+        resuming = False
+        if jax.process_index() == 0:
+            resuming = run._prepare(cfg)
+        if jax.process_count() > 1:
+            resuming = bool(multihost_utils.broadcast_one_to_all(np.int32(resuming)))
+        return run, resuming
+
+    def _prepare(self, cfg: Config) -> bool:
+        resuming = self.has_training_checkpoint()
+        if not resuming and self._crashed_before_first_checkpoint(cfg):
+            self.truncate_metrics(0)  # its logged steps are re-run from scratch
+            return False
+        # events.jsonl alone is a supervisor's log from before the trainer's first start
+        if not resuming and self.path.exists() and any(p.name != EVENTS for p in self.path.iterdir()):
+            raise FileExistsError(
+                f"run directory {self.path} already holds a run without training checkpoints to resume "
+                "from; choose another run.name (or run.dir) or move the old run away"
+            )
+        if resuming and self.config.is_file() and load_config(self.config).model != cfg.model:
+            raise ConfigError(
+                f"{self.path} was trained with a different model config; resume with the same model.* "
+                "values (see its config.yaml) or choose another run.name"
+            )
+        self.path.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, self.config)
+        return resuming
+
+    def _crashed_before_first_checkpoint(self, cfg: Config) -> bool:
+        """A run of this very config that died before saving anything: only its logs are there, so
+        starting it again loses nothing (a supervisor restarting it must not be refused)."""
+        if not self.config.is_file() or self.has_any_checkpoint():
+            return False  # committed checkpoints (model-only ones included) are never started over
+        try:
+            return load_config(self.config) == cfg
+        except (ConfigError, ValueError):
+            return False

@@ -1,0 +1,117 @@
+"""What each step trains on: the batch ramp, the curriculum stages, and the producer that turns
+them into host batches (on the prefetch thread, ahead of training)."""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from zaya_jax.config import Config, ConfigError
+from zaya_jax.data import load_tokenizer, make_row_iterator, next_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+    """What one step trains on: ``batch_size`` rows of ``seq_len`` from curriculum ``stage``."""
+
+    batch_size: int
+    seq_len: int
+    stage: int
+    mixture: tuple[float, ...] | None
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def fields(self) -> dict[str, int]:
+        """The plan's fields in a metrics record."""
+        return {"batch_size": self.batch_size, "seq_len": self.seq_len, "stage": self.stage}
+
+
+def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
+    """The batch ramp and curriculum stage in force after ``tokens_seen`` training tokens."""
+    train = cfg.train
+    batch_size = train.batch_size
+    thresholds = [p.tokens for p in train.batch_ramp]
+    index = bisect.bisect_right(thresholds, tokens_seen) - 1
+    if index >= 0:
+        batch_size = train.batch_ramp[index].batch_size
+    if not train.stages:
+        return StepPlan(batch_size, train.seq_len, 0, None)
+    boundaries = np.cumsum([s.tokens for s in train.stages])
+    stage = min(int(np.searchsorted(boundaries, tokens_seen, side="right")), len(train.stages) - 1)
+    return StepPlan(batch_size, train.stages[stage].seq_len, stage, train.stages[stage].mixture)
+
+
+def checked_tokenizer(cfg: Config) -> Any:
+    """The run's tokenizer; a clear error when its ids do not fit the model's vocabulary."""
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but model.vocab_size={cfg.model.vocab_size}; "
+            f"set model.vocab_size >= {tokenizer.vocab_size}"
+        )
+    return tokenizer
+
+
+def final_batch_size(cfg: Config) -> int:
+    """The batch size at the end of the ramp (the one the learning rates are set for)."""
+    return cfg.train.batch_ramp[-1].batch_size if cfg.train.batch_ramp else cfg.train.batch_size
+
+
+class BatchProducer:
+    """Produces (plan, host batch, data state) step after step, following the batch ramp and
+    curriculum. The plan depends only on tokens already produced, so it is the same whether or not
+    batches are prefetched; the data state is the position after the batch (JSON-able)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.tokens_seen = 0
+        self.rows, self.stage = None, -1
+
+    def _open_stage(self, plan: StepPlan) -> None:
+        self.rows = make_row_iterator(
+            self.cfg.data,
+            self.tokenizer,
+            seq_len=plan.seq_len,
+            seed=self.cfg.train.seed + plan.stage,
+            mixture=plan.mixture,
+            process_index=jax.process_index(),
+            process_count=jax.process_count(),
+        )
+        self.stage = plan.stage
+
+    def get_state(self) -> dict[str, Any]:
+        """The data position after the last batch produced."""
+        rows = self.rows.get_state() if self.rows is not None else None
+        return {"tokens_seen": self.tokens_seen, "stage": self.stage, "rows": rows}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.tokens_seen = int(state["tokens_seen"])
+        self.rows, self.stage = None, -1
+        if state["rows"] is not None:
+            stage = int(state["stage"])
+            stages = self.cfg.train.stages
+            seq_len = stages[stage].seq_len if stages else self.cfg.train.seq_len
+            mixture = stages[stage].mixture if stages else None
+            self._open_stage(StepPlan(0, seq_len, stage, mixture))
+            self.rows.set_state(state["rows"])
+
+    def __call__(self) -> tuple[StepPlan, dict[str, np.ndarray], dict[str, Any]]:
+        plan = plan_for(self.cfg, self.tokens_seen)
+        if plan.stage != self.stage:  # a new curriculum stage: new sequence length and mixture
+            self._open_stage(plan)
+        self.tokens_seen += plan.tokens  # global tokens, all processes together
+        batch = next_batch(self.rows, plan.batch_size // jax.process_count())  # this process's rows
+        return plan, batch, self.get_state()
+
+
+def local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's share of a global host batch (all of it in a single-process run)."""
+    count, index = jax.process_count(), jax.process_index()
+    rows = next(iter(batch.values())).shape[0] // count
+    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}
