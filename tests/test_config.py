@@ -134,10 +134,9 @@ def test_zaya1_8b_preset_holds_every_hf_zaya_config_default():
     preset = load_config("zaya1-8b").model
     from_hf = hf_config_to_model(transformers.ZayaConfig().to_dict())
     ours_only = {"mod_skip_output", "moe_impl", "capacity_factor", "remat", "dtype", "param_dtype"}
+    hf_values = to_dict(from_hf)  # both as plain YAML values (tuples as lists)
     differing = {
-        k: (v, getattr(from_hf, k))
-        for k, v in to_dict(preset).items()
-        if k not in ours_only and getattr(from_hf, k) != v
+        k: (v, hf_values[k]) for k, v in to_dict(preset).items() if k not in ours_only and hf_values[k] != v
     }
     assert not differing
     assert ModelConfig() == dataclasses.replace(

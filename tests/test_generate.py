@@ -153,7 +153,7 @@ def test_generation_rejects_bad_requests_with_the_fix():
         generate(cfg, variables, [[4, cfg.vocab_size]])
 
 
-def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys):
+def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys, monkeypatch):
     from tests.train.test_loop import MINI
 
     run = tmp_path / "run"
@@ -173,3 +173,52 @@ def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys):
 
     assert main(["generate", str(run), "--prompt", "x", "--top-k", "-1"]) == 2
     assert "top_k must be >= 0" in capsys.readouterr().err
+
+    # --interactive: prompts from stdin, every one padded to the same width, so one compiled shape
+    import io
+
+    import zaya_jax.generate as generation
+
+    shapes, original = [], generation._generate_fn
+
+    def recording(*args, **kwargs):
+        fn = original(*args, **kwargs)
+        return lambda variables, ids, *rest: (shapes.append(ids.shape), fn(variables, ids, *rest))[1]
+
+    monkeypatch.setattr(generation, "_generate_fn", recording)
+    monkeypatch.setattr("sys.stdin", io.StringIO("def \nimport\n\n" + "y" * 40 + "\n"))
+    interactive = [
+        "generate",
+        str(run),
+        "--interactive",
+        "--max-prompt-tokens",
+        "16",
+        "--max-new-tokens",
+        "5",
+    ]
+    assert main([*interactive, "--stop", "999", "--json"]) == 0
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert [line["tokens"] for line in lines] == out.rows()  # the same continuations as the batch above
+    assert set(shapes) == {(1, 16)} and len(shapes) == 2  # the 40-token prompt was refused, not compiled
+    assert "more than --max-prompt-tokens=16" in captured.err
+
+
+def test_generation_stops_on_every_id_of_the_eos_list():
+    """HF's eos_token_id may be a list (ZAYA1-8B: [1, 106]); the converter keeps it whole and
+    generation stops on any of its ids by default."""
+    from zaya_jax.interop.hf import hf_config_to_model, model_to_hf_config
+
+    cfg = tiny_config()
+    variables = random_variables(cfg, 3)
+    free = generate(cfg, variables, [[5, 6, 7]], max_new_tokens=8, stop_tokens=[])
+    emitted = free.tokens[0].tolist()
+    first = emitted[2]  # an id it emits on its own, and another one (emitted later, if any)
+    second = next((t for t in emitted[3:] if t != first), (first + 1) % cfg.vocab_size)
+    hf = {**model_to_hf_config(cfg), "eos_token_id": [second, first]}
+    listed = hf_config_to_model(hf)
+    assert listed.eos_token_id == second and listed.stop_token_ids == (second, first)
+    assert model_to_hf_config(listed)["eos_token_id"] == [second, first]  # exported as the same list
+    out = generate(listed, variables, [[5, 6, 7]], max_new_tokens=8)
+    stop_at = min(i for i, t in enumerate(free.tokens[0].tolist()) if t in (first, second))
+    assert out.lengths[0] == stop_at + 1 and out.stopped[0]  # stopped at the first id of either kind

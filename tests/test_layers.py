@@ -17,8 +17,8 @@ LAYERS: list[set[str]] = [
     {"model"},
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
     {"train", "eval", "generate"},
-    {"lm"},
-    {"config_reference", "cli", "__main__", "__init__"},
+    {"lm", "config_reference"},
+    {"cli", "__main__", "__init__"},
 ]
 LAYER_OF = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 

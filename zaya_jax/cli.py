@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -25,10 +26,9 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from zaya_jax.interop.hf import load_hf_directory
 
     if args.direction == "zaya-to-hf":
-        from zaya_jax.interop.hf import save_hf_directory
+        from zaya_jax.lm import export_hf
 
-        run_cfg, variables, step = checkpoint.restore_model(args.src)
-        save_hf_directory(args.dst, run_cfg.model, variables, dtype=args.dtype)
+        _, step = export_hf(args.src, args.dst, dtype=args.dtype)
         print(f"wrote {args.dst} (step {step}, {args.dtype})")
         return 0
     dst = Path(args.dst)
@@ -62,6 +62,18 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             from zaya_jax.optim import describe_groups
 
             report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
+    elif (Path(args.path) / "config.json").is_file():  # an HF save_pretrained directory
+        from zaya_jax.interop.hf import hf_directory_model
+        from zaya_jax.interop.safetensors_io import read_directory
+
+        model_cfg = hf_directory_model(args.path)
+        tensors = {name: (tuple(t.shape), str(t.dtype)) for name, t in read_directory(args.path).items()}
+        report = {
+            "format": "hf",
+            "config": {"model": to_dict(model_cfg)},
+            **param_counts(model_cfg),
+            "arrays": {"tensors": tensors},
+        }
     else:
         cfg, step = checkpoint.read_config(args.path)
         _, arrays = checkpoint.array_metadata(args.path)
@@ -87,17 +99,35 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zaya_jax.parallel.distributed import apply_runtime, initialize
+    from zaya_jax.parallel.distributed import apply_runtime, enable_compilation_cache, initialize
     from zaya_jax.train.loop import train
 
-    cfg = load_config(args.config, args.overrides)
+    if args.help_config is not None:
+        from zaya_jax.config_reference import help_text
+
+        print(help_text(args.help_config or None))
+        return 0
+    cfg = _train_config(args)
     if args.compile_only:
         return _compile_only(cfg, args.devices, args.target)
     apply_runtime(cfg.runtime)
+    enable_compilation_cache(cfg.runtime.compilation_cache_dir)
     initialize(args.coordinator, args.num_processes, args.process_id, runtime=cfg.runtime)
     summary = train(cfg, progress=not args.no_progress)
     _print_json(summary)
     return 0
+
+
+def _train_config(args: argparse.Namespace) -> Config:
+    """The preset with the overrides; with ``train.init_from`` (or ``--init-from``) the model section
+    is the source's, and ``model.*`` overrides apply on top of it."""
+    overrides = [*args.overrides, *([f"train.init_from={args.init_from}"] if args.init_from else [])]
+    cfg = load_config(args.config, overrides)
+    if not cfg.train.init_from:
+        return cfg
+    from zaya_jax.train.init import source_model_config
+
+    return load_config(args.config, overrides, model=to_dict(source_model_config(cfg.train.init_from)))
 
 
 def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
@@ -116,9 +146,18 @@ def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
     return 0
 
 
+def _default_compilation_cache() -> None:
+    """eval and generate use the default persistent compilation cache (runtime.compilation_cache_dir)."""
+    from zaya_jax.config import RuntimeConfig
+    from zaya_jax.parallel.distributed import enable_compilation_cache
+
+    enable_compilation_cache(RuntimeConfig().compilation_cache_dir)
+
+
 def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya_jax.lm import evaluate_path
 
+    _default_compilation_cache()
     result = evaluate_path(
         args.path,
         args.data,
@@ -126,7 +165,9 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         seq_len=args.seq_len,
         batch_size=args.batch_size,
         max_batches=args.batches,
+        progress=sys.stderr.isatty(),
     )
+    print(f"zaya eval: {result.pop('evaluated')}", file=sys.stderr)
     if args.json:
         _print_json(result)
     else:
@@ -140,9 +181,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from zaya_jax.data import load_tokenizer
     from zaya_jax.lm import load
 
+    _default_compilation_cache()
     lm = load(args.path)
     if args.tokenizer:
         lm.tokenizer = load_tokenizer(args.tokenizer)
+    if args.interactive:
+        return _interactive(lm, args)
+    if not args.prompt:
+        raise ValueError(
+            "give a prompt (--prompt TEXT, repeatable) or --interactive to read prompts from stdin"
+        )
     out = lm.generate(
         args.prompt,
         max_new_tokens=args.max_new_tokens,
@@ -164,17 +212,64 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _interactive(lm: Any, args: argparse.Namespace) -> int:
+    """Prompts from stdin, one per line, each left-padded to ``--max-prompt-tokens``: every prompt
+    has the same shape, so the program compiles once."""
+    import numpy as np
+
+    if lm.tokenizer is None:
+        raise ValueError("--interactive needs a tokenizer: pass --tokenizer PATH (or 'byte')")
+    width = args.max_prompt_tokens
+    for line in sys.stdin:
+        prompt = line.rstrip("\n")
+        if not prompt:
+            continue
+        ids = lm.tokenizer.encode(prompt)
+        if len(ids) > width:
+            print(
+                f"zaya generate: the prompt has {len(ids)} tokens, more than --max-prompt-tokens={width}",
+                file=sys.stderr,
+            )
+            continue
+        padded = np.full((1, width), lm.config.pad_token_id, np.int32)
+        padded[0, width - len(ids) :] = ids
+        mask = (np.arange(width) >= width - len(ids))[None].astype(np.int32)
+        out = lm.generate(
+            padded,
+            attention_mask=mask,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            stop_tokens=args.stop,
+            seed=args.seed,
+        )
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.texts[0], "tokens": out.rows()[0]}), flush=True)
+        else:
+            print(prompt + out.texts[0], flush=True)
+    return 0
+
+
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
     from zaya_jax.data import prepare
 
-    manifest = prepare(args.inputs, args.out, tokenizer_spec=args.tokenizer, num_shards=args.shards)
+    manifest = prepare(
+        args.inputs,
+        args.out,
+        tokenizer_spec=args.tokenizer,
+        num_shards=args.shards,
+        on_bad_document=args.on_bad_document,
+        text_field=args.text_field,
+    )
     _print_json({k: v for k, v in manifest.items() if k != "shards"})
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zaya", description="ZAYA1-style MoE language models in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"zaya-jax {_version()}")
+    sub = parser.add_subparsers(dest="subcommand", required=True)
 
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus)")
     train.add_argument(
@@ -183,6 +278,19 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.steps=50")
     train.add_argument(
         "--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)"
+    )
+    train.add_argument(
+        "--help-config",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list the config keys (of one SECTION: run, model, train, optim, ...) with their meaning",
+    )
+    train.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="start from existing weights: a run, step or HF directory (train.init_from); the model "
+        "config is taken from it",
     )
     train.add_argument(
         "--compile-only",
@@ -215,16 +323,35 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         help="text/.jsonl/.parquet inputs (default: the run's held-out split)",
     )
-    evaluate.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's)")
-    evaluate.add_argument("--seq-len", type=int, default=512)
-    evaluate.add_argument("--batch-size", type=int, default=8)
-    evaluate.add_argument("--batches", type=int, default=16, help="at most this many batches")
+    evaluate.add_argument(
+        "--tokenizer",
+        help="'byte' or a tokenizer.json (default: the run's, or the HF directory's tokenizer.json)",
+    )
+    evaluate.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per row (default: a run's train.seq_len and held-out batches, else 512)",
+    )
+    evaluate.add_argument(
+        "--batch-size", type=int, help="rows per batch (default: the run's train.batch_size, else 8)"
+    )
+    evaluate.add_argument(
+        "--batches",
+        type=int,
+        help="at most this many batches (default: the run's train.eval_batches, else 16)",
+    )
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     evaluate.set_defaults(func=_cmd_eval)
 
     gen = sub.add_parser("generate", help="continue text prompts with the CCA decode cache")
     gen.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
-    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    gen.add_argument(
+        "--interactive",
+        action="store_true",
+        help="read prompts from stdin, one per line, compiling once (prompts padded to --max-prompt-tokens)",
+    )
+    gen.add_argument("--max-prompt-tokens", type=int, default=256, help="with --interactive: longest prompt")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
@@ -238,10 +365,25 @@ def build_parser() -> argparse.ArgumentParser:
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
-    prepare.add_argument("inputs", nargs="+", help="text files, directories, globs, .jsonl or .parquet files")
+    prepare.add_argument(
+        "inputs",
+        nargs="+",
+        help="text files, directories, globs, .jsonl or .parquet files (.gz/.zst compressed too)",
+    )
     prepare.add_argument("--out", required=True, help="new output directory")
     prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to an HF tokenizer.json")
     prepare.add_argument("--shards", type=int, default=4, help="number of ArrayRecord shards")
+    prepare.add_argument(
+        "--text-field",
+        default="text",
+        help="the JSONL field / Parquet column holding the text (default: text)",
+    )
+    prepare.add_argument(
+        "--on-bad-document",
+        choices=["error", "skip"],
+        default="error",
+        help="a document that cannot be read: stop with its name (default) or skip and count it",
+    )
     prepare.set_defaults(func=_cmd_data_prepare)
 
     convert = sub.add_parser(
@@ -261,7 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_cmd_convert)
 
     inspect = sub.add_parser("inspect", help="parameter counts, config, and checkpoint contents")
-    inspect.add_argument("path", nargs="?", help="run or checkpoint directory (arrays are not loaded)")
+    inspect.add_argument(
+        "path", nargs="?", help="run, checkpoint or HF save_pretrained directory (arrays are not loaded)"
+    )
     inspect.add_argument("--config", help=f"preset name or YAML path ({', '.join(available_presets())})")
     inspect.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.num_layers=4")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -352,6 +496,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from zaya_jax.ops._registry import LIB_DIR
 
     kernels = ops.kernel_status()
+    for name, status in kernels.items():  # registered with XLA, but nothing here will run it
+        if status == "registered" and name != "cpu":
+            try:
+                jax.devices(name)
+            except RuntimeError:
+                kernels[name] = "built, no device"
     backend = jax.default_backend()
     platform = jax.devices()[0].platform if backend != "cpu" else "cpu"
     plugins = {
@@ -401,22 +551,110 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    import importlib.metadata as metadata
+
+    try:
+        return metadata.version("zaya-jax")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+# Subcommands whose options may come after their positional arguments (``zaya train k=v --no-progress
+# k2=v2``): parsed with argparse's intermixed parsing. ``supervise`` passes its tail on untouched.
+_INTERMIXED = ("train", "eval", "generate", "inspect", "convert")
+
+
+def _config_section_flags(tokens: list[str]) -> list[str]:
+    """``--train.steps 10`` / ``--train.steps=10`` (Levanter's shape) -> ``train.steps=10``."""
+    from zaya_jax.config import Config
+
+    sections = {f.name for f in dataclasses.fields(Config)}
+    out, i = [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        name = token[2:].partition("=")[0]
+        if token.startswith("--") and "." in name and name.split(".")[0] in sections:
+            if "=" in token:
+                out.append(token[2:])
+            elif i + 1 < len(tokens):
+                out.append(f"{name}={tokens[i + 1]}")
+                i += 1
+            else:
+                raise ConfigError(f"{token} needs a value: {token} VALUE or {name}=VALUE")
+        else:
+            out.append(token)
+        i += 1
+    return out
+
+
+def _parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = next((t for t in argv if not t.startswith("-")), None)
+    if command not in _INTERMIXED:
+        return parser.parse_args(argv)
+    index = argv.index(command)
+    if index:  # top-level options before the subcommand (--version, --help)
+        parser.parse_args(argv[:index])
+    args = subparsers.choices[command].parse_intermixed_args(_config_section_flags(argv[index + 1 :]))
+    args.subcommand = command
+    return args
+
+
+def _positional_config(args: argparse.Namespace) -> None:
+    """``zaya train my.yaml k=v`` / ``zaya train small k=v`` (MaxText's shape): a first positional
+    that is a preset name or a YAML file is the config."""
+    if args.subcommand != "train" or not args.overrides:
+        return
+    first = args.overrides[0]
+    if "=" in first:
+        return
+    if first in available_presets() or first.endswith((".yaml", ".yml")):
+        if args.config not in (None, "tiny") and args.config != first:
+            raise ConfigError(f"two configs given: --config {args.config} and {first}; give one")
+        args.config, args.overrides = first, args.overrides[1:]
+
+
+def _inspect_positionals(args: argparse.Namespace) -> None:
+    """``zaya inspect`` takes a path, or a config and overrides: a first positional that is not an
+    existing path is a preset/YAML (``zaya inspect small``) or an override (``model.num_layers=4``)."""
+    if not args.path or Path(args.path).exists():
+        return
+    if args.path in available_presets() or args.path.endswith((".yaml", ".yml")):
+        if args.config is not None:
+            raise ConfigError(f"two configs given: --config {args.config} and {args.path}; give one")
+        args.config, args.path = args.path, None
+    elif "=" in args.path or ("." in args.path and "/" not in args.path):
+        args.overrides, args.path = [args.path, *args.overrides], None
+        args.config = args.config or "tiny"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command in ("inspect",) and args.path and "=" in args.path:
-        args.overrides, args.path = [args.path, *args.overrides], None
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        args = _parse(parser, argv)
+        if args.subcommand == "inspect":
+            _inspect_positionals(args)
+        _positional_config(args)
         return args.func(args)
     except ConfigError as err:
-        print(f"zaya {args.command}: configuration error: {err}", file=sys.stderr)
+        print(f"zaya {_name(argv)}: configuration error: {err}", file=sys.stderr)
         return 2
     except (CheckpointSaveError, NonFiniteLossError) as err:
-        print(f"zaya {args.command}: {err}", file=sys.stderr)
+        print(f"zaya {_name(argv)}: {err}", file=sys.stderr)
         return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"zaya {args.command}: {err}", file=sys.stderr)
+        print(f"zaya {_name(argv)}: {err}", file=sys.stderr)
         return 2
+
+
+def _name(argv: list[str]) -> str:
+    """The subcommand, for error messages (``data prepare``: both words)."""
+    words = [t for t in argv if not t.startswith("-")]
+    if not words:
+        return ""
+    return " ".join(words[:2]) if words[0] == "data" and len(words) > 1 else words[0]
 
 
 if __name__ == "__main__":

@@ -98,6 +98,9 @@ class ModelConfig:
     pad_token_id: int = 0  # padding id (embedding row kept at 0)
     bos_token_id: int = 2  # beginning-of-sequence id
     eos_token_id: int = 106  # end-of-sequence id (default stop token)
+    # Every id that ends a generated sequence, kept whole from an HF eos_token_id list (e.g. a
+    # tokenizer's </s> and Gemma-3's <end_of_turn>, 106); empty: eos_token_id alone.
+    eos_token_ids: tuple[int, ...] = ()
     # What a token routed to the MOD skip class receives from the MoE (spec §7 Q1):
     # "zero" (HF >= 5.13, ZAYA1-8B) or "scaled_input" (p_skip * normed input; legacy fork, SGLang).
     mod_skip_output: Literal["zero", "scaled_input"] = "zero"
@@ -223,6 +226,15 @@ class ModelConfig:
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 raise ConfigError(f"model.{name}={value} must be in [0, model.vocab_size={self.vocab_size})")
+        if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
+            raise ConfigError(
+                f"model.eos_token_ids={list(self.eos_token_ids)} must be in [0, {self.vocab_size})"
+            )
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The ids generation stops on by default: ``eos_token_id`` and every id of ``eos_token_ids``."""
+        return tuple(dict.fromkeys((self.eos_token_id, *self.eos_token_ids)))
 
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert slots of the capacity path for a group of ``tokens_per_group`` tokens."""
@@ -395,6 +407,11 @@ class TrainConfig:
     batch size and sequence length/mixture as tokens are seen."""
 
     seed: int = 0  # parameter init and data order
+    # Start from existing weights: a run directory, a step directory (runs/x/checkpoints/N) or an HF
+    # save_pretrained directory (converted on the fly). Parameters and balancing biases are loaded
+    # into a fresh run (optimizer, step and data start fresh); on the command line the model config
+    # is taken from the source ("" = initialise from train.seed).
+    init_from: str = ""
     steps: int = 200  # optimizer steps in the run
     batch_size: int = 8  # global batch in sequences
     micro_batches: int = 1  # gradient accumulation inside the step (batch split into this many)
@@ -533,6 +550,10 @@ class RuntimeConfig:
     all_gather_combine_threshold_bytes: int = 0  # XLA GPU all-gather combining (0: XLA default)
     reduce_scatter_combine_threshold_bytes: int = 0  # XLA GPU reduce-scatter combining (0: XLA default)
     xla_flags: tuple[str, ...] = ()  # appended to XLA_FLAGS as given (--xla_NAME=VALUE)
+    # Persistent XLA compilation cache, shared by train, eval, generate and supervised restarts:
+    # "auto" = $ZAYA_CACHE_DIR/xla, else $XDG_CACHE_HOME/zaya-jax/xla (~/.cache/zaya-jax/xla); a path;
+    # or "" (off). Programs that compile in under a second are not cached.
+    compilation_cache_dir: str = "auto"
     init_timeout_s: int = 300  # multi-process start-up timeout
     heartbeat_timeout_s: int = 100  # a silent process is declared dead after this
     barrier_timeout_s: float = 3600.0  # limit of the trainer's barriers
@@ -720,7 +741,9 @@ def _preset_path(name_or_path: str | Path, relative_to: Path | None = None) -> P
         candidate = directory / f"{text}.yaml"
         if candidate.is_file():
             return candidate
-    raise ConfigError(f"unknown preset {text!r}; available presets: {', '.join(available_presets())}")
+    close = difflib.get_close_matches(text, available_presets(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"unknown preset {text!r}; {hint}available presets: {', '.join(available_presets())}")
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:
@@ -871,9 +894,18 @@ def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
     return cfg
 
 
-def load_config(name_or_path: str | Path | None = "tiny", overrides: Sequence[str] = ()) -> Config:
-    """Load a preset (bare name -> ``configs/<name>.yaml``, or a YAML path) and apply dotted overrides."""
+def load_config(
+    name_or_path: str | Path | None = "tiny",
+    overrides: Sequence[str] = (),
+    *,
+    model: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load a preset (bare name -> ``configs/<name>.yaml``, or a YAML path) and apply dotted overrides.
+    ``model``: a model section replacing the preset's (e.g. the one of ``train.init_from``'s
+    weights); ``model.*`` overrides still apply on top of it."""
     data = _resolve_preset(name_or_path) if name_or_path is not None else {}
+    if model is not None:
+        data["model"] = dict(model)
     for text in overrides:
         keys, value = parse_override(text)
         _apply_override(data, keys, value)

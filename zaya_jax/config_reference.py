@@ -122,5 +122,27 @@ def config_reference() -> str:
     return "\n".join(out)
 
 
+def help_text(section: str | None = None) -> str:
+    """Plain-text key list for ``zaya train --help-config [SECTION]``: each key with its type,
+    default and comment; all sections, or one."""
+    sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}
+    if section is not None and section not in sections:
+        raise config_module.ConfigError(f"no config section {section!r}; sections: {', '.join(sections)}")
+    out = []
+    for name, cls in sections.items():
+        if section is not None and name != section:
+            continue
+        comments, hints = _field_comments(cls), typing.get_type_hints(cls)
+        out.append(f"{name}: {_doc(cls)}")
+        for field in dataclasses.fields(cls):
+            out.append(
+                f"  {name}.{field.name} ({_type_text(hints[field.name])}, default {_default_text(field)})"
+            )
+            if comments.get(field.name):
+                out.append(f"      {comments[field.name]}")
+        out.append("")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print(config_reference(), end="")

@@ -154,8 +154,8 @@ def generate(
 
     ``prompts``: a list of token-id lists (ragged; left-padded here) or a (batch, seq) array, with
     ``attention_mask`` (1 = real token) when that array is already left-padded. ``stop_tokens``
-    default to the model's ``eos_token_id``; ``vocab_limit`` keeps ids below it (a tokenizer smaller
-    than a padded model vocabulary). ``temperature=0`` is greedy; ``seed`` makes sampling repeatable.
+    default to the model's ``stop_token_ids`` (``eos_token_id`` and the ``eos_token_ids`` list);
+    ``vocab_limit`` keeps ids below it (a tokenizer smaller than a padded model vocabulary). ``temperature=0`` is greedy; ``seed`` makes sampling repeatable.
     ``mesh``: a mesh with a ``context`` axis over which the decode cache is split along its slots
     (tree attention, ``zaya_jax.parallel.tree``); the tokens are the same as on one device.
     """
@@ -190,7 +190,7 @@ def generate(
             f"prompt ({ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"model.max_position_embeddings={cfg.max_position_embeddings}; shorten one of them"
         )
-    stops = (cfg.eos_token_id,) if stop_tokens is None else tuple(int(t) for t in stop_tokens)
+    stops = cfg.stop_token_ids if stop_tokens is None else tuple(int(t) for t in stop_tokens)
     if cfg.moe_impl == "capacity":  # decoding routes a handful of tokens: never drop them
         cfg = dataclasses.replace(cfg, moe_impl="sorted")
     if mesh is not None and "context" not in mesh.shape:

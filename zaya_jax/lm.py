@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -15,10 +17,10 @@ import numpy as np
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, DataConfig, ModelConfig
 from zaya_jax.data.sources import source_for_path
-from zaya_jax.data.tokenizers import load_tokenizer
-from zaya_jax.eval import evaluate
+from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
+from zaya_jax.eval import evaluate, evaluate_held_out
 from zaya_jax.generate import Generation, generate
-from zaya_jax.interop.hf import load_hf_directory
+from zaya_jax.interop.hf import load_hf_directory, save_hf_directory
 from zaya_jax.model import Zaya
 
 
@@ -74,9 +76,9 @@ class LanguageModel:
 
         ``prompts``: a string or list of strings (needs ``self.tokenizer``), a list of token-id lists
         (left-padded here), or a (batch, seq) / (seq,) id array with an optional left-padding
-        ``attention_mask``. Stops at the tokenizer's EOS (else the model's ``eos_token_id``) unless
-        ``stop_tokens`` is given. Returns a :class:`Generation`; ``texts`` is filled when a tokenizer
-        is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
+        ``attention_mask``. Stops at any of the model's EOS ids (``eos_token_id`` and the
+        ``eos_token_ids`` list) and the tokenizer's EOS unless ``stop_tokens`` is given. Returns a
+        :class:`Generation`; ``texts`` is filled when a tokenizer is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
         """
 
         tok = self.tokenizer
@@ -89,8 +91,8 @@ class LanguageModel:
                     "tokenizer.json?); pass token ids or set lm.tokenizer"
                 )
             prompts = [tok.encode(p).tolist() for p in prompts]
-        if stop_tokens is None and tok is not None:
-            stop_tokens = [tok.eos_id]
+        if stop_tokens is None:  # the model's EOS ids and the tokenizer's, as HF generate stops
+            stop_tokens = [*self.config.stop_token_ids, *([tok.eos_id] if tok is not None else [])]
         out = generate(
             self.config,
             self.variables,
@@ -139,13 +141,81 @@ def load(path: str | Path) -> LanguageModel:
 
 
 def evaluate_path(
-    path: str | Path, data_paths: Sequence[str] = (), tokenizer: str | None = None, **kwargs: Any
+    path: str | Path,
+    data_paths: Sequence[str] = (),
+    tokenizer: str | None = None,
+    *,
+    seq_len: int | None = None,
+    batch_size: int | None = None,
+    max_batches: int | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
-    """:func:`evaluate` on a run, checkpoint or HF directory. Without ``data_paths`` the run's own
-    data config (or the built-in corpus) is used, held-out split; with them, all of those files."""
+    """Held-out loss of a run, checkpoint or HF directory: ``{"loss", "perplexity", "tokens",
+    "evaluated"}`` (``evaluated`` says what, in words).
+
+    The tokenizer is ``tokenizer`` if given, else the run's or the HF directory's ``tokenizer.json``
+    (an HF directory without one needs ``tokenizer``). A run or checkpoint with no data paths and no
+    shape arguments reproduces the run's own held-out evaluation (its ``eval_loss``); otherwise the
+    held-out split of the run's data (or the built-in corpus), or all of ``data_paths``, is read in
+    order in ``max_batches`` batches (defaults 512 tokens x 8 rows x 16 batches)."""
     lm = load(path)
+    if tokenizer is None and lm.tokenizer is None:
+        missing = (
+            f"the run's tokenizer {lm.run_config.data.tokenizer!r} cannot be loaded"
+            if lm.run_config is not None
+            else f"{path} has no tokenizer.json"
+        )
+        raise ValueError(
+            f"{missing}; pass the model's tokenizer (--tokenizer PATH or 'byte'): a tokenizer the model "
+            "was not trained with gives a loss that means nothing"
+        )
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else lm.tokenizer
+    shape_given = any(v is not None for v in (seq_len, batch_size, max_batches))
+    if lm.run_config is not None and not data_paths and not shape_given:
+        train = lm.run_config.train
+        result = evaluate_held_out(lm, lm.run_config, tokenizer=tok, progress=progress)
+        what = (
+            f"the run's held-out evaluation (step {lm.step}): {train.eval_batches} batches of "
+            f"{train.batch_size} x {train.seq_len} tokens, seed {train.seed}"
+        )
+        return {**result, "evaluated": what}
     data = lm.run_config.data if lm.run_config is not None else DataConfig()
+    split = "held_out"
     if data_paths:
         data = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in data_paths))
-        kwargs.setdefault("split", "all")
-    return evaluate(lm, data, tokenizer=tokenizer, **kwargs)
+        split = "all"
+    shape = {"seq_len": seq_len or 512, "batch_size": batch_size or 8, "max_batches": max_batches or 16}
+    result = evaluate(lm, data, split=split, tokenizer=tok, progress=progress, **shape)
+    source = (
+        ", ".join(data_paths)
+        if data_paths
+        else "the held-out split of "
+        + ("the run's data" if lm.run_config is not None else "the built-in corpus")
+    )
+    what = (
+        f"{source}: up to {shape['max_batches']} batches of {shape['batch_size']} x {shape['seq_len']} tokens, "
+        "in order"
+    )
+    return {**result, "evaluated": what}
+
+
+def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32") -> tuple[Path, int]:
+    """``zaya convert zaya-to-hf``: a run or checkpoint as an HF ``save_pretrained`` directory
+    (config, generation config, weights) with the run's tokenizer when it is a ``tokenizer.json``
+    (copied, plus a ``tokenizer_config.json`` naming its special tokens), so that ``transformers``
+    and ``lm_eval --model hf`` load it with its tokenizer. Returns (directory, step)."""
+    run_config, variables, step = checkpoint.restore_model(path)
+    destination = save_hf_directory(destination, run_config.model, variables, dtype=dtype)
+    tok = _find_tokenizer(Path(path), run_config)
+    if isinstance(tok, HFTokenizer):
+        shutil.copyfile(tok.path, destination / "tokenizer.json")
+        names = {
+            f"{kind}_token": tok.id_to_token(getattr(tok, f"{kind}_id")) for kind in ("bos", "eos", "pad")
+        }
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": run_config.model.max_position_embeddings,
+            **names,
+        }
+        (destination / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return destination, step

@@ -12,7 +12,7 @@ import pytest
 import zaya_jax
 from tests.train.test_loop import MINI
 from zaya_jax.cli import main
-from zaya_jax.data import ByteTokenizer
+from zaya_jax.data import ByteTokenizer, HFTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -20,6 +20,60 @@ def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("eval") / "run"
     assert main(["train", *MINI, f"run.dir={path}", "train.steps=2", "--no-progress"]) == 0
     return path
+
+
+def test_eval_reproduces_the_runs_own_eval_loss(run, capsys):
+    trained = json.loads((run / "summary.json").read_text())["eval_loss"]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["loss"] == pytest.approx(trained, rel=1e-6)
+    assert sorted(json.loads(out.out)) == ["loss", "perplexity", "tokens"]  # --json keeps its keys
+    assert "the run's held-out evaluation (step 2): 1 batches of 2 x 32 tokens" in out.err
+
+
+def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
+    from tests.data.corpora import train_bpe_tokenizer
+
+    bpe = train_bpe_tokenizer(tmp_path / "bpe.json")
+    source = tmp_path / "run"
+    args = [
+        "train",
+        *MINI,
+        "model.vocab_size=304",
+        f"data.tokenizer={bpe}",
+        f"run.dir={source}",
+        "train.steps=1",
+    ]
+    assert main([*args, "--no-progress"]) == 0
+    hf = tmp_path / "hf"
+    assert main(["convert", "zaya-to-hf", str(source), str(hf)]) == 0  # the export carries the tokenizer
+    assert (hf / "tokenizer.json").read_bytes() == bpe.read_bytes()
+    assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
+    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 1
+
+    from transformers import AutoTokenizer
+
+    assert (
+        AutoTokenizer.from_pretrained(hf).encode("hello world")
+        == HFTokenizer(bpe).encode("hello world").tolist()
+    )
+
+    capsys.readouterr()
+    losses = {}
+    for name, extra in {
+        "default": [],
+        "explicit": ["--tokenizer", str(bpe)],
+        "byte": ["--tokenizer", "byte"],
+    }.items():
+        assert main(["eval", str(hf), "--batches", "2", "--seq-len", "32", "--json", *extra]) == 0
+        losses[name] = json.loads(capsys.readouterr().out)
+    assert losses["default"] == losses["explicit"]  # the directory's tokenizer.json, not the byte tokenizer
+    assert losses["default"]["loss"] != losses["byte"]["loss"]
+
+    (hf / "tokenizer.json").unlink()
+    assert main(["eval", str(hf), "--json"]) == 2  # no tokenizer: refused, not a silent byte-level loss
+    assert "--tokenizer" in capsys.readouterr().err
 
 
 def test_eval_on_given_text_equals_the_mean_cross_entropy(run, tmp_path, capsys):

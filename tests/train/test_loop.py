@@ -71,6 +71,12 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     assert lm.step == 6
     assert lm.logits(np.array([[5, 6, 7]])).shape == (1, 3, lm.config.vocab_size)
 
+    # Running the finished run again trains nothing and keeps its summary (no nulls written over it).
+    saved = (run / "summary.json").read_text()
+    assert main(["train", *MINI, f"run.dir={run}", "train.steps=6", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(saved)
+    assert (run / "summary.json").read_text() == saved
+
 
 def test_train_refuses_to_overwrite_an_existing_run(tmp_path):
     run = tmp_path / "run"

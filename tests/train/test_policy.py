@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -59,3 +61,20 @@ def test_metric_record_names_every_step_output_and_converts_arrays():
         "tokens_seen": 128,
     }
     assert all(type(v) in (int, float, list) for v in record.values())
+
+
+def test_a_resumed_runs_progress_starts_at_its_step_and_rewinds_drop_later_lines(tmp_path):
+    from zaya_jax.train.metrics import MetricsWriter
+
+    writer = MetricsWriter(tmp_path, progress_total=10, resume_step=4)
+    assert writer._bar.n == 4  # "4/10", not "0/10", for a run resumed after step 4
+    for step in (5, 6, 7):
+        writer.write({"step": step, "loss": float(step)})
+    writer.rewind(5)  # a rollback to step 5 re-runs 6 and 7
+    writer.write({"step": 6, "loss": 0.5})
+    writer.event("stop", signal="SIGTERM")
+    writer.close()
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [5, 6]
+    (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert (event["event"], event["step"], event["detail"]) == ("stop", 6, {"signal": "SIGTERM"})

@@ -112,10 +112,11 @@ def test_restarting_a_finished_run_changes_nothing(tmp_path):
     cfg = load_config("tiny", [*MINI, f"run.dir={tmp_path / 'run'}", "train.steps=2"])
     first = train(cfg, progress=False)
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text()
+    summary = (tmp_path / "run" / "summary.json").read_text()
     again = train(cfg, progress=False)
-    assert again["steps"] == first["steps"] == 2 and not again["interrupted"]
-    assert again["eval_loss"] is None  # no step ran
+    assert again == first  # no step ran: the run's own summary, not one of nulls written over it
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == metrics
+    assert (tmp_path / "run" / "summary.json").read_text() == summary
 
 
 def test_a_save_failing_in_the_background_stops_the_run_and_loses_nothing(tmp_path, monkeypatch, capsys):

@@ -150,7 +150,7 @@ def test_z_loss_adds_the_mean_squared_log_partition():
     cfg = _cfg(batch_size=2, z_loss=1e-2)
     state, step = _setup(cfg)
     _, metrics = step(state, synthetic_batch(0, 2, 16), jnp.float32(1.0))
-    assert float(metrics["z_loss"]) > 0
+    assert float(metrics["log_z_squared"]) > 0
 
 
 @pytest.mark.parametrize("enabled", [True, False])

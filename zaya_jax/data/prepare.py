@@ -62,11 +62,13 @@ def prepare(
     tokenizer_spec: str = "byte",
     num_shards: int = 4,
     on_bad_document: OnBadDocument = "error",
+    text_field: str = "text",
 ) -> dict[str, Any]:
     """Tokenize the documents of ``inputs`` into ``num_shards`` ArrayRecord shards in ``out_dir``.
 
     ``inputs``: text files, directories (every file a document) or globs, ``*.jsonl`` files (field
-    ``text``) and ``*.parquet`` files (column ``text``); the kind follows the extension. Returns the
+    ``text_field``) and ``*.parquet`` files (column ``text_field``); the kind follows the extension,
+    and text and JSONL files may be ``.gz`` or ``.zst`` compressed. Returns the
     manifest (also written to ``out_dir/manifest.json``). On any error the files written so far are
     removed, so the same command can be rerun.
     """
@@ -101,7 +103,7 @@ def prepare(
                 document += 1
 
         for item in inputs:
-            source = source_for_path(item)
+            source = source_for_path(item, text_field=text_field)
             bad = BadDocuments(on_bad_document)
             first = document
             batch: list[str] = []

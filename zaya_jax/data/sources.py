@@ -20,11 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import gzip
+import io
 import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
+from typing import IO, Literal
+
+try:
+    from zstandard import ZstdError
+except ImportError:  # the optional [zst] extra
+
+    class ZstdError(Exception):  # type: ignore[no-redef]
+        pass
+
 
 from zaya_jax.config import DataSource
 from zaya_jax.data import corpus
@@ -34,13 +44,19 @@ logger = logging.getLogger(__name__)
 OnBadDocument = Literal["error", "skip"]
 
 _GLOB_CHARS = frozenset("*?[")
-# Kind of each input of `zaya data prepare`, by file extension; anything else is text.
+# Kind of each input of `zaya data prepare`, by file extension (after a compression suffix);
+# anything else is text.
 _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".parquet": "parquet"}
+# Text and JSONL files may be compressed: gzip (standard library) or zstandard (``zstandard``).
+_COMPRESSED = (".gz", ".zst")
 # Files a directory of a given kind contributes (text: every non-hidden file).
-_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl", "parquet": "*.parquet"}
+_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl*", "parquet": "*.parquet"}
+# What reading a (possibly compressed) file raises when the file is unreadable, truncated or corrupt.
+_READ_ERRORS = (OSError, EOFError, ZstdError)
 _PROBLEMS_KEPT = 20
 _SKIP_HINT = (
-    "or set data.on_bad_document=skip (prepare: on_bad_document='skip') to skip and count bad documents"
+    "or set data.on_bad_document=skip (zaya data prepare --on-bad-document skip) to skip and count bad "
+    "documents"
 )
 
 
@@ -78,13 +94,30 @@ class Documents:
     problems: list[str]
 
 
-def source_for_path(path: str | Path, name: str | None = None) -> DataSource:
-    """A :class:`DataSource` for one input of ``zaya data prepare``: ``*.jsonl`` -> jsonl,
-    ``*.parquet`` -> parquet (also as the last part of a glob), anything else (files, directories,
-    globs) -> text."""
+def source_for_path(path: str | Path, name: str | None = None, text_field: str = "text") -> DataSource:
+    """A :class:`DataSource` for one input of ``zaya data prepare``: ``*.jsonl`` (also ``.jsonl.gz``,
+    ``.jsonl.zst``) -> jsonl with the field ``text_field``, ``*.parquet`` -> parquet (also as the
+    last part of a glob), anything else (files, directories, globs) -> text."""
     text = str(path)
-    kind = _KIND_BY_SUFFIX.get(Path(text).suffix.lower(), "text")
-    return DataSource(name=name or text, kind=kind, path=text)  # type: ignore[arg-type]
+    stem = Path(text.removesuffix(".gz").removesuffix(".zst"))
+    kind = _KIND_BY_SUFFIX.get(stem.suffix.lower(), "text")
+    return DataSource(name=name or text, kind=kind, path=text, text_field=text_field)  # type: ignore[arg-type]
+
+
+def _open_bytes(path: Path) -> IO[bytes]:
+    """A binary file, decompressed on the fly when it ends in ``.gz`` or ``.zst``."""
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.name.endswith(".zst"):
+        try:
+            import zstandard
+        except ImportError:
+            raise DataError(
+                f"{path} is zstandard-compressed; pip install zstandard (or the zaya-jax[zst] extra), or "
+                "decompress it"
+            ) from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(path.open("rb"), closefd=True))
+    return path.open("rb")
 
 
 def _is_hidden(rel: Path) -> bool:
@@ -164,9 +197,16 @@ def _decode(data: bytes, where: str, bad: BadDocuments) -> str | None:
 def _text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[tuple[str, str]]:
     for key, path in files:
         try:
-            data = path.read_bytes()
-        except OSError as err:
-            bad.report(f"cannot read {path} ({err.strerror or err})", "fix its permissions or remove it")
+            if path.name.endswith(_COMPRESSED):
+                with _open_bytes(path) as f:
+                    data = f.read()
+            else:
+                data = path.read_bytes()
+        except _READ_ERRORS as err:
+            bad.report(
+                f"cannot read {path} ({getattr(err, 'strerror', None) or err})",
+                "fix its permissions or remove it",
+            )
             continue
         text = _decode(data, str(path), bad)
         if text:
@@ -179,7 +219,7 @@ def _jsonl_documents(
     for key, path in files:
         line_no = 0
         try:
-            with path.open("rb") as f:
+            with _open_bytes(path) as f:
                 for line_no, raw in enumerate(f, 1):
                     if not raw.strip():
                         continue
@@ -213,9 +253,12 @@ def _jsonl_documents(
                         continue
                     if value:
                         yield f"{key}:{line_no}", value
-        except OSError as err:
+        except _READ_ERRORS as err:
             at = f" after line {line_no}" if line_no else ""
-            bad.report(f"cannot read {path}{at} ({err.strerror or err})", "fix its permissions or remove it")
+            bad.report(
+                f"cannot read {path}{at} ({getattr(err, 'strerror', None) or err})",
+                "fix its permissions or remove it",
+            )
 
 
 def _parquet_documents(

@@ -161,6 +161,9 @@ class HFTokenizer:
             f"pass {arg}=... (the token that ends a document) to HFTokenizer"
         )
 
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(int(token_id))
+
     @property
     def spec(self) -> dict[str, Any]:
         return {

@@ -1,17 +1,23 @@
-"""Evaluation: held-out loss and perplexity of a saved model (``zaya eval``)."""
+"""Evaluation: held-out loss and perplexity of a saved model (``zaya eval``): the run's own
+held-out evaluation reproduced (:func:`evaluate_held_out`), or any data read in order
+(:func:`evaluate`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from zaya_jax.config import Config, ConfigError, DataConfig, ModelConfig
-from zaya_jax.data import load_tokenizer, make_row_iterator
+from zaya_jax.data import eval_batches, load_tokenizer, make_row_iterator
+from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.loss import make_eval_step
 
 
@@ -22,6 +28,32 @@ class Evaluable(Protocol):
     variables: dict[str, Any]
 
 
+def _checked(tokenizer: Tokenizer | str, lm: Evaluable) -> Tokenizer:
+    tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    if tok.vocab_size > lm.config.vocab_size:
+        raise ConfigError(
+            f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {lm.config.vocab_size}; "
+            "pass the tokenizer the model was trained with (--tokenizer)"
+        )
+    return tok
+
+
+def _loss_over(
+    lm: Evaluable, cfg: Config, batches: Iterable[dict[str, np.ndarray]], progress: bool
+) -> dict[str, Any]:
+    eval_step = jax.jit(make_eval_step(cfg))
+    total, tokens = 0.0, 0.0
+    for batch in tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False):
+        ce, count = eval_step(
+            lm.variables["params"], lm.variables["balancing"], jax.tree.map(jnp.asarray, batch)
+        )
+        total, tokens = total + float(ce), tokens + float(count)
+    if tokens == 0:
+        raise ValueError("no evaluation tokens: the split of the data is empty")
+    loss = total / tokens
+    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+
+
 def evaluate(
     lm: Evaluable,
     data: DataConfig,
@@ -30,30 +62,42 @@ def evaluate(
     seq_len: int = 512,
     batch_size: int = 8,
     max_batches: int = 16,
-    tokenizer: str | None = None,
+    tokenizer: Tokenizer | str | None = None,
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Mean next-token loss (nats per token) over up to ``max_batches`` batches of ``split``, read
-    in order without shuffling. Returns ``{"loss", "perplexity", "tokens"}``."""
-    tok = load_tokenizer(tokenizer or data.tokenizer)
-    if tok.vocab_size > lm.config.vocab_size:
-        raise ConfigError(
-            f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {lm.config.vocab_size}; "
-            "pass the tokenizer the model was trained with (--tokenizer)"
-        )
-    cfg = Config(model=lm.config, data=data)
-    eval_step = jax.jit(make_eval_step(cfg))
+    in order without shuffling. ``tokenizer``: a tokenizer or its spec (default ``data.tokenizer``).
+    Returns ``{"loss", "perplexity", "tokens"}``."""
+    tok = _checked(tokenizer if tokenizer is not None else data.tokenizer, lm)
     rows = make_row_iterator(data, tok, seq_len=seq_len, seed=0, split=split, shuffle=False, repeat=False)
-    total, tokens = 0.0, 0.0
-    for _ in range(max_batches):
-        taken = list(itertools.islice(rows, batch_size))
-        if not taken:
-            break
-        # A short last batch is filled with empty rows (loss_mask 0): one compiled shape throughout.
-        taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (batch_size - len(taken))
-        batch = {k: jnp.asarray(np.stack([row[k] for row in taken])) for k in taken[0]}
-        ce, count = eval_step(lm.variables["params"], lm.variables["balancing"], batch)
-        total, tokens = total + float(ce), tokens + float(count)
-    if tokens == 0:
-        raise ValueError(f"no evaluation tokens: the {split!r} split of the data is empty")
-    loss = total / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+
+    def batches() -> Iterator[dict[str, np.ndarray]]:
+        for _ in range(max_batches):
+            taken = list(itertools.islice(rows, batch_size))
+            if not taken:
+                return
+            # A short last batch is filled with empty rows (loss_mask 0): one compiled shape throughout.
+            taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (batch_size - len(taken))
+            yield {k: np.stack([row[k] for row in taken]) for k in taken[0]}
+
+    return _loss_over(lm, Config(model=lm.config, data=data), batches(), progress)
+
+
+def evaluate_held_out(
+    lm: Evaluable, run_config: Config, *, tokenizer: Tokenizer | str | None = None, progress: bool = False
+) -> dict[str, Any]:
+    """The run's own held-out evaluation, as training computes its ``eval_loss``: the same held-out
+    batches (``train.seq_len``, ``train.batch_size``, ``train.eval_batches``, ``train.seed``) and the
+    same loss code. Returns ``{"loss", "perplexity", "tokens"}``."""
+    train = run_config.train
+    tok = _checked(tokenizer if tokenizer is not None else run_config.data.tokenizer, lm)
+    batches = eval_batches(
+        run_config.data,
+        tok,
+        seq_len=train.seq_len,
+        batch_size=train.batch_size,
+        num_batches=train.eval_batches,
+        seed=train.seed,
+    )
+    cfg = dataclasses.replace(run_config, model=lm.config)
+    return _loss_over(lm, cfg, batches, progress)

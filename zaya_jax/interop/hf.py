@@ -66,6 +66,11 @@ def _first_token_id(value: Any, default: int) -> int:
     return int(value[0]) if isinstance(value, list | tuple) else int(value)
 
 
+def _token_id_list(value: Any) -> tuple[int, ...]:
+    """HF's ``eos_token_id`` list, kept whole (an int: empty, ``eos_token_id`` says it all)."""
+    return tuple(int(v) for v in value) if isinstance(value, list | tuple) else ()
+
+
 def hf_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
     """ModelConfig from an HF ``config.json`` dict (new layout, or legacy ZAYA1-base with ``zaya_layers``)."""
     if "zaya_layers" in hf:
@@ -97,6 +102,7 @@ def hf_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelConfig:
         "pad_token_id": _first_token_id(hf.get("pad_token_id"), 0),
         "bos_token_id": _first_token_id(hf.get("bos_token_id"), ModelConfig.bos_token_id),
         "eos_token_id": _first_token_id(hf.get("eos_token_id"), ModelConfig.eos_token_id),
+        "eos_token_ids": _token_id_list(hf.get("eos_token_id")),
         **_rope_fields(hf),
     }
     return model_config_from_dict({**fields, **overrides})
@@ -132,6 +138,7 @@ def _legacy_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelCon
         "pad_token_id": _first_token_id(hf.get("pad_token_id"), 0),
         "bos_token_id": _first_token_id(hf.get("bos_token_id"), 2),
         "eos_token_id": _first_token_id(hf.get("eos_token_id"), 1),
+        "eos_token_ids": _token_id_list(hf.get("eos_token_id")),
     }
     return model_config_from_dict({**fields, **overrides})
 
@@ -175,7 +182,7 @@ def model_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "lm_head_bias": cfg.lm_head_bias,
         "pad_token_id": cfg.pad_token_id,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": cfg.eos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
     }
 
 
@@ -528,18 +535,32 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
             f"{directory} has no config.json; expected a Hugging Face save_pretrained directory"
         )
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as err:
-        raise ConversionError(f"{path} is not valid JSON: {err}") from None
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path} is not valid UTF-8 JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
     model_type = data.get("model_type")
     if model_type not in (None, "zaya"):
         raise ConversionError(f"{path}: model_type is {model_type!r}, not 'zaya'")
     return data
 
 
+def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of an HF ``save_pretrained`` directory's ``config.json``; a missing field is a
+    :class:`ConversionError` naming the field and the file."""
+    try:
+        return hf_config_to_model(read_hf_config(directory), **overrides)
+    except KeyError as err:
+        raise ConversionError(
+            f"{Path(directory) / 'config.json'} lacks the field {err.args[0]!r}, which a ZAYA config needs; "
+            "is it a complete save_pretrained config?"
+        ) from None
+
+
 def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
     """Read an HF ``save_pretrained`` directory (new or legacy layout) -> (ModelConfig, variables)."""
-    cfg = hf_config_to_model(read_hf_config(directory), **overrides)
+    cfg = hf_directory_model(directory, **overrides)
     tensors = read_directory(directory)
     if is_legacy_layout(tensors):
         tensors = legacy_to_hf(tensors, cfg.num_layers)
@@ -549,7 +570,8 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
 def save_hf_directory(
     directory: str | Path, cfg: ModelConfig, variables: Mapping[str, Any], dtype: str = "float32"
 ) -> Path:
-    """Write a ``save_pretrained``-compatible directory: config.json + model.safetensors (tied head omitted).
+    """Write a ``save_pretrained``-compatible directory: config.json, generation_config.json (the
+    special ids; generation stops on every id of the EOS list) and model.safetensors (tied head omitted).
 
     ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
     """
@@ -577,4 +599,10 @@ def save_hf_directory(
         **model_to_hf_config(cfg),
     }
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    generation = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     return directory

@@ -10,7 +10,9 @@ cluster auto-detection when a scheduler launched several tasks (Slurm ``srun``, 
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 
 import jax
 
@@ -54,6 +56,34 @@ def apply_runtime(runtime: RuntimeConfig, env: MutableMapping[str, str] = os.env
         )
     env["XLA_FLAGS"] = " ".join([env.get("XLA_FLAGS", ""), *flags]).strip()
     return flags
+
+
+def compilation_cache_path(spec: str, env: Mapping[str, str] = os.environ) -> Path | None:
+    """Where ``runtime.compilation_cache_dir`` puts the persistent compilation cache (None: off)."""
+    if not spec:
+        return None
+    if spec != "auto":
+        return Path(spec).expanduser()
+    if env.get("ZAYA_CACHE_DIR"):
+        return Path(env["ZAYA_CACHE_DIR"]).expanduser() / "xla"
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "zaya-jax" / "xla"
+
+
+def enable_compilation_cache(spec: str) -> Path | None:
+    """Turn on JAX's persistent compilation cache at ``compilation_cache_path(spec)``; an unusable
+    directory only warns (compiling without a cache is slower, never wrong)."""
+    path = compilation_cache_path(spec)
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        warnings.warn(
+            f"compilation cache {path} cannot be created ({err}); compiling without it", stacklevel=2
+        )
+        return None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
 
 
 def initialize(

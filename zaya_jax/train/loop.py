@@ -8,6 +8,7 @@ No state is shared through closures: every helper returns what changed.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from typing import Any
@@ -21,11 +22,12 @@ from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.hooks import Checkpointing, FaultHook, StepEnd, StopRequest
+from zaya_jax.train.init import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput, metric_record, start_event
 from zaya_jax.train.policy import Action, Outcome, decide
 from zaya_jax.train.programs import HeldOut, TrainStep
 from zaya_jax.train.rundir import RunDir
-from zaya_jax.train.schedule import BatchProducer, checked_tokenizer, final_batch_size
+from zaya_jax.train.schedule import BatchProducer, check_run, final_batch_size
 from zaya_jax.train.step import TrainState, init_sharded_train_state
 
 
@@ -35,7 +37,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     primary = jax.process_index() == 0
 
     # --- The run: directory, layout, optimizer, state ---------------------------------------------
-    tokenizer = checked_tokenizer(cfg)
+    tokenizer = check_run(cfg)
     run, resuming = RunDir.open(cfg)
     layout = make_layout(cfg)
     groups = model_param_groups(cfg.model, cfg.optim.router_group)
@@ -50,23 +52,28 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
 
     # --- Resume from the latest readable checkpoint -------------------------------------------------
     restored, unreadable = checkpoints.restore(state) if resuming else (None, [])
+    initialized = None
     if restored is not None:
         state, data_state, restored_step = restored
         producer.set_state(data_state)
         if primary:
             run.truncate_metrics(restored_step)  # before the writer opens the file
+    elif cfg.train.init_from:  # a fresh run from existing weights
+        state, initialized = initialize_from(cfg.train.init_from, state)
     first_step = checkpoints.saved_step + 1
-    writer = MetricsWriter(run.path, progress_total=cfg.train.steps if progress else None, enabled=primary)
+    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, first_step - 1)
     for detail in unreadable:
         writer.event("checkpoint_unreadable", **detail)
     if first_step > 1:
         writer.event("resume", from_step=first_step - 1)
+    if initialized:
+        writer.event("init_from", **initialized)
 
     # --- Compiled programs ----------------------------------------------------------------------------
     train_step = TrainStep(cfg, tx, layout, shardings, watchdog)
     held_out = HeldOut(cfg, tokenizer, layout, shardings, watchdog)
     peak, peak_source = peak_flops(cfg.model.dtype)
-    start_event(writer, cfg, layout, peak, peak_source)
+    start_event(writer, cfg, layout, peak, peak_source, first_step - 1, initialized)
 
     # --- The loop ---------------------------------------------------------------------------------------
     stop, guard, meter = StopRequest(), LossGuard(resilience), Throughput(peak)
@@ -136,19 +143,12 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         checkpoints.close()
 
     # --- Summary ------------------------------------------------------------------------------------------
-    summary = {
-        "run_dir": str(run.path),
-        "checkpoint": str(run.checkpoints / str(step)),
-        "steps": step,
-        "interrupted": step < cfg.train.steps,
-        "tokens": data_state["tokens_seen"],
-        "final_loss": last.get("loss"),
-        "eval_loss": eval_loss if math.isfinite(eval_loss) else None,  # None: no step ran (already complete)
-        "wall_time_s": time.perf_counter() - start_time,
-    }
+    summary = _summary(
+        run, cfg, step, data_state, last, eval_loss, time.perf_counter() - start_time, first_step
+    )
     writer.event("end", **summary)
     writer.close()
-    if primary:
+    if primary and first_step <= cfg.train.steps:
         run.write_summary(summary)
     return summary
 
@@ -168,3 +168,28 @@ def _rollback(
     writer.rewind(to_step)
     writer.event("rollback", reason=outcome.reason, from_step=outcome.step, to_step=to_step)
     return state, to_step
+
+
+def _summary(
+    run: RunDir,
+    cfg: Config,
+    step: int,
+    data_state: dict[str, Any],
+    last: dict[str, Any],
+    eval_loss: float,
+    wall: float,
+    first_step: int,
+) -> dict[str, Any]:
+    """The run's summary; a run that was already complete keeps the one it has."""
+    if first_step > cfg.train.steps and run.summary.is_file():
+        return json.loads(run.summary.read_text())
+    return {
+        "run_dir": str(run.path),
+        "checkpoint": str(run.checkpoints / str(step)),
+        "steps": step,
+        "interrupted": step < cfg.train.steps,
+        "tokens": data_state["tokens_seen"],
+        "final_loss": last.get("loss"),
+        "eval_loss": eval_loss if math.isfinite(eval_loss) else None,  # None: no step ran (already complete)
+        "wall_time_s": wall,
+    }

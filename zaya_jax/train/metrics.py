@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -77,10 +78,16 @@ class JsonlTracker:
 class TensorBoardTracker:
     """TensorBoard scalars under the record's names (a vector ``v`` as ``v/0``, ``v/1``, ...)."""
 
-    def __init__(self, directory: Path):
+    def __init__(self, directory: Path, resume_step: int = 0):
+        self.directory = directory
+        self._open(resume_step)
+
+    def _open(self, after_step: int) -> None:
+        """Open the event files; points logged after ``after_step`` by an earlier attempt are
+        purged (``purge_step``), so a resumed or rolled-back run shows each step once."""
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(str(directory))
+        self._tb = SummaryWriter(str(self.directory), purge_step=after_step + 1 if after_step else None)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         for key, value in record.items():
@@ -93,7 +100,8 @@ class TensorBoardTracker:
                     self._tb.add_scalar(f"{key}/{i}", v, step)
 
     def rewind(self, step: int) -> None:
-        pass  # TensorBoard keeps the old points; the repeated steps are written again
+        self._tb.close()
+        self._open(step)
 
     def close(self) -> None:
         self._tb.close()
@@ -102,18 +110,36 @@ class TensorBoardTracker:
 class MetricsWriter:
     """The metric and event sinks of one run directory; a no-op on every process but the first."""
 
-    def __init__(self, run_dir: str | Path, progress_total: int | None = None, enabled: bool = True):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        progress_total: int | None = None,
+        enabled: bool = True,
+        resume_step: int = 0,
+    ):
+        """``resume_step``: the step a resumed run restarts after (its progress bar starts there and
+        TensorBoard drops points logged after it)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
-        self._step = 0
+        self._step = resume_step
         if not enabled:
             return
         self.trackers: list[Tracker] = [
             JsonlTracker(self.run_dir / "metrics.jsonl"),
-            TensorBoardTracker(self.run_dir / "tb"),
+            TensorBoardTracker(self.run_dir / "tb", resume_step),
         ]
         self._events = (self.run_dir / EVENTS).open("a")
-        self._bar = tqdm(total=progress_total, unit="step", dynamic_ncols=True) if progress_total else None
+        self._bar = None
+        if progress_total:  # not a terminal (a Slurm log): a line every ~2% instead of redrawing
+            interactive = sys.stderr.isatty()
+            self._bar = tqdm(
+                total=progress_total,
+                initial=min(resume_step, progress_total),
+                unit="step",
+                dynamic_ncols=interactive,
+                mininterval=0.1 if interactive else 30.0,
+                ascii=not interactive,
+            )
 
     def write(self, record: dict[str, Any]) -> None:
         """One metrics record (with its ``step``) to every tracker."""
@@ -156,8 +182,22 @@ class MetricsWriter:
         self._events.close()
 
 
-def start_event(writer: MetricsWriter, cfg: Config, layout: Any, peak: float, peak_source: str) -> None:
-    """The run's ``start`` event: peak FLOPs and their source, devices, mesh, XLA flags, runtime."""
+def start_event(
+    writer: MetricsWriter,
+    cfg: Config,
+    layout: Any,
+    peak: float,
+    peak_source: str,
+    resumed_after: int,
+    initialized: dict[str, Any] | None,
+) -> None:
+    """The run's ``start`` event (peak FLOPs and their source, devices, mesh, XLA flags, runtime),
+    and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
+    > 0) or one from existing weights (``initialized``)."""
+    origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
+    origin = f"new run from the weights of {initialized['source']}" if initialized else origin
+    from zaya_jax.model import param_counts
+
     writer.event(
         "start",
         peak_flops=peak,
@@ -167,6 +207,26 @@ def start_event(writer: MetricsWriter, cfg: Config, layout: Any, peak: float, pe
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         runtime=to_dict(cfg.runtime),
     )
+    if writer.enabled:
+        counts = param_counts(cfg.model)
+        mesh = (
+            " x ".join(f"{name} {size}" for name, size in layout.describe().items() if size > 1)
+            or "one device"
+        )
+        print(
+            f"zaya train: {writer.run_dir} ({origin})\n"
+            f"zaya train: {_count(counts['total_params'])} parameters ({_count(counts['active_params'])} active), "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
 
 
 class Throughput:

@@ -7,6 +7,7 @@ process still compiling would otherwise trip its peers' collective timeout.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
@@ -51,6 +52,12 @@ class TrainStep:
         shape = batch["inputs"].shape
         if shape not in self._compiled:
             self.watchdog.beat(step - 1, "compile")
+            if jax.process_index() == 0:
+                print(
+                    f"zaya train: compiling the train step for batches of {shape[0]} x {shape[1]} tokens...",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self._compiled[shape] = self._jitted.lower(*args).compile()
             barrier(f"step {shape}", self.cfg.runtime.barrier_timeout_s)
         return self._compiled[shape](*args)

@@ -84,6 +84,12 @@ class RunDir:
             self.truncate_metrics(0)  # its logged steps are re-run from scratch
             return False
         # events.jsonl alone is a supervisor's log from before the trainer's first start
+        if not resuming and self.has_any_checkpoint():
+            raise FileExistsError(
+                f"run directory {self.path} holds model weights without training state (zaya convert writes "
+                f"such runs); to train from them give them as the starting point of a new run: zaya train "
+                f"--init-from {self.path} run.dir=NEW_DIR"
+            )
         if not resuming and self.path.exists() and any(p.name != EVENTS for p in self.path.iterdir()):
             raise FileExistsError(
                 f"run directory {self.path} already holds a run without training checkpoints to resume "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -47,8 +48,11 @@ def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
     return StepPlan(batch_size, train.stages[stage].seq_len, stage, train.stages[stage].mixture)
 
 
-def checked_tokenizer(cfg: Config) -> Any:
-    """The run's tokenizer; a clear error when its ids do not fit the model's vocabulary."""
+def check_run(cfg: Config) -> Any:
+    """The checks before a run, returning its tokenizer: an error when the tokenizer's ids do not
+    fit the model's vocabulary, a warning for each of :func:`plan_warnings`."""
+    for warning in plan_warnings(cfg):
+        warnings.warn(warning, stacklevel=3)
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -56,6 +60,17 @@ def checked_tokenizer(cfg: Config) -> Any:
             f"set model.vocab_size >= {tokenizer.vocab_size}"
         )
     return tokenizer
+
+
+def plan_warnings(cfg: Config) -> list[str]:
+    """Settings that are valid but almost certainly not meant (the run still starts)."""
+    out = []
+    if cfg.optim.warmup_steps >= cfg.train.steps:
+        out.append(
+            f"optim.warmup_steps={cfg.optim.warmup_steps} >= train.steps={cfg.train.steps}: the learning rate "
+            "never reaches its peak; lower optim.warmup_steps"
+        )
+    return out
 
 
 def final_batch_size(cfg: Config) -> int:

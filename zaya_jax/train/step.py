@@ -119,11 +119,15 @@ def make_train_step(
         load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
         metrics = {
             "loss": stats["ce_sum"] / tokens,
-            "z_loss": stats["z_sum"] / tokens,
+            "log_z_squared": stats["z_sum"] / tokens,  # the z-loss term before its weight train.z_loss
             "grad_norm": grad_norm,
             "expert_load": load_fraction.mean(0),  # (E+1,) averaged over layers
-            "max_min_load_ratio": jnp.max(load_fraction[:, :-1])
-            / jnp.maximum(jnp.min(load_fraction[:, :-1]), 1e-9),
+            # inf (null in metrics.jsonl) while some expert receives no token at all
+            "max_min_load_ratio": jnp.where(
+                jnp.min(load_fraction[:, :-1]) > 0,
+                jnp.max(load_fraction[:, :-1]) / jnp.maximum(jnp.min(load_fraction[:, :-1]), 1e-30),
+                jnp.inf,
+            ),
             "skip_fraction": load_fraction[:, -1].mean(),
             "dropped_tokens": stats["dropped"].sum(),
             "bias_mean": biases[:, :-1].mean(),

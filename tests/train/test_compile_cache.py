@@ -1,0 +1,44 @@
+"""The persistent compilation cache: a second identical ``zaya train`` compiles nothing new."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.train.test_loop import MINI
+from zaya_jax.parallel.distributed import compilation_cache_path
+
+
+def _train(run, cache) -> None:
+    cmd = [
+        sys.executable,
+        "-m",
+        "zaya_jax.cli",
+        "train",
+        *MINI,
+        f"run.dir={run}",
+        "train.steps=1",
+        "--no-progress",
+    ]
+    cmd.append(f"runtime.compilation_cache_dir={cache}")
+    env = {**os.environ, "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}  # cache every program
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_a_second_run_reuses_every_compiled_program(tmp_path):
+    cache = tmp_path / "xla"
+    _train(tmp_path / "first", cache)
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries
+    _train(tmp_path / "second", cache)
+    assert sorted(p.name for p in cache.iterdir()) == entries  # all hits, nothing recompiled
+
+
+def test_cache_location():
+    env = {"ZAYA_CACHE_DIR": "/scratch/z", "XDG_CACHE_HOME": "/x"}
+    assert compilation_cache_path("auto", env) == compilation_cache_path("/scratch/z/xla", {})
+    assert str(compilation_cache_path("auto", {"XDG_CACHE_HOME": "/x"})) == "/x/zaya-jax/xla"
+    assert compilation_cache_path("", env) is None
+    assert os.fspath(compilation_cache_path("~/c", {})).endswith("/c")

@@ -1,0 +1,96 @@
+"""Starting a run from existing weights (``train.init_from``): a run directory, a step directory or
+a Hugging Face ``save_pretrained`` directory (converted in memory).
+
+Parameters and balancing biases are loaded into the fresh run's state, placed directly in its
+shardings; the optimizer, the step count, the balancing controller's integrator and the data
+position start fresh. The host holds one full copy of the source while it is placed (ZAYA1-8B in
+float32: ~35 GB of host memory per process).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from zaya_jax import checkpoint
+from zaya_jax.config import ConfigError, ModelConfig
+from zaya_jax.interop.hf import hf_directory_model, load_hf_directory
+from zaya_jax.model.balancing import init_controller
+
+
+def _is_hf_directory(path: Path) -> bool:
+    return (path / "config.json").is_file()
+
+
+def source_model_config(path: str | Path) -> ModelConfig:
+    """The model config of ``train.init_from`` (read without loading any array)."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"train.init_from={path} does not exist; give a run, step or HF directory")
+    if _is_hf_directory(path):
+        return hf_directory_model(path)
+    return checkpoint.read_config(path)[0].model
+
+
+def _load_source(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(variables on the host, what was loaded: for the run's events)."""
+    if _is_hf_directory(path):
+        _, variables = load_hf_directory(path)
+        return variables, {"source": str(path), "format": "hf"}
+    _, variables, step = checkpoint.restore_model(path)
+    return variables, {"source": str(path), "format": "zaya", "step": step}
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    return {
+        jax.tree_util.keystr(path): tuple(np.shape(leaf))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+    }
+
+
+def check_fits(source: dict[str, Any], target: dict[str, Any], origin: str) -> None:
+    """A clear error naming the leaves where the source weights and the model config disagree."""
+    ours, theirs = _shapes(target), _shapes(source)
+    names = sorted(ours.keys() | theirs.keys(), key=lambda name: (not name.startswith("['params']"), name))
+    wrong = [
+        f"{name} is {theirs.get(name, 'absent')} in the source but {ours.get(name, 'absent')} with this config"
+        for name in names
+        if ours.get(name) != theirs.get(name)
+    ]
+    if wrong:
+        more = f" (and {len(wrong) - 4} more)" if len(wrong) > 4 else ""
+        raise ConfigError(
+            f"train.init_from={origin}: the weights do not fit the model config: {'; '.join(wrong[:4])}{more}. "
+            "The model config is taken from the source; drop the model.* override that changes these leaves"
+        )
+
+
+def _place(source: Any, like: Any) -> Any:
+    """``source`` (host or single-device arrays) as global arrays in ``like``'s shardings and dtypes."""
+
+    def place(value: Any, target: jax.Array) -> jax.Array:
+        host = np.asarray(value).astype(target.dtype)
+        return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
+
+    return jax.tree.map(place, source, like)
+
+
+def initialize_from(path: str | Path, state: Any) -> tuple[Any, dict[str, Any]]:
+    """``state`` (a fresh TrainState) with the parameters and balancing biases of ``path``; returns
+    it and a description of the source for the run's ``init_from`` event."""
+    path = Path(path)
+    variables, described = _load_source(path)
+    target = {"params": state.params, "balancing": state.balancing}
+    source = {"params": variables["params"], "balancing": variables["balancing"]}
+    check_fits(source, target, str(path))
+    placed = _place(source, target)
+    controller = init_controller(np.asarray(source["balancing"]["layers"]["router"]["biases"], np.float32))
+    state = state.replace(
+        params=placed["params"],
+        balancing=placed["balancing"],
+        controller=_place(controller, state.controller),
+    )
+    return state, described
