@@ -270,7 +270,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zaya", description="ZAYA1-style MoE language models in JAX.")
     parser.add_argument("--version", action="version", version=f"zaya-jax {_version()}")
     sub = parser.add_subparsers(dest="subcommand", required=True)
+    _add_train_command(sub)
+    _add_eval_command(sub)
+    _add_generate_command(sub)
+    _add_data_command(sub)
+    _add_convert_command(sub)
+    _add_inspect_command(sub)
+    _add_supervise_command(sub)
+    _add_doctor_command(sub)
+    return parser
 
+
+def _add_train_command(sub: Any) -> None:
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus)")
     train.add_argument(
         "--config", default="tiny", help=f"preset name or YAML path ({', '.join(available_presets())})"
@@ -313,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     dist.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
     train.set_defaults(func=_cmd_train)
 
+
+def _add_eval_command(sub: Any) -> None:
     evaluate = sub.add_parser(
         "eval", help="held-out loss and perplexity of a run, checkpoint or HF directory"
     )
@@ -343,6 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     evaluate.set_defaults(func=_cmd_eval)
 
+
+def _add_generate_command(sub: Any) -> None:
     gen = sub.add_parser("generate", help="continue text prompts with the CCA decode cache")
     gen.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
@@ -362,6 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help='print [{"prompt", "text", "tokens", "stopped"}]')
     gen.set_defaults(func=_cmd_generate)
 
+
+def _add_data_command(sub: Any) -> None:
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
@@ -386,6 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prepare.set_defaults(func=_cmd_data_prepare)
 
+
+def _add_convert_command(sub: Any) -> None:
     convert = sub.add_parser(
         "convert", help="convert between Hugging Face directories and zaya-jax checkpoints"
     )
@@ -402,6 +421,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     convert.set_defaults(func=_cmd_convert)
 
+
+def _add_inspect_command(sub: Any) -> None:
     inspect = sub.add_parser("inspect", help="parameter counts, config, and checkpoint contents")
     inspect.add_argument(
         "path", nargs="?", help="run, checkpoint or HF save_pretrained directory (arrays are not loaded)"
@@ -416,6 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     inspect.set_defaults(func=_cmd_inspect)
 
+
+def _add_supervise_command(sub: Any) -> None:
     sup = sub.add_parser(
         "supervise",
         help="run a command (zaya train ...) and restart it on crash or hang, from its last checkpoint",
@@ -439,6 +462,8 @@ def build_parser() -> argparse.ArgumentParser:
     sup.add_argument("command", nargs=argparse.REMAINDER, help="-- zaya train [options]")
     sup.set_defaults(func=_cmd_supervise)
 
+
+def _add_doctor_command(sub: Any) -> None:
     doctor = sub.add_parser(
         "doctor", help="platform, devices, versions and the custom-call kernels per platform"
     )
@@ -449,7 +474,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="exit 1 if JAX runs on the CPU (a silent fallback from a GPU)",
     )
     doctor.set_defaults(func=_cmd_doctor)
-    return parser
 
 
 def _cmd_supervise(args: argparse.Namespace) -> int:
