@@ -64,10 +64,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
     elif (Path(args.path) / "config.json").is_file():  # an HF save_pretrained directory
         from zaya_jax.interop.hf import hf_directory_model
-        from zaya_jax.interop.safetensors_io import read_directory
+        from zaya_jax.interop.safetensors_io import tensor_shapes
 
         model_cfg = hf_directory_model(args.path)
-        tensors = {name: (tuple(t.shape), str(t.dtype)) for name, t in read_directory(args.path).items()}
+        tensors = tensor_shapes(args.path)
         report = {
             "format": "hf",
             "config": {"model": to_dict(model_cfg)},

@@ -41,6 +41,13 @@ class RunConfig:
 
     name: str = "zaya"  # run directory name under runs/ (a plain name, no '/')
     dir: str | None = None  # explicit run directory (overrides runs/<name>)
+    # Where metrics go besides metrics.jsonl (always written): "tensorboard" (tb/), "wandb" and
+    # "trackio" (their extras; process 0 only; WANDB_MODE=offline / trackio's local store work
+    # without a network).
+    trackers: tuple[str, ...] = ("tensorboard",)
+    project: str = "zaya-jax"  # the wandb / trackio project
+    # Steps [first, last] to record a jax.profiler trace of, into <run>/profile/ (empty: none).
+    profile_steps: tuple[int, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -58,6 +65,15 @@ class RunConfig:
             raise ConfigError(
                 f"run.name={self.name!r} must be a plain directory name (no '/', not '.' or '..'); "
                 "use run.dir to place a run elsewhere"
+            )
+        unknown = sorted(set(self.trackers) - {"tensorboard", "wandb", "trackio"})
+        if unknown:
+            raise ConfigError(f"run.trackers names {unknown}; use any of tensorboard, wandb, trackio")
+        if self.profile_steps and (
+            len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
+        ):
+            raise ConfigError(
+                f"run.profile_steps={list(self.profile_steps)} must be [first, last] with 1 <= first <= last"
             )
 
 

@@ -86,3 +86,23 @@ def test_export_refuses_what_hf_cannot_express_and_existing_directories(tmp_path
         )
     with pytest.raises(FileExistsError, match="not empty"):
         save_hf_directory(tmp_path / "hf", lm.config, lm.variables)
+
+
+def test_a_sharded_export_has_an_index_and_loads_in_transformers(tmp_path):
+    original = make_hf_model(seed=23)
+    original.save_pretrained(tmp_path / "hf")
+    lm = zaya_jax.load(tmp_path / "hf")
+    save_hf_directory(tmp_path / "one", lm.config, lm.variables)
+    save_hf_directory(tmp_path / "sharded", lm.config, lm.variables, max_shard_bytes=20_000)
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and shards[0].startswith("model-00001-of-")
+    whole, pieces = read_directory(tmp_path / "one"), read_directory(tmp_path / "sharded")
+    assert set(pieces) == set(index["weight_map"]) == set(whole)
+    assert index["metadata"]["total_size"] == sum(a.nbytes for a in whole.values())
+    for name in whole:
+        np.testing.assert_array_equal(pieces[name], whole[name], err_msg=name)
+    back = transformers.ZayaForCausalLM.from_pretrained(
+        tmp_path / "sharded", attn_implementation="eager"
+    ).eval()
+    np.testing.assert_allclose(hf_logits(back, IDS), hf_logits(original, IDS), rtol=0, atol=2e-5)

@@ -180,7 +180,7 @@ def test_mismatched_checkpoints_list_every_offending_tensor(hf_model):
 def test_corrupt_safetensors_are_rejected_with_the_path(tmp_path):
     bad = tmp_path / "model.safetensors"
     bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
-    with pytest.raises(SafetensorsError, match="header length"):
+    with pytest.raises(SafetensorsError, match=r"model\.safetensors: not a readable safetensors file"):
         read_safetensors(bad)
 
 

@@ -30,8 +30,21 @@ def _events(run) -> list[dict]:
 
 def test_init_from_a_run_and_from_its_hf_export(tmp_path, capsys):
     source = tmp_path / "source"
-    assert main(["train", *MINI, f"run.dir={source}", "train.steps=2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                *MINI,
+                f"run.dir={source}",
+                "train.steps=2",
+                "run.profile_steps=[2, 2]",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     expected = _params(source)
+    assert list((source / "profile" / "process_0").rglob("*.xplane.pb"))  # the profiled step's trace
 
     fine_tuned = tmp_path / "fine_tuned"
     assert main(["train", *SHAPE, "--init-from", str(source), f"run.dir={fine_tuned}", *FROZEN]) == 0

@@ -78,3 +78,34 @@ def test_a_resumed_runs_progress_starts_at_its_step_and_rewinds_drop_later_lines
     assert steps == [5, 6]
     (event,) = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
     assert (event["event"], event["step"], event["detail"]) == ("stop", 6, {"signal": "SIGTERM"})
+
+
+def test_dashboard_trackers_get_flat_scalars_under_a_stable_run_id(tmp_path, monkeypatch):
+    """wandb and trackio (optional extras) behind the Tracker protocol, with a stand-in module."""
+    import sys
+    import types
+
+    import pytest
+
+    from zaya_jax.config import ConfigError, load_config
+    from zaya_jax.train.metrics import MetricsWriter
+
+    calls = []
+    fake = types.SimpleNamespace(
+        init=lambda **kw: calls.append(("init", kw)),
+        log=lambda data, step: calls.append(("log", step, data)),
+        finish=lambda: calls.append(("finish",)),
+    )
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config("tiny", ["run.trackers=[wandb]", "run.project=p", "run.name=r"])
+    for _ in range(2):  # a resumed run opens the same dashboard run
+        writer = MetricsWriter(tmp_path, enabled=True, cfg=cfg)
+        writer.write({"step": 3, "loss": 2.0, "expert_load": [0.25, 0.75], "mfu": None})
+        writer.close()
+    inits = [c[1] for c in calls if c[0] == "init"]
+    assert inits[0]["id"] == inits[1]["id"] and inits[0]["project"] == "p" and inits[0]["resume"] == "allow"
+    assert ("log", 3, {"loss": 2.0, "expert_load/0": 0.25, "expert_load/1": 0.75}) in calls
+    assert not (tmp_path / "tb").exists()  # TensorBoard only when listed
+    monkeypatch.setitem(sys.modules, "trackio", None)  # not installed
+    with pytest.raises(ConfigError, match=r"pip install 'zaya-jax\[trackio\]'"):
+        MetricsWriter(tmp_path, cfg=load_config("tiny", ["run.trackers=[trackio]"]))

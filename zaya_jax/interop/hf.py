@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
-from zaya_jax.interop.safetensors_io import read_directory, write_safetensors
+from zaya_jax.interop.safetensors_io import SHARD_BYTES, read_directory, write_directory
 from zaya_jax.model import BALANCING, abstract_variables
 
 
@@ -568,10 +568,15 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
 
 
 def save_hf_directory(
-    directory: str | Path, cfg: ModelConfig, variables: Mapping[str, Any], dtype: str = "float32"
+    directory: str | Path,
+    cfg: ModelConfig,
+    variables: Mapping[str, Any],
+    dtype: str = "float32",
+    max_shard_bytes: int = SHARD_BYTES,
 ) -> Path:
     """Write a ``save_pretrained``-compatible directory: config.json, generation_config.json (the
-    special ids; generation stops on every id of the EOS list) and model.safetensors (tied head omitted).
+    special ids; generation stops on every id of the EOS list) and the weights (tied head omitted)
+    as model.safetensors, or shards of at most ``max_shard_bytes`` with model.safetensors.index.json.
 
     ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
     """
@@ -591,7 +596,7 @@ def save_hf_directory(
         name: value.astype(np.float32 if name.endswith("balancing_biases") else numpy_dtype)
         for name, value in variables_to_hf(variables, cfg).items()
     }
-    write_safetensors(directory / "model.safetensors", tensors)
+    write_directory(directory, tensors, max_shard_bytes)
     config = {
         "architectures": ["ZayaForCausalLM"],
         "model_type": "zaya",

@@ -1,76 +1,64 @@
-"""Read safetensors files without pickle or torch: the header is JSON, the tensors raw little-endian bytes.
+"""Safetensors directories through the ``safetensors`` library (NumPy API; importing ``ml_dtypes``
+gives NumPy the bfloat16 that ZAYA1 checkpoints use). Never pickle.
 
-The ``safetensors`` package's NumPy backend rejects bfloat16, which ZAYA1 checkpoints use; this
-reader maps every dtype through ``ml_dtypes`` and memory-maps the file, so a tensor is only read
-when it is converted.
+Reading takes a single ``model.safetensors`` or the shards named by ``model.safetensors.index.json``
+(which may not point outside the directory). Writing splits the tensors into shards of at most
+``max_shard_bytes`` with an index, as ``save_pretrained`` does, each shard written under a temporary
+name and renamed, so a reader never sees a half-written file.
 """
 
 from __future__ import annotations
 
 import json
-import struct
+import os
 from pathlib import Path
 
-import ml_dtypes
+import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy for safetensors.numpy)
 import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
 
-from zaya_jax.files import atomic_file
+from zaya_jax.files import write_atomic
 
-_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-_MAX_HEADER = 100 * 1024 * 1024
+INDEX = "model.safetensors.index.json"
+SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 
 
 class SafetensorsError(ValueError):
-    """A file that is not a readable safetensors file."""
+    """A file that is not a readable safetensors file, or a directory without one."""
 
 
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Map every tensor of one ``.safetensors`` file to a read-only, memory-mapped NumPy array."""
-    path = Path(path)
-    size = path.stat().st_size
-    with path.open("rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise SafetensorsError(f"{path}: too short to be a safetensors file")
-        (header_len,) = struct.unpack("<Q", prefix)
-        if header_len > min(_MAX_HEADER, size - 8):
-            raise SafetensorsError(f"{path}: header length {header_len} is impossible for a {size}-byte file")
+    """Every tensor of one ``.safetensors`` file as a NumPy array."""
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+    except (SafetensorError, OSError, ValueError) as err:
+        raise SafetensorsError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def tensor_shapes(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of every tensor of a directory, from the headers only (no tensor is read)."""
+    out = {}
+    for file in safetensors_files(directory):
         try:
-            header = json.loads(f.read(header_len))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise SafetensorsError(f"{path}: header is not JSON ({err})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
-    tensors = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = _DTYPES.get(meta.get("dtype"))
-        if dtype is None:
-            raise SafetensorsError(f"{path}: tensor {name!r} has unsupported dtype {meta.get('dtype')!r}")
-        begin, end = meta["data_offsets"]
-        shape = tuple(meta["shape"])
-        expected = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if end - begin != expected or end > data.size:
-            raise SafetensorsError(f"{path}: tensor {name!r} offsets {begin}..{end} do not fit shape {shape}")
-        tensors[name] = data[begin:end].view(dtype).reshape(shape)
-    return tensors
+            with safe_open(str(file), framework="numpy") as f:
+                for name in f.keys():  # noqa: SIM118
+                    piece = f.get_slice(name)
+                    out[name] = (tuple(piece.get_shape()), _dtype_name(piece.get_dtype()))
+        except (SafetensorError, OSError) as err:
+            raise SafetensorsError(f"{file}: not a readable safetensors file ({err})") from None
+    return out
+
+
+def _dtype_name(code: str) -> str:
+    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(code, code.lower())
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:
     """The weight files of a ``save_pretrained`` directory (single file or sharded with an index)."""
     directory = Path(directory)
-    index = directory / "model.safetensors.index.json"
+    index = directory / INDEX
     if index.is_file():
         weight_map = json.loads(index.read_text()).get("weight_map", {})
         names = sorted(set(weight_map.values()))
@@ -101,36 +89,37 @@ def read_directory(directory: str | Path) -> dict[str, np.ndarray]:
     return tensors
 
 
-_NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
-
-
-def write_safetensors(
-    path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None
-) -> None:
-    """Write tensors (any dtype in the table above, bfloat16 included) as one safetensors file.
-
-    Written to a temporary name and renamed, so a reader never sees a half-written file.
-    """
-    path = Path(path)
-    header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
-    offset = 0
-    arrays = []
+def write_directory(
+    directory: str | Path, tensors: dict[str, np.ndarray], max_shard_bytes: int = SHARD_BYTES
+) -> list[Path]:
+    """Write ``tensors`` (name order) as ``model.safetensors``, or as ``model-0000i-of-0000n.safetensors``
+    shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own) plus
+    ``model.safetensors.index.json``. Returns the files written."""
+    directory = Path(directory)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
     for name in sorted(tensors):
         array = np.ascontiguousarray(tensors[name])
-        dtype = _NAMES.get(array.dtype)
-        if dtype is None:
-            raise SafetensorsError(f"tensor {name!r} has unsupported dtype {array.dtype}")
-        header[name] = {
-            "dtype": dtype,
-            "shape": list(array.shape),
-            "data_offsets": [offset, offset + array.nbytes],
+        if shards[-1] and size + array.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = array
+        size += array.nbytes
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    for name, shard in zip(names, shards, strict=True):
+        tmp = directory / (name + ".tmp")
+        save_file(shard, str(tmp), metadata={"format": "pt"})
+        os.replace(tmp, directory / name)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(a.nbytes for a in tensors.values())},
+            "weight_map": {
+                tensor: name for name, shard in zip(names, shards, strict=True) for tensor in shard
+            },
         }
-        offset += array.nbytes
-        arrays.append(array)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with atomic_file(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for array in arrays:
-            f.write(array.tobytes())
+        write_atomic(directory / INDEX, json.dumps(index, indent=2) + "\n")
+    return [directory / name for name in names]

@@ -1,6 +1,6 @@
 """What happens around each training step, behind one small interface (:class:`StepHook`):
-checkpoint cadence (:class:`Checkpointing`) and test-only fault injection (:class:`FaultHook`), plus
-the SIGTERM/SIGINT stop request. The jitted step itself stays pure: a fault is injected into the
+checkpoint cadence (:class:`Checkpointing`), test-only fault injection (:class:`FaultHook`) and
+profiler traces (:class:`ProfileHook`), plus the SIGTERM/SIGINT stop request. The jitted step itself stays pure: a fault is injected into the
 host batch or the process, never into the compiled program."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, Protocol
 
+import jax
 import numpy as np
 
 from zaya_jax import checkpoint
@@ -114,6 +115,29 @@ class FaultHook:
             self.faults.crash()
         if self.faults.due("hang_at_step", step):
             self.faults.hang()
+
+
+class ProfileHook:
+    """A ``jax.profiler`` trace of the steps ``run.profile_steps`` = [first, last] into
+    ``<run>/profile/process_<i>/`` (open it with TensorBoard's profile plugin, or the
+    ``*.trace.json.gz`` with Perfetto). A run resumed past ``first`` records nothing."""
+
+    def __init__(self, cfg: Config, run: RunDir):
+        self.window = cfg.run.profile_steps
+        self.directory = run.path / "profile" / f"process_{jax.process_index()}"
+        self.active = False
+
+    def before_step(self, step: int, batch: HostBatch) -> HostBatch:
+        if self.window and step == self.window[0]:
+            jax.profiler.start_trace(str(self.directory))
+            self.active = True
+        return batch
+
+    def after_step(self, end: StepEnd) -> None:
+        if self.active and end.step >= self.window[1]:
+            jax.block_until_ready(end.state)  # the window's work inside the trace
+            jax.profiler.stop_trace()
+            self.active = False
 
 
 class StopRequest:

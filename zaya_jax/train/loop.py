@@ -21,7 +21,7 @@ from zaya_jax.optim import batch_lr_scale, build_optimizer, current_learning_rat
 from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
 from zaya_jax.train.flops import flops_per_token, peak_flops
-from zaya_jax.train.hooks import Checkpointing, FaultHook, StepEnd, StopRequest
+from zaya_jax.train.hooks import Checkpointing, FaultHook, ProfileHook, StepEnd, StopRequest
 from zaya_jax.train.init import initialize_from
 from zaya_jax.train.metrics import MetricsWriter, Throughput, metric_record, start_event
 from zaya_jax.train.policy import Action, Outcome, decide
@@ -47,7 +47,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
-    hooks = [checkpoints, FaultHook(cfg, run, checkpoints, primary=primary)]
+    hooks = [checkpoints, FaultHook(cfg, run, checkpoints, primary=primary), ProfileHook(cfg, run)]
     producer = BatchProducer(cfg, tokenizer)
 
     # --- Resume from the latest readable checkpoint -------------------------------------------------
@@ -61,7 +61,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     elif cfg.train.init_from:  # a fresh run from existing weights
         state, initialized = initialize_from(cfg.train.init_from, state)
     first_step = checkpoints.saved_step + 1
-    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, first_step - 1)
+    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, first_step - 1, cfg)
     for detail in unreadable:
         writer.event("checkpoint_unreadable", **detail)
     if first_step > 1:

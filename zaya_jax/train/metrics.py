@@ -2,11 +2,14 @@
 events, and a progress bar; and how a step's outputs become one metrics record.
 
 A tracker is anything with ``log(step, record)``, ``rewind(step)`` and ``close()``
-(:class:`Tracker`); :class:`MetricsWriter` sends every record to each of them.
+(:class:`Tracker`); :class:`MetricsWriter` sends every record to each of them: ``metrics.jsonl``
+always, and those of ``run.trackers`` (TensorBoard, wandb, trackio).
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import json
 import math
 import os
@@ -19,7 +22,7 @@ import jax
 import numpy as np
 from tqdm import tqdm
 
-from zaya_jax.config import Config, to_dict
+from zaya_jax.config import Config, ConfigError, to_dict
 from zaya_jax.files import EVENTS, event_line, filter_jsonl
 
 # Step outputs that steer the loop (the loss guard), not metrics of the run.
@@ -75,8 +78,22 @@ class JsonlTracker:
         self._file.close()
 
 
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as flat scalars for dashboards: a vector ``v`` as ``v/0``, ``v/1``, ...;
+    ``step`` and nulls left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            out[key] = value
+        elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+    return out
+
+
 class TensorBoardTracker:
-    """TensorBoard scalars under the record's names (a vector ``v`` as ``v/0``, ``v/1``, ...)."""
+    """TensorBoard scalars under the record's names (:func:`scalars`)."""
 
     def __init__(self, directory: Path, resume_step: int = 0):
         self.directory = directory
@@ -90,14 +107,8 @@ class TensorBoardTracker:
         self._tb = SummaryWriter(str(self.directory), purge_step=after_step + 1 if after_step else None)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
-        for key, value in record.items():
-            if key == "step" or value is None:
-                continue
-            if isinstance(value, int | float):
-                self._tb.add_scalar(key, value, step)
-            elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
-                for i, v in enumerate(value):
-                    self._tb.add_scalar(f"{key}/{i}", v, step)
+        for key, value in scalars(record).items():
+            self._tb.add_scalar(key, value, step)
 
     def rewind(self, step: int) -> None:
         self._tb.close()
@@ -105,6 +116,38 @@ class TensorBoardTracker:
 
     def close(self) -> None:
         self._tb.close()
+
+
+class DashboardTracker:
+    """``wandb`` or ``trackio`` (the same ``init`` / ``log`` / ``finish`` API), behind their extras.
+    The run id is derived from the run directory, so a resumed run continues the same dashboard
+    run. Neither can take steps back: after a rollback, the repeated steps keep their first values
+    there (``metrics.jsonl`` and TensorBoard are rewound)."""
+
+    def __init__(self, library: str, cfg: Config, run_dir: Path):
+        try:
+            self._lib = importlib.import_module(library)
+        except ImportError:
+            raise ConfigError(
+                f"run.trackers includes {library!r} but it is not installed: pip install 'zaya-jax[{library}]' "
+                f"or remove it from run.trackers"
+            ) from None
+        run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        options: dict[str, Any] = {"project": cfg.run.project, "name": cfg.run.name, "config": to_dict(cfg)}
+        if library == "wandb":
+            options.update(dir=str(run_dir), id=run_id, resume="allow")
+        else:
+            options.update(resume="allow")
+        self._run = self._lib.init(**options)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self._lib.log(scalars(record), step=step)
+
+    def rewind(self, step: int) -> None:
+        pass  # see the class docstring
+
+    def close(self) -> None:
+        self._lib.finish()
 
 
 class MetricsWriter:
@@ -116,18 +159,22 @@ class MetricsWriter:
         progress_total: int | None = None,
         enabled: bool = True,
         resume_step: int = 0,
+        cfg: Config | None = None,
     ):
         """``resume_step``: the step a resumed run restarts after (its progress bar starts there and
-        TensorBoard drops points logged after it)."""
+        TensorBoard drops points logged after it). ``cfg.run.trackers`` choose the trackers beside
+        ``metrics.jsonl`` (default: TensorBoard)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
         self._step = resume_step
         if not enabled:
             return
-        self.trackers: list[Tracker] = [
-            JsonlTracker(self.run_dir / "metrics.jsonl"),
-            TensorBoardTracker(self.run_dir / "tb", resume_step),
-        ]
+        self.trackers: list[Tracker] = [JsonlTracker(self.run_dir / "metrics.jsonl")]
+        for name in cfg.run.trackers if cfg is not None else ("tensorboard",):
+            if name == "tensorboard":
+                self.trackers.append(TensorBoardTracker(self.run_dir / "tb", resume_step))
+            else:
+                self.trackers.append(DashboardTracker(name, cfg, self.run_dir))
         self._events = (self.run_dir / EVENTS).open("a")
         self._bar = None
         if progress_total:  # not a terminal (a Slurm log): a line every ~2% instead of redrawing
