@@ -114,13 +114,29 @@ class LanguageModel:
         )
 
 
+def _special_tokens(path: Path) -> dict[str, str]:
+    """The special tokens an HF directory's ``tokenizer_config.json`` names (``eos_token`` ...)."""
+    config_path = path / "tokenizer_config.json"
+    if not config_path.is_file():
+        return {}
+    config = json.loads(config_path.read_text())
+    out = {}
+    for key in ("eos_token", "pad_token", "bos_token"):
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
 def _find_tokenizer(path: Path, run_config: Config | None) -> Any | None:
-    """The run's tokenizer, or an HF directory's tokenizer.json; None when there is none."""
+    """The run's tokenizer, or an HF directory's tokenizer.json (with the special tokens its
+    tokenizer_config.json names); None when there is none."""
     try:
         if run_config is not None:
             return load_tokenizer(run_config.data.tokenizer)
         if (path / "tokenizer.json").is_file():
-            return load_tokenizer(path / "tokenizer.json")
+            return HFTokenizer(path / "tokenizer.json", **_special_tokens(path))
     except Exception:  # a missing or unreadable tokenizer only disables text prompts
         return None
     return None

@@ -71,6 +71,10 @@ def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
     assert losses["default"] == losses["explicit"]  # the directory's tokenizer.json, not the byte tokenizer
     assert losses["default"]["loss"] != losses["byte"]["loss"]
 
+    config = json.loads((hf / "tokenizer_config.json").read_text())
+    (hf / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": {"content": "<s>"}}))
+    assert zaya_jax.load(hf).tokenizer.eos_id == 2  # the special tokens tokenizer_config.json names
+
     (hf / "tokenizer.json").unlink()
     assert main(["eval", str(hf), "--json"]) == 2  # no tokenizer: refused, not a silent byte-level loss
     assert "--tokenizer" in capsys.readouterr().err
