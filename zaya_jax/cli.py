@@ -191,15 +191,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         raise ValueError(
             "give a prompt (--prompt TEXT, repeatable) or --interactive to read prompts from stdin"
         )
-    out = lm.generate(
-        args.prompt,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        stop_tokens=args.stop,
-        seed=args.seed,
-    )
+    out = lm.generate(args.prompt, **_sampling(args))
     results = [
         {"prompt": prompt, "text": text, "tokens": row, "stopped": bool(stopped)}
         for prompt, text, row, stopped in zip(args.prompt, out.texts, out.rows(), out.stopped, strict=True)
@@ -210,6 +202,18 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         for result in results:
             print(result["prompt"] + result["text"])
     return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation options of ``zaya generate``, as keyword arguments of ``LanguageModel.generate``."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "stop_tokens": args.stop,
+        "seed": args.seed,
+    }
 
 
 def _interactive(lm: Any, args: argparse.Namespace) -> int:
@@ -234,16 +238,7 @@ def _interactive(lm: Any, args: argparse.Namespace) -> int:
         padded = np.full((1, width), lm.config.pad_token_id, np.int32)
         padded[0, width - len(ids) :] = ids
         mask = (np.arange(width) >= width - len(ids))[None].astype(np.int32)
-        out = lm.generate(
-            padded,
-            attention_mask=mask,
-            max_new_tokens=args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            stop_tokens=args.stop,
-            seed=args.seed,
-        )
+        out = lm.generate(padded, attention_mask=mask, **_sampling(args))
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.texts[0], "tokens": out.rows()[0]}), flush=True)
         else:
