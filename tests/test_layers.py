@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
     {"train", "eval", "generate"},
     {"lm", "config_reference"},
-    {"cli", "__main__", "__init__"},
+    {"cli", "harness", "__main__", "__init__"},
 ]
 LAYER_OF = {part: level for level, parts in enumerate(LAYERS) for part in parts}
 

@@ -1,0 +1,92 @@
+"""The lm-evaluation-harness model ``zaya``: its scores equal the model's own log-probabilities, and
+a tiny multiple-choice task (local JSON, no network) runs end to end through ``simple_evaluate``."""
+
+from __future__ import annotations
+
+import json
+import os
+import types
+
+import numpy as np
+import pytest
+
+# No network: the task's data is a local JSON file (datasets reads these before it is imported).
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+lm_eval = pytest.importorskip("lm_eval")
+
+from tests.train.test_loop import MINI  # noqa: E402
+from zaya_jax.cli import main  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("harness") / "run"
+    assert main(["train", *MINI, f"run.dir={path}", "train.steps=2", "--no-progress"]) == 0
+    return path
+
+
+def _request(*args):
+    return types.SimpleNamespace(args=args)
+
+
+def _logprob(lm, ids: list[int], start: int) -> float:
+    """sum log p(ids[t] | ids[:t]) for t >= start, from one unpadded forward."""
+    logits = lm.logits(np.asarray([ids[:-1]]))[0].astype(np.float64)
+    logprobs = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    return float(sum(logprobs[t - 1, ids[t]] for t in range(start, len(ids))))
+
+
+def test_scores_are_the_models_log_probabilities(run):
+    from zaya_jax.harness import ZayaLM
+
+    model = ZayaLM(str(run))
+    tok, lm = model.tok, model.lm
+    ((score, greedy),) = model.loglikelihood([_request("def add(a, b):", " return a + b")])
+    ids = [int(t) for t in tok.encode("def add(a, b): return a + b")]
+    context = len(tok.encode("def add(a, b):"))
+    assert score == pytest.approx(_logprob(lm, ids, context), abs=1e-3)
+    assert isinstance(greedy, bool)
+    (rolling,) = model.loglikelihood_rolling([_request("import os\n")])
+    text = [tok.eos_id, *[int(t) for t in tok.encode("import os\n")]]
+    assert rolling == pytest.approx(_logprob(lm, text, 1), abs=1e-3)
+    (generated,) = model.generate_until([_request("def ", {"until": ["\n"], "max_gen_toks": 8})])
+    assert "\n" not in generated and len(generated) <= 8
+
+
+def test_a_tiny_task_runs_end_to_end(run, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from zaya_jax.harness import ZayaLM
+
+    docs = [
+        {"question": f"{a} + {b} =", "choices": [f" {a + b}", f" {a + b + 1}"], "answer": 0}
+        for a, b in [(1, 2), (3, 4), (5, 6)]
+    ]
+    (tmp_path / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (tmp_path / "tiny.yaml").write_text(
+        f"""task: zaya_tiny_sums
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {tmp_path / "docs.jsonl"}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+    )
+    results = simple_evaluate(
+        model=ZayaLM(str(run)), tasks=["zaya_tiny_sums"], task_manager=TaskManager(include_path=str(tmp_path))
+    )
+    accuracy = results["results"]["zaya_tiny_sums"]["acc,none"]
+    assert accuracy in (0.0, 1 / 3, 2 / 3, 1.0)
+    assert results["n-samples"]["zaya_tiny_sums"]["effective"] == 3

@@ -1,0 +1,123 @@
+"""lm-evaluation-harness integration (the ``[eval]`` extra): an ``lm_eval`` model named ``zaya``.
+
+``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` run on :func:`zaya_jax.load`
+(a run, a checkpoint or an HF directory), so a run is scored with the harness without exporting it::
+
+    python -m zaya_jax.harness run --model zaya --model_args pretrained=runs/tiny --tasks TASKS
+
+(``lm_eval``'s own command line with this module imported first, which registers the model), or
+from Python: ``lm_eval.simple_evaluate(model=ZayaLM("runs/tiny"), tasks=[...])``.
+
+Sequences are left-padded to the next power of two (at least 16 tokens), so a task compiles a
+handful of programs, not one per request length.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+from zaya_jax.lm import load
+
+
+def _bucket(length: int) -> int:
+    return max(16, 1 << (length - 1).bit_length())
+
+
+@register_model("zaya")
+class ZayaLM(LM):
+    """``pretrained``: a run, checkpoint or HF directory; ``tokenizer``: override its tokenizer
+    (a ``tokenizer.json`` path or ``byte``); ``max_length``: the longest scored sequence (default
+    the model's ``max_position_embeddings``)."""
+
+    def __init__(
+        self, pretrained: str, tokenizer: str | None = None, max_length: int | None = None, **_: Any
+    ):
+        super().__init__()
+        from zaya_jax.data import load_tokenizer
+
+        self.lm = load(pretrained)
+        if tokenizer is not None:
+            self.lm.tokenizer = load_tokenizer(tokenizer)
+        if self.lm.tokenizer is None:
+            raise ValueError(f"{pretrained} has no tokenizer; pass model_args tokenizer=PATH")
+        self.tok = self.lm.tokenizer
+        self.max_length = int(max_length or self.lm.config.max_position_embeddings)
+
+    def _encode(self, text: str) -> list[int]:
+        return [int(t) for t in self.tok.encode(text)]
+
+    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
+        """log p(continuation | context) and whether greedy decoding gives the continuation."""
+        ids = (context + continuation)[-(self.max_length + 1) :]
+        inputs, targets = ids[:-1], ids[1:]
+        width = _bucket(len(inputs))
+        padded = np.full((1, width), self.lm.config.pad_token_id, np.int32)
+        padded[0, width - len(inputs) :] = inputs
+        mask = (np.arange(width) >= width - len(inputs))[None].astype(np.int32)
+        logits = self.lm.logits(padded, attention_mask=mask)[0, width - len(continuation) :]
+        logits = logits - logits.max(-1, keepdims=True)
+        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        wanted = np.asarray(targets[-len(continuation) :])
+        score = float(logprobs[np.arange(len(wanted)), wanted].sum())
+        return score, bool(np.array_equal(logits.argmax(-1), wanted))
+
+    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+        out = []
+        for request in requests:
+            context, continuation = request.args
+            spaces = len(context) - len(context.rstrip())  # a word's space belongs to the continuation
+            if spaces:
+                context, continuation = context[:-spaces], context[-spaces:] + continuation
+            whole = self._encode(context + continuation)
+            head = self._encode(context) if context else [self.tok.eos_id]
+            tail = whole[len(head) :] if context else whole
+            out.append(self._score(head, tail))
+        return out
+
+    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
+        out = []
+        for request in requests:
+            (text,) = request.args
+            windows = get_rolling_token_windows(
+                token_list=self._encode(text),
+                prefix_token=self.tok.eos_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            total = 0.0
+            for window in map(make_disjoint_window, windows):
+                total += self._score(list(window[0]), list(window[1]))[0]
+            out.append(total)
+        return out
+
+    def generate_until(self, requests: list[Any]) -> list[str]:
+        out = []
+        for request in requests:
+            context, options = request.args
+            until = options.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            sample = bool(options.get("do_sample", False))
+            generated = self.lm.generate(
+                context,
+                max_new_tokens=int(options.get("max_gen_toks", 256)),
+                temperature=float(options.get("temperature", 1.0)) if sample else 0.0,
+            ).texts[0]
+            cuts = [generated.find(stop) for stop in until if stop and stop in generated]
+            out.append(generated[: min(cuts)] if cuts else generated)
+        return out
+
+
+def main() -> None:
+    """``lm_eval``'s command line with the ``zaya`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()
