@@ -58,12 +58,8 @@ def test_scores_are_the_models_log_probabilities(run):
     assert "\n" not in generated and len(generated) <= 8
 
 
-def test_a_tiny_task_runs_end_to_end(run, tmp_path):
-    from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
-
-    from zaya_jax.harness import ZayaLM
-
+def _tiny_task(tmp_path) -> str:
+    """A 3-question multiple-choice task from a local JSON file; returns its name."""
     docs = [
         {"question": f"{a} + {b} =", "choices": [f" {a + b}", f" {a + b + 1}"], "answer": 0}
         for a, b in [(1, 2), (3, 4), (5, 6)]
@@ -84,9 +80,54 @@ metric_list:
   - metric: acc
 """
     )
+    return "zaya_tiny_sums"
+
+
+def test_a_tiny_task_runs_end_to_end(run, tmp_path):
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from zaya_jax.harness import ZayaLM
+
+    _tiny_task(tmp_path)
     results = simple_evaluate(
         model=ZayaLM(str(run)), tasks=["zaya_tiny_sums"], task_manager=TaskManager(include_path=str(tmp_path))
     )
     accuracy = results["results"]["zaya_tiny_sums"]["acc,none"]
     assert accuracy in (0.0, 1 / 3, 2 / 3, 1.0)
     assert results["n-samples"]["zaya_tiny_sums"]["effective"] == 3
+
+
+def test_an_export_scores_the_same_with_lm_eval_hf(tmp_path):
+    """``zaya convert zaya-to-hf`` output (weights, tokenizer files) loads in ``lm_eval --model hf``
+    and gives the same per-choice log-likelihoods as the ``zaya`` model on the run itself."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from tests.data.corpora import train_bpe_tokenizer
+    from zaya_jax.harness import ZayaLM
+
+    bpe = train_bpe_tokenizer(tmp_path / "bpe.json")
+    run = tmp_path / "run"
+    args = [
+        "train",
+        *MINI,
+        "model.vocab_size=304",
+        f"data.tokenizer={bpe}",
+        f"run.dir={run}",
+        "train.steps=2",
+    ]
+    assert main([*args, "--no-progress"]) == 0
+    assert main(["convert", "zaya-to-hf", str(run), str(tmp_path / "hf")]) == 0
+    task = _tiny_task(tmp_path)
+    manager = TaskManager(include_path=str(tmp_path))
+    ours = simple_evaluate(model=ZayaLM(str(run)), tasks=[task], task_manager=manager, log_samples=True)
+    from lm_eval.models.huggingface import HFLM
+
+    reference = HFLM(pretrained=str(tmp_path / "hf"), dtype="float32", device="cpu")
+    theirs = simple_evaluate(model=reference, tasks=[task], task_manager=manager, log_samples=True)
+
+    def scores(results):
+        return [[float(r[0]) for r in sample["filtered_resps"]] for sample in results["samples"][task]]
+
+    np.testing.assert_allclose(scores(ours), scores(theirs), atol=1e-3)

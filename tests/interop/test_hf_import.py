@@ -196,3 +196,15 @@ def test_pickle_checkpoints_are_not_read(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
     with pytest.raises(SafetensorsError, match="never pickle"):
         read_directory(tmp_path)
+
+
+def test_generation_config_supplies_the_eos_list(hf_dir, tmp_path):
+    import shutil
+
+    from zaya_jax.interop.hf import hf_directory_model
+
+    copy = tmp_path / "copy"
+    shutil.copytree(hf_dir, copy)
+    (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    cfg = hf_directory_model(copy)
+    assert cfg.eos_token_ids == (1, 5) and {1, 5} <= set(cfg.stop_token_ids)

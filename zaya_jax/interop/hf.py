@@ -550,12 +550,20 @@ def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
     """The ModelConfig of an HF ``save_pretrained`` directory's ``config.json``; a missing field is a
     :class:`ConversionError` naming the field and the file."""
     try:
-        return hf_config_to_model(read_hf_config(directory), **overrides)
+        cfg = hf_config_to_model(read_hf_config(directory), **overrides)
     except KeyError as err:
         raise ConversionError(
             f"{Path(directory) / 'config.json'} lacks the field {err.args[0]!r}, which a ZAYA config needs; "
             "is it a complete save_pretrained config?"
         ) from None
+    # generation_config.json may hold the full EOS list where config.json has one id
+    generation = Path(directory) / "generation_config.json"
+    if not cfg.eos_token_ids and "eos_token_ids" not in overrides and generation.is_file():
+        listed = _token_id_list(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+        if listed:
+            cfg = dataclasses.replace(cfg, eos_token_ids=listed)
+            cfg.validate()
+    return cfg
 
 
 def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
