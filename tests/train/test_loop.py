@@ -35,8 +35,12 @@ MINI = [
 def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *MINI, f"run.dir={run}", "train.steps=6", "--no-progress"]) == 0
-    summary = json.loads(capsys.readouterr().out)
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)
     assert summary["steps"] == 6 and summary["tokens"] == 6 * 2 * 32
+    # a few lines on stderr say what starts: the run, its size and mesh, then the compile
+    assert f"zaya train: {run} (new run)" in captured.err and "parameters (" in captured.err
+    assert "zaya train: compiling the train step for batches of 2 x 32 tokens" in captured.err
     assert np.isfinite(summary["eval_loss"])
 
     cfg = config_from_dict(yaml.safe_load((run / "config.yaml").read_text()))

@@ -109,3 +109,31 @@ def test_dashboard_trackers_get_flat_scalars_under_a_stable_run_id(tmp_path, mon
     monkeypatch.setitem(sys.modules, "trackio", None)  # not installed
     with pytest.raises(ConfigError, match=r"pip install 'zaya-jax\[trackio\]'"):
         MetricsWriter(tmp_path, cfg=load_config("tiny", ["run.trackers=[trackio]"]))
+
+
+def test_tensorboard_purges_the_steps_a_rollback_repeats(tmp_path):
+    """After a rewind TensorBoard gets a new event file starting with SessionLog START at the first
+    repeated step (its purge_step), which makes TensorBoard drop the older points from there on."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    from zaya_jax.train.metrics import MetricsWriter
+
+    def events(path):
+        data, out = path.read_bytes(), []
+        while data:
+            (length,) = struct.unpack("<Q", data[:8])
+            out.append(event_pb2.Event.FromString(data[12 : 12 + length]))
+            data = data[12 + length + 4 :]
+        return out
+
+    writer = MetricsWriter(tmp_path, enabled=True)
+    for step in (1, 2, 3):
+        writer.write({"step": step, "loss": float(step)})
+    writer.rewind(1)
+    writer.write({"step": 2, "loss": 0.5})
+    writer.close()
+    files = sorted((tmp_path / "tb").iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    purges = [(e.step, e.session_log.status) for f in files for e in events(f) if e.HasField("session_log")]
+    assert (2, event_pb2.SessionLog.START) in purges

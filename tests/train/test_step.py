@@ -191,3 +191,15 @@ def test_step_compiles_once_per_batch_shape():
     for i, (batch_size, lr_scale) in enumerate([(2, 0.5), (2, 0.7), (4, 1.0), (4, 1.0), (2, 0.6)]):
         state, _ = step(state, synthetic_batch(i, batch_size, 16), jnp.float32(lr_scale))
     assert traces == [(2, 16), (4, 16)]  # learning-rate scale changes do not recompile
+
+
+def test_load_ratio_is_infinite_not_a_sentinel_when_an_expert_gets_no_token():
+    """metrics.jsonl writes it as null; it used to read 1e9 (max / max(min, 1e-9))."""
+    cfg = _cfg(batch_size=2)
+    state, step = _setup(cfg)
+    biases = state.balancing["layers"]["router"]["biases"]
+    forced = state.replace(balancing={"layers": {"router": {"biases": biases.at[:, 0].set(50.0)}}})
+    _, metrics = step(forced, synthetic_batch(0, 2, 16), jnp.float32(1.0))
+    assert float(metrics["max_min_load_ratio"]) == np.inf  # every token chose expert 0
+    _, metrics = step(_setup(cfg)[0], synthetic_batch(0, 2, 16), jnp.float32(1.0))
+    assert 1.0 <= float(metrics["max_min_load_ratio"]) < 1e6
