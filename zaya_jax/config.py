@@ -482,16 +482,22 @@ class TrainConfig:
 class CheckpointConfig:
     """Training checkpoints in ``<run>/checkpoints/<step>/``: every ``every_steps`` steps and/or every
     ``every_minutes`` minutes (0: off; the final step is always saved), keeping the last ``keep``
-    plus every ``keep_every``-th step (0: none)."""
+    plus every ``keep_every``-th step (0: none) plus the ``keep_best`` steps of lowest held-out loss.
+    Every decision is agreed by all processes (``zaya_jax.train.consensus``)."""
 
     every_steps: int = 0  # save every N steps (0: off)
-    every_minutes: float = 0.0  # save every N minutes (0: off)
+    every_minutes: float = 0.0  # save every N minutes (0: off), by the clock of any process
     keep: int = 3  # most recent checkpoints kept
     keep_every: int = 0  # also keep every N-th step forever (0: none)
+    # Also keep the N checkpoints of lowest held-out loss (0: off); every evaluated step is saved.
+    keep_best: int = 0
     async_save: bool = True  # write in the background while training continues
+    # Check every restored array against the fingerprint recorded when it was saved (a checkpoint
+    # that fails is quarantined and the previous one used). Evaluation and export always verify.
+    verify: bool = True
 
     def validate(self) -> None:
-        for name in ("every_steps", "keep_every", "every_minutes"):
+        for name in ("every_steps", "keep_every", "every_minutes", "keep_best"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"checkpoint.{name}={getattr(self, name)} must be >= 0")
         if self.keep < 1:
@@ -614,6 +620,9 @@ class DebugConfig:
     hang_at_step: int = 0
     # Overwrite the data files of the checkpoint of this step once it is committed.
     corrupt_checkpoint_at_step: int = 0
+    # Seconds added to the save clock of every process but process 0 (tests that a time-based save
+    # due on one process's clock only is still taken by all of them).
+    clock_skew_s: float = 0.0
 
     def validate(self) -> None:
         for field in dataclasses.fields(self):

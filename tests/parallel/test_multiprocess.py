@@ -1,20 +1,30 @@
 """Two local processes x 4 CPU devices (jax.distributed, gloo collectives) train a miniature model
-on one 8-device mesh, save a checkpoint (each process writing its own shards), and a second launch
-restores it across both processes and continues; the result loads on this single device."""
+on one 8-device mesh and save checkpoints (each process writing its own shards). Decisions that must
+be collective are agreed by both processes (``zaya_jax.train.consensus``): a time-based save that
+only one process's clock calls for, and a SIGTERM or SIGINT delivered to one process only, end with
+both processes saving the same step, recording the stop and exiting 0; a second launch restores the
+checkpoint across both processes and finishes bit-identical to an uninterrupted run."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import jax
 import numpy as np
+import pytest
 
 import zaya_jax
 from tests.train.test_loop import MINI
+from zaya_jax.checkpoint import restore_model
+
+STEPS = 6
 
 
 def _free_port() -> int:
@@ -27,7 +37,7 @@ def _distributed(port: int, process_id: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
 
 
-def _launch(run: Path, steps: int) -> list[subprocess.CompletedProcess]:
+def _start(run: Path, steps: int, *extra: str) -> list[subprocess.Popen]:
     port = _free_port()
     env = {
         **os.environ,
@@ -45,8 +55,9 @@ def _launch(run: Path, steps: int) -> list[subprocess.CompletedProcess]:
         "mesh.data=2",
         "mesh.fsdp=2",
         "mesh.expert=2",
+        *extra,
     ]
-    procs = [
+    return [
         subprocess.Popen(
             [sys.executable, "-m", "zaya_jax.cli", "train", *args, "--no-progress", *_distributed(port, i)],
             stdout=subprocess.PIPE,
@@ -56,6 +67,9 @@ def _launch(run: Path, steps: int) -> list[subprocess.CompletedProcess]:
         )
         for i in range(2)
     ]
+
+
+def _finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     results = []
     for proc in procs:
         out, err = proc.communicate(timeout=600)
@@ -65,24 +79,89 @@ def _launch(run: Path, steps: int) -> list[subprocess.CompletedProcess]:
     return results
 
 
-def test_two_processes_train_save_and_resume_across_processes(tmp_path):
+def _launch(run: Path, steps: int, *extra: str) -> list[subprocess.CompletedProcess]:
+    return _finish(_start(run, steps, *extra))
+
+
+def _summary(result: subprocess.CompletedProcess) -> dict:
+    return json.loads(result.stdout[result.stdout.index("{") :])
+
+
+def _events(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+
+
+def _wait_for_step(run: Path, step: int, procs: list[subprocess.Popen]) -> None:
+    deadline = time.time() + 300
+    beat = run / "heartbeat.json"
+    while time.time() < deadline:
+        assert all(p.poll() is None for p in procs), "a process ended before the signal"
+        if beat.is_file():
+            try:
+                if json.loads(beat.read_text())["step"] >= step:
+                    return
+            except ValueError:
+                pass  # replaced while being read
+        time.sleep(0.1)
+    raise AssertionError(f"no heartbeat for step {step} in 300 s")
+
+
+def _saved(run: Path) -> list[int]:
+    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    _launch(run, STEPS)
+    return run
+
+
+def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exactly(tmp_path, reference):
     run = tmp_path / "run"
-    first = _launch(run, steps=4)
-    summary = json.loads(first[0].stdout[first[0].stdout.index("{") :])
-    assert summary["steps"] == 4 and summary["tokens"] == 4 * 8 * 32  # global batch: 8 rows of 32
-    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
-    assert start["detail"]["devices"] == 8
-    assert start["detail"]["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
-    shards = {p.name for p in (run / "checkpoints" / "4" / "params").iterdir()}
-    assert {"ocdbt.process_0", "ocdbt.process_1"} <= shards  # each process wrote its own shards
+    # process 1's save clock runs 10^5 s ahead: a time-based save is due by its clock after every
+    # step and never by process 0's; SIGTERM goes to process 1 only
+    procs = _start(run, STEPS, "checkpoint.every_minutes=60", "debug.clock_skew_s=100000")
+    _wait_for_step(run, 3, procs)
+    procs[1].send_signal(signal.SIGTERM)
+    first = _finish(procs)  # both exit 0: no process waits in a barrier the other never reaches
+    summaries = [_summary(r) for r in first]
+    assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] < STEPS
+    stopped = summaries[0]["steps"]
+    stops = [e for e in _events(run) if e["event"] == "stop"]
+    assert [(e["step"], e["detail"]) for e in stops] == [(stopped, {"signal": "SIGTERM", "received_by": [1]})]
+    saved = _saved(run)
+    assert saved[-1] == stopped and any(s % 2 for s in saved), saved  # odd steps: the agreed time saves
+    for step in saved:  # every saved step holds both processes' data positions and shards
+        step_dir = run / "checkpoints" / str(step)
+        assert {p.name for p in (step_dir / "data").glob("process_*")} == {
+            "process_0-of-2.json",
+            "process_1-of-2.json",
+        }
+        assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (step_dir / "params").iterdir()}
 
-    _launch(run, steps=6)  # the same command with more steps: both processes restore step 4
+    _launch(run, STEPS)  # the job is requeued: both processes restore the stop step and finish
+    assert [e["detail"]["from_step"] for e in _events(run) if e["event"] == "resume"] == [stopped]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    steps = [line["step"] for line in lines if "loss" in line]
-    assert steps == [1, 2, 3, 4, 5, 6]  # written once, by process 0 only
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [4]
+    assert [line["step"] for line in lines if "loss" in line] == list(range(1, STEPS + 1))  # process 0 only
+    start = _events(run)[0]["detail"]
+    assert start["devices"] == 8 and start["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
+    ours, theirs = (restore_model(r / "checkpoints" / str(STEPS))[1] for r in (run, reference))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    lm = zaya_jax.load(run)  # saved on 8 devices in 2 processes, verified and loaded on one
+    assert lm.step == STEPS and np.isfinite(lm.logits([[5, 6, 7]])).all()
 
-    lm = zaya_jax.load(run)
-    assert lm.step == 6
-    assert np.isfinite(lm.logits([[5, 6, 7]])).all()
+
+def test_sigint_to_the_first_process_stops_both_at_the_same_step(tmp_path):
+    run = tmp_path / "run"
+    procs = _start(run, 200)
+    _wait_for_step(run, 2, procs)
+    procs[0].send_signal(signal.SIGINT)
+    summaries = [_summary(r) for r in _finish(procs)]
+    assert summaries[0]["steps"] == summaries[1]["steps"] < 200
+    stops = [e["detail"] for e in _events(run) if e["event"] == "stop"]
+    assert stops == [{"signal": "SIGINT", "received_by": [0]}]
+    assert _saved(run)[-1] == summaries[0]["steps"]  # the stop step was saved by both
+    data = run / "checkpoints" / str(summaries[0]["steps"]) / "data"
+    assert len(list(data.glob("process_*-of-2.json"))) == 2

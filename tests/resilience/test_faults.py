@@ -96,7 +96,7 @@ def test_kill_during_save_and_corrupted_checkpoint_lose_nothing(tmp_path, refere
         assert resumed == [2]
     else:  # the async save of 6 committed before the kill: resume from 6, 4 was never needed
         assert resumed == [6]
-    assert "cannot be read" in rerun.stderr or not unreadable
+    assert "cannot be used" in rerun.stderr or not unreadable
     _metrics(run)
     _assert_same_params(run, reference)
 

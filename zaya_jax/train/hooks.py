@@ -31,6 +31,8 @@ class StepEnd:
     state: Any  # TrainState
     data_state: dict[str, Any]
     last: bool  # the run's final step (saved by the driver after the loop)
+    time_save: bool = False  # a time-based save is due, as agreed by every process
+    eval_loss: float | None = None  # the held-out loss measured after this step, if it was evaluated
 
 
 class StepHook(Protocol):
@@ -47,39 +49,53 @@ class Checkpointing:
         self.cfg, self.run, self.watchdog = cfg, run, watchdog
         ckpt = cfg.checkpoint
         self.saver = checkpoint.TrainingSaver(
-            run.checkpoints, async_save=ckpt.async_save, keep=ckpt.keep, keep_every=ckpt.keep_every
+            run.checkpoints,
+            async_save=ckpt.async_save,
+            keep=ckpt.keep,
+            keep_every=ckpt.keep_every,
+            keep_best=ckpt.keep_best,
         )
         self.saved_step = 0  # the last step saved (or restored: it is on disk already)
+        self.skew = cfg.debug.clock_skew_s if jax.process_index() > 0 else 0.0
         self.last_save = time.monotonic()
 
     def restore(self, like: Any) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
         """(latest readable (state, data_state, step) or None, ``checkpoint_unreadable`` event
         details of the ones moved to quarantine on the way)."""
         self.saver.finish()
-        restored, unreadable = checkpoint.restore_training(self.run.checkpoints, like)
+        restored, unreadable = checkpoint.restore_training(
+            self.run.checkpoints, like, verify_arrays=self.cfg.checkpoint.verify
+        )
         self.saver.reload()  # quarantined step numbers are free again
         if restored is not None:
             self.saved_step = restored[2]
         return restored, unreadable
 
-    def due(self, step: int) -> bool:
+    def time_due(self) -> bool:
+        """Whether this process's clock says a ``checkpoint.every_minutes`` save is due (a proposal:
+        the loop acts on the value agreed by every process)."""
+        minutes = self.cfg.checkpoint.every_minutes
+        return bool(minutes and time.monotonic() + self.skew - self.last_save >= 60 * minutes)
+
+    def due(self, end: StepEnd) -> bool:
         ckpt = self.cfg.checkpoint
         return bool(
-            (ckpt.every_steps and step % ckpt.every_steps == 0)
-            or (ckpt.every_minutes and time.monotonic() - self.last_save >= 60 * ckpt.every_minutes)
+            (ckpt.every_steps and end.step % ckpt.every_steps == 0)
+            or end.time_save
+            or (ckpt.keep_best and end.eval_loss is not None)  # keep_best ranks evaluated steps
         )
 
-    def save(self, step: int, state: Any, data_state: dict[str, Any]) -> None:
+    def save(self, step: int, state: Any, data_state: dict[str, Any], eval_loss: float | None = None) -> None:
         self.watchdog.beat(step, "save")
-        self.saver.save(step, self.cfg, state, data_state)
+        self.saver.save(step, self.cfg, state, data_state, eval_loss)
         self.saved_step, self.last_save = step, time.monotonic()
 
     def before_step(self, step: int, batch: HostBatch) -> HostBatch:
         return batch
 
     def after_step(self, end: StepEnd) -> None:
-        if not end.last and self.due(end.step):
-            self.save(end.step, end.state, end.data_state)
+        if not end.last and self.due(end):
+            self.save(end.step, end.state, end.data_state, end.eval_loss)
         else:
             self.saver.check()  # a save that failed in the background stops the run here
 
@@ -141,7 +157,8 @@ class ProfileHook:
 
 
 class StopRequest:
-    """SIGTERM/SIGINT handling: the first signal asks the loop to save a checkpoint and exit."""
+    """SIGTERM/SIGINT handling: a signal asks the loop to save a checkpoint and exit. ``requested``
+    is this process's own request; the loop stops on the one agreed by all processes."""
 
     def __init__(self) -> None:
         self.requested: str | None = None

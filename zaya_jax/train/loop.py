@@ -20,6 +20,7 @@ from zaya_jax.data import Prefetcher
 from zaya_jax.optim import batch_lr_scale, build_optimizer, current_learning_rates, model_param_groups
 from zaya_jax.parallel import make_layout, put_batch
 from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
+from zaya_jax.train.consensus import agree
 from zaya_jax.train.flops import flops_per_token, peak_flops
 from zaya_jax.train.hooks import Checkpointing, FaultHook, ProfileHook, StepEnd, StopRequest
 from zaya_jax.train.init import initialize_from
@@ -79,7 +80,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
     stop, guard, meter = StopRequest(), LossGuard(resilience), Throughput(peak)
     data_state = producer.get_state()  # read before the prefetch thread runs ahead of training
     batches = Prefetcher(producer, cfg.data.prefetch)
-    eval_loss, last, skipped_steps, rollbacks = math.nan, {}, 0, 0
+    eval_loss, step_eval, last, skipped_steps, rollbacks = math.nan, None, {}, 0, 0
     step = first_step
     try:
         while step <= cfg.train.steps:
@@ -96,6 +97,7 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
 
             outcome = Outcome.of(step, metrics, limit)
             decision = decide(outcome, resilience, rollbacks)
+            agreed = agree(step, time_due=checkpoints.time_due(), stop=stop.requested, action=decision.action)
             if outcome.skipped:
                 skipped_steps += 1
                 writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
@@ -117,21 +119,23 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
                                      tokens_seen=data_state["tokens_seen"], **plan.fields(), **counts)  # fmt: skip
                 writer.write(last)
                 meter.reset()
+            step_eval = None
             if is_eval:
                 eval_start = time.perf_counter()
-                eval_loss = held_out(step, state)
+                eval_loss = step_eval = held_out(step, state)
                 meter.pause(time.perf_counter() - eval_start)
                 writer.write({"step": step, "eval_loss": eval_loss})
             writer.advance(last)
+            end = StepEnd(step, state, data_state, step == cfg.train.steps, agreed.time_save, step_eval)
             for hook in hooks:
-                hook.after_step(StepEnd(step, state, data_state, last=step == cfg.train.steps))
-            if stop.requested:
-                writer.event("stop", signal=stop.requested)
+                hook.after_step(end)
+            if agreed.stop:
+                writer.event("stop", signal=agreed.stop, received_by=list(agreed.stopped_by))
                 break
             step += 1
         step = min(step, cfg.train.steps)
         if step != checkpoints.saved_step:
-            checkpoints.save(step, state, data_state)
+            checkpoints.save(step, state, data_state, step_eval)
         checkpoints.finish()
     except jax.errors.JaxRuntimeError as err:
         writer.event("device_error", **{"class": classify_runtime_error(err), "message": str(err)[:2000]})

@@ -1,0 +1,67 @@
+"""Decisions every process must take together, agreed once per step.
+
+Orbax's save begins with a barrier that is a device collective, so a save that one process starts
+and another does not deadlocks both; the same holds for stopping. Each process therefore only
+*proposes*: "a time-based save is due by my clock", "I received SIGTERM/SIGINT", "my step outcome
+says accept/skip/rollback/stop". One ``process_allgather`` of these three integers per step makes
+every process act on the same combined value: a save is taken when any clock says it is due, a stop
+when any process was signalled; the outcome must already agree (it comes from replicated values),
+and a disagreement is an error rather than a hang.
+
+Why not Orbax's ``save_decision_policy`` and ``reached_preemption``: ``ContinuousCheckpointingPolicy``
+(the primary's clock, broadcast) skips a due save while the previous one is still being written and
+takes whole seconds; ``reached_preemption`` needs JAX's preemption notifier, which exists only under
+``jax.distributed``, reacts to SIGTERM only (not SIGINT / Ctrl-C) and is replaced by any Python
+SIGTERM handler. The stop flag has to be combined anyway, so one gather carries all three. With one
+process the agreement is the local value and costs nothing. Step-count saves
+(``checkpoint.every_steps``) and retention (``checkpoint.keep*``, Orbax's preservation policies) are
+pure functions of the step and replicated metrics, so they agree by construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from zaya_jax.train.policy import Action
+
+_ACTIONS = list(Action)
+
+
+class ProcessesDisagreeError(RuntimeError):
+    """Processes computed different outcomes for the same step (a bug or silent data corruption)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Agreed:
+    """What every process does after this step."""
+
+    time_save: bool  # a time-based save is due (by the clock of at least one process)
+    stop: str | None  # the signal (SIGTERM before SIGINT) received by at least one process
+    stopped_by: tuple[int, ...] = ()  # the processes that received it
+
+
+def agree(step: int, *, time_due: bool, stop: str | None, action: Action) -> Agreed:
+    """Combine this process's proposals with every other process's (a collective: every process
+    must call it once per step)."""
+    signum = int(signal.Signals[stop]) if stop else 0
+    mine = np.asarray([int(time_due), signum, _ACTIONS.index(action)], np.int32)
+    table = mine[None] if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(mine))
+    actions = set(table[:, 2].tolist())
+    if len(actions) > 1:
+        per_process = {i: _ACTIONS[int(a)].value for i, a in enumerate(table[:, 2])}
+        raise ProcessesDisagreeError(
+            f"step {step}: the processes reached different outcomes {per_process}; their losses should be "
+            "identical (replicated). Check that every process runs the same code and config"
+        )
+    received = table[:, 1]
+    combined = int(received.max())
+    return Agreed(
+        time_save=bool(table[:, 0].max()),
+        stop=signal.Signals(combined).name if combined else None,
+        stopped_by=tuple(int(i) for i in np.flatnonzero(received)),
+    )
