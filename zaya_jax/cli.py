@@ -13,6 +13,7 @@ from typing import Any
 
 from zaya_jax.checkpoint import CheckpointSaveError
 from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
+from zaya_jax.files import storage_error_message
 from zaya_jax.resilience import NonFiniteLossError
 
 
@@ -21,18 +22,23 @@ def _print_json(obj: Any) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
+    """Both directions write their output beside ``dst`` and rename it into place when complete
+    (:mod:`zaya_jax.data.staging`): a killed conversion leaves no half-written ``dst``, and the same
+    command can be rerun; a rerun over a finished conversion checks that it holds the same result."""
     from zaya_jax import checkpoint
     from zaya_jax.config import RunConfig
+    from zaya_jax.data.staging import StagedDirectory, is_empty_dir
     from zaya_jax.interop.hf import load_hf_directory
 
     if args.direction == "zaya-to-hf":
         from zaya_jax.lm import export_hf
 
         _, step = export_hf(args.src, args.dst, dtype=args.dtype)
-        print(f"wrote {args.dst} (step {step}, {args.dtype})")
+        print(f"{args.dst}: step {step} of {args.src} in HF format ({args.dtype})")
         return 0
     dst = Path(args.dst)
-    if dst.exists() and any(dst.iterdir()):
+    converted_before = (dst / "config.yaml").is_file() and (dst / checkpoint.CHECKPOINTS).is_dir()
+    if dst.exists() and not is_empty_dir(dst) and not converted_before:
         raise SystemExit(f"zaya convert: {dst} exists and is not empty; choose a new destination")
     overrides = {}
     for text in args.set:
@@ -43,9 +49,44 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     model_cfg, variables = load_hf_directory(args.src, **overrides)
     cfg = Config(run=RunConfig(name=dst.name, dir=str(dst)), model=model_cfg)
     cfg.validate()
-    step_dir = checkpoint.save_model(dst, cfg, variables, step=0)
-    print(f"wrote {step_dir} ({model_cfg.num_layers} layers, {model_cfg.num_experts} experts)")
+    with StagedDirectory(dst, "zaya convert hf-to-zaya") as staged:
+        checkpoint.save_model(staged.path, cfg, variables, step=0)
+        staged.publish_or_match(_same_converted_run)
+    print(
+        f"{dst / checkpoint.CHECKPOINTS / '0'}: {model_cfg.num_layers} layers, {model_cfg.num_experts} experts"
+    )
     return 0
+
+
+def _same_converted_run(new: Path, existing: Path) -> bool:
+    """Whether a run directory written by ``zaya convert hf-to-zaya`` holds what ``new`` holds: the
+    same config.yaml bytes and one checkpoint (step 0) with the same config and arrays, bit for bit
+    (Orbax's files themselves differ between two writes: random file names and timestamps)."""
+    import jax
+    import numpy as np
+
+    from zaya_jax import checkpoint
+
+    if (new / "config.yaml").read_bytes() != (existing / "config.yaml").read_bytes():
+        return False
+    names = {p.name for p in (existing / checkpoint.CHECKPOINTS).iterdir()}
+    if sorted(names) != ["0"] or sorted(p.name for p in existing.iterdir()) != ["checkpoints", "config.yaml"]:
+        return False
+    try:
+        cfg_a, vars_a, _ = checkpoint.restore_model(new)
+        cfg_b, vars_b, _ = checkpoint.restore_model(existing)
+    except Exception:
+        return False
+    leaves_a, tree_a = jax.tree.flatten(vars_a)
+    leaves_b, tree_b = jax.tree.flatten(vars_b)
+    return (
+        cfg_a == cfg_b
+        and tree_a == tree_b
+        and all(
+            a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(leaves_a, leaves_b, strict=True)
+        )
+    )
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -247,8 +288,11 @@ def _interactive(lm: Any, args: argparse.Namespace) -> int:
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    import time
+
     from zaya_jax.data import prepare
 
+    started = time.perf_counter()
     manifest = prepare(
         args.inputs,
         args.out,
@@ -257,7 +301,8 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         on_bad_document=args.on_bad_document,
         text_field=args.text_field,
     )
-    _print_json({k: v for k, v in manifest.items() if k != "shards"})
+    summary = {k: v for k, v in manifest.items() if k != "shards"}
+    _print_json({**summary, "seconds": round(time.perf_counter() - started, 3)})
     return 0
 
 
@@ -666,6 +711,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         print(f"zaya {_name(argv)}: {err}", file=sys.stderr)
         return 2
+    except OSError as err:  # a full disk, a read-only or forbidden directory
+        print(f"zaya {_name(argv)}: {storage_error_message(err)}", file=sys.stderr)
+        return 1
 
 
 def _name(argv: list[str]) -> str:

@@ -8,6 +8,7 @@ after a write returns never loses it (the file and its directory entry are fsync
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -44,6 +45,11 @@ def atomic_file(path: str | Path, mode: str = "w", *, durable: bool = True) -> I
             if durable:
                 os.fsync(f.fileno())
         tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        if err.filename is None:  # a failed write() names no file: name the one being replaced
+            raise OSError(err.errno, err.strerror, str(path)) from err
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -89,3 +95,24 @@ def sha256_file(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+_STORAGE_FIXES = {
+    errno.ENOSPC: "free space on that file system, or point run.dir (or the output) at one with room",
+    errno.EDQUOT: "raise the disk quota, free space, or point run.dir (or the output) elsewhere",
+    errno.EROFS: "remount it read-write, or point run.dir (or the output) at a writable directory",
+    errno.EACCES: "check the directory's owner and permissions, or point run.dir (or the output) elsewhere",
+    errno.EPERM: "check the directory's owner and permissions, or point run.dir (or the output) elsewhere",
+}
+
+
+def storage_error_message(err: OSError) -> str:
+    """A one-line explanation of a failed file operation: the path, the cause, the fix, and that
+    nothing committed was lost (every write here is atomic: the old file stays until the new one
+    is complete)."""
+    where = f" {str(err.filename).removesuffix('.tmp')}" if err.filename else ""
+    fix = _STORAGE_FIXES.get(err.errno, "fix the storage problem")
+    return (
+        f"cannot write{where}: {err.strerror or err}. {fix}. Files and checkpoints written before are "
+        "intact: rerun the same command (zaya train resumes from its latest complete checkpoint)"
+    )

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -145,6 +146,8 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         batches.close()
         stop.restore()
         checkpoints.close()
+        if sys.exc_info()[1] is not None:  # failing: close the sinks now, quietly (not at exit)
+            writer.close(failing=True)
 
     # --- Summary ------------------------------------------------------------------------------------------
     summary = _summary(

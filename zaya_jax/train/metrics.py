@@ -219,14 +219,19 @@ class MetricsWriter:
         for tracker in self.trackers:
             tracker.rewind(step)
 
-    def close(self) -> None:
+    def close(self, *, failing: bool = False) -> None:
+        """Flush and close every sink. ``failing``: the run is ending on an error already being
+        reported (a full disk, say), so a sink that cannot flush is dropped quietly."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
-        for tracker in self.trackers:
-            tracker.close()
-        self._events.close()
+        for sink in [*self.trackers, self._events]:
+            try:
+                sink.close()
+            except OSError:
+                if not failing:
+                    raise
 
 
 def start_event(
