@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,10 @@ import numpy as np
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, DataConfig, ModelConfig
 from zaya_jax.data.sources import source_for_path
+from zaya_jax.data.staging import StagedDirectory, is_empty_dir, same_files
 from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
 from zaya_jax.eval import evaluate, evaluate_held_out
+from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import load_hf_directory, save_hf_directory
 from zaya_jax.model import Zaya
@@ -219,19 +220,29 @@ def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32")
     """``zaya convert zaya-to-hf``: a run or checkpoint as an HF ``save_pretrained`` directory
     (config, generation config, weights) with the run's tokenizer when it is a ``tokenizer.json``
     (copied, plus a ``tokenizer_config.json`` naming its special tokens), so that ``transformers``
-    and ``lm_eval --model hf`` load it with its tokenizer. Returns (directory, step)."""
+    and ``lm_eval --model hf`` load it with its tokenizer. Returns (directory, step).
+
+    The directory is written beside ``destination`` and renamed into place when complete
+    (:mod:`zaya_jax.data.staging`): a killed export leaves no ``destination`` (or the empty one it
+    found), and rerunning it succeeds. When ``destination`` already holds an export, it is exported
+    again beside it: byte-identical files leave it as it is; anything else is refused."""
+    destination = Path(destination)
+    if destination.exists() and not is_empty_dir(destination) and not (destination / "config.json").is_file():
+        raise FileExistsError(f"{destination} exists and is not empty; choose a new destination")
     run_config, variables, step = checkpoint.restore_model(path)
-    destination = save_hf_directory(destination, run_config.model, variables, dtype=dtype)
-    tok = _find_tokenizer(Path(path), run_config)
-    if isinstance(tok, HFTokenizer):
-        shutil.copyfile(tok.path, destination / "tokenizer.json")
-        names = {
-            f"{kind}_token": tok.id_to_token(getattr(tok, f"{kind}_id")) for kind in ("bos", "eos", "pad")
-        }
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "model_max_length": run_config.model.max_position_embeddings,
-            **names,
-        }
-        (destination / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    with StagedDirectory(destination, "zaya convert zaya-to-hf") as staged:
+        save_hf_directory(staged.path, run_config.model, variables, dtype=dtype)
+        tok = _find_tokenizer(Path(path), run_config)
+        if isinstance(tok, HFTokenizer):
+            write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())
+            names = {
+                f"{kind}_token": tok.id_to_token(getattr(tok, f"{kind}_id")) for kind in ("bos", "eos", "pad")
+            }
+            config = {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "model_max_length": run_config.model.max_position_embeddings,
+                **names,
+            }
+            write_atomic(staged.path / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        staged.publish_or_match(same_files)
     return destination, step

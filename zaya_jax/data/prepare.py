@@ -6,16 +6,23 @@ little-endian ``uint16`` (every id < 2**16) or ``uint32``. Documents are dealt r
 ``i`` is record ``i // num_shards`` of shard ``i % num_shards``, so reading the shards back gives
 the documents in input order and shards differ in size by at most one document.
 
-The manifest is written last, through a temporary file renamed into place: a directory without
-``manifest.json`` is an unfinished preparation and is never read. Reading verifies every shard's
-size and sha256 against the manifest and that the manifest's tokenizer is the one in use.
+The whole directory is written beside the destination and renamed into place when complete
+(:mod:`zaya_jax.data.staging`): a killed preparation leaves no output directory (only a hidden
+``.<name>.partial`` that the next run of the same command removes), and the manifest is written last,
+so a directory without ``manifest.json`` is never read. A rerun of a preparation that had finished
+prepares again and succeeds when the result is byte-identical to what is there (the manifest holds
+no time or other varying field), and refuses otherwise. Reading verifies every shard's size and
+sha256 against the manifest and that the manifest's tokenizer is the one in use; every document read
+afterwards checks that its shard is still the file verified on open (not removed, replaced or
+truncated since), so a shard lost mid-run is a :class:`DataError` naming it, never an empty or wrong
+document.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import time
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +31,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
+from zaya_jax.data.staging import StagedDirectory, StagingError, is_empty_dir, same_files
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 from zaya_jax.files import sha256_file, write_atomic
 
@@ -42,18 +50,18 @@ def shard_name(index: int, num_shards: int) -> str:
     return f"shard-{index:05d}-of-{num_shards:05d}.array_record"
 
 
-def _check_out_dir(out: Path) -> bool:
-    """Refuse anything but a new or empty directory; returns whether it must be created."""
+def _check_out_dir(out: Path) -> None:
+    """Refuse anything but a new directory, an empty one, or an earlier complete preparation (whose
+    bytes must then match this one's; see :func:`prepare`)."""
     if not out.exists():
-        return True
+        return
     if not out.is_dir():
         raise DataError(f"output directory {out} is a file; give a new directory for the prepared shards")
-    if any(out.iterdir()):
+    if not is_empty_dir(out) and not (out / MANIFEST).is_file():
         raise DataError(
             f"output directory {out} already exists and is not empty; prepare never overwrites data: "
             "choose a new directory or delete this one"
         )
-    return False
 
 
 def prepare(
@@ -68,9 +76,13 @@ def prepare(
 
     ``inputs``: text files, directories (every file a document) or globs, ``*.jsonl`` files (field
     ``text_field``) and ``*.parquet`` files (column ``text_field``); the kind follows the extension,
-    and text and JSONL files may be ``.gz`` or ``.zst`` compressed. Returns the
-    manifest (also written to ``out_dir/manifest.json``). On any error the files written so far are
-    removed, so the same command can be rerun.
+    and text and JSONL files may be ``.gz`` or ``.zst`` compressed. Returns the manifest (also
+    written to ``out_dir/manifest.json``).
+
+    ``out_dir`` appears complete or not at all (see the module doc): on any error, or when the
+    process is killed, no output directory is left, and the same command can be rerun. When
+    ``out_dir`` already holds a finished preparation, it is prepared again beside it: a
+    byte-identical result leaves it as it is and succeeds; a different one is refused.
     """
     if not inputs:
         raise DataError("no inputs given; name the text, JSONL or Parquet files (or directories) to prepare")
@@ -79,11 +91,31 @@ def prepare(
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(out_dir)
-    create = _check_out_dir(out)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = [out / shard_name(i, num_shards) for i in range(num_shards)]
+    _check_out_dir(out)
+    try:
+        with StagedDirectory(out, "zaya data prepare") as staged:
+            manifest = _write_shards(
+                inputs, staged.path, tokenizer, dtype, num_shards, on_bad_document, text_field
+            )
+            if not staged.publish_or_match(same_files):
+                verify_shards(out, read_manifest(out))
+    except StagingError as err:
+        raise DataError(str(err)) from None
+    return manifest
+
+
+def _write_shards(
+    inputs: Sequence[str | Path],
+    directory: Path,
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    num_shards: int,
+    on_bad_document: OnBadDocument,
+    text_field: str,
+) -> dict[str, Any]:
+    """Write the shards and then the manifest into the (new, empty) ``directory``."""
+    paths = [directory / shard_name(i, num_shards) for i in range(num_shards)]
     writers: list[ArrayRecordWriter] = []
-    started = time.perf_counter()
     try:
         writers = [ArrayRecordWriter(str(p), _WRITER_OPTIONS) for p in paths]
         records = [0] * num_shards
@@ -122,43 +154,35 @@ def prepare(
                     "problems": bad.problems,
                 }
             )
-        for writer in writers:
-            writer.close()
-        shards = [
-            {
-                "file": p.name,
-                "records": records[i],
-                "tokens": tokens[i],
-                "bytes": p.stat().st_size,
-                "sha256": sha256_file(p),
-            }
-            for i, p in enumerate(paths)
-        ]
-        manifest = {
-            "format": FORMAT,
-            "format_version": FORMAT_VERSION,
-            "tokenizer": tokenizer.spec,
-            "dtype": dtype.name,
-            "byte_order": "little",
-            "layout": "round_robin",
-            "eos_appended": False,
-            "shards": shards,
-            "documents": sum(records),
-            "tokens": sum(tokens),
-            "skipped_documents": sum(s["skipped_documents"] for s in input_stats),
-            "inputs": input_stats,
-            "seconds": round(time.perf_counter() - started, 3),
-        }
-        write_atomic(out / MANIFEST, json.dumps(manifest, indent=2))
-    except BaseException:
+    finally:
         for writer in writers:
             if writer.is_open():
                 writer.close()
-        for p in paths:
-            p.unlink(missing_ok=True)
-        if create:
-            out.rmdir()
-        raise
+    shards = [
+        {
+            "file": p.name,
+            "records": records[i],
+            "tokens": tokens[i],
+            "bytes": p.stat().st_size,
+            "sha256": sha256_file(p),
+        }
+        for i, p in enumerate(paths)
+    ]
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "tokenizer": tokenizer.spec,
+        "dtype": dtype.name,
+        "byte_order": "little",
+        "layout": "round_robin",
+        "eos_appended": False,
+        "shards": shards,
+        "documents": sum(records),
+        "tokens": sum(tokens),
+        "skipped_documents": sum(s["skipped_documents"] for s in input_stats),
+        "inputs": input_stats,
+    }
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
 
 
@@ -214,6 +238,18 @@ def verify_shards(directory: str | Path, manifest: dict[str, Any]) -> None:
         _VERIFIED[key] = digest
 
 
+_SHARD_FIX = (
+    "restore the file (or prepare the data again with `zaya data prepare`) and rerun the same command: "
+    "training resumes from its last complete checkpoint"
+)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    """(device, inode, size, mtime_ns): changes when a file is removed, replaced, truncated or written."""
+    stat = os.stat(path)
+    return stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns
+
+
 class PreparedDocuments:
     """Random access to the documents of a prepared directory, verified on open.
 
@@ -228,9 +264,11 @@ class PreparedDocuments:
                 f"{self.directory} was tokenized with {self.manifest['tokenizer']} but the tokenizer in use is "
                 f"{tokenizer.spec}; set data.tokenizer to the one the data was prepared with, or prepare it again"
             )
-        verify_shards(self.directory, self.manifest)
-        self._dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         shards = self.manifest["shards"]
+        self._paths = [self.directory / shard["file"] for shard in shards]
+        verify_shards(self.directory, self.manifest)
+        identities = [_identity(path) for path in self._paths]  # of the files just verified
+        self._dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self._num_shards = len(shards)
         self._len = int(self.manifest["documents"])
         for s, shard in enumerate(shards):
@@ -240,13 +278,17 @@ class PreparedDocuments:
                     f"{self.directory / MANIFEST} lists {shard['records']} records in {shard['file']} but the "
                     f"round-robin layout of {self._len} documents gives {expected}; prepare the data again"
                 )
-        self._readers = [ArrayRecordReader(str(self.directory / s["file"]), _READER_OPTIONS) for s in shards]
+        self._readers = [ArrayRecordReader(str(path), _READER_OPTIONS) for path in self._paths]
         for reader, shard in zip(self._readers, shards, strict=True):
             if reader.num_records() != shard["records"]:
                 raise DataError(
                     f"shard {self.directory / shard['file']} holds {reader.num_records()} records but the "
                     f"manifest says {shard['records']}; prepare the data again"
                 )
+        # Every read checks that its shard is still the file verified and opened here.
+        self._identities = identities
+        for path, identity in zip(self._paths, identities, strict=True):
+            self._check_unchanged(path, identity)
 
     @property
     def num_tokens(self) -> int:
@@ -263,8 +305,40 @@ class PreparedDocuments:
         index = int(index)
         if not 0 <= index < self._len:
             raise IndexError(f"document {index} out of range for {self._len} documents")
-        (record,) = self._readers[index % self._num_shards].read([index // self._num_shards])
+        shard = index % self._num_shards
+        path = self._paths[shard]
+        # An open ArrayRecord reader keeps reading a removed file and returns empty records from a
+        # truncated one: check the file first, and never hand on an empty record (none is written).
+        self._check_unchanged(path, self._identities[shard])
+        try:
+            (record,) = self._readers[shard].read([index // self._num_shards])
+        except Exception as err:
+            raise DataError(
+                f"reading document {index} from shard {path} failed ({err}); {_SHARD_FIX}"
+            ) from None
+        if not record:
+            raise DataError(
+                f"shard {path} returned an empty record for document {index}: the file was truncated or "
+                f"overwritten after it was verified; {_SHARD_FIX}"
+            )
         return np.frombuffer(record, dtype=self._dtype)
+
+    def _check_unchanged(self, path: Path, identity: tuple[int, int, int, int]) -> None:
+        try:
+            now = _identity(path)
+        except FileNotFoundError:
+            raise DataError(
+                f"shard {path} was removed after this process verified and opened it; {_SHARD_FIX}"
+            ) from None
+        if now != identity:
+            what = "replaced or modified"
+            if now[2] != identity[2]:
+                what = (
+                    f"{'truncated' if now[2] < identity[2] else 'modified'} ({identity[2]} -> {now[2]} bytes)"
+                )
+            raise DataError(
+                f"shard {path} was {what} after this process verified and opened it; {_SHARD_FIX}"
+            )
 
 
 def open_prepared(directory: str | Path, tokenizer: Tokenizer | None = None) -> PreparedDocuments:

@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
+from zaya_jax.files import write_atomic
 from zaya_jax.interop.safetensors_io import SHARD_BYTES, read_directory, write_directory
 from zaya_jax.model import BALANCING, abstract_variables
 
@@ -585,6 +586,9 @@ def save_hf_directory(
     """Write a ``save_pretrained``-compatible directory: config.json, generation_config.json (the
     special ids; generation stops on every id of the EOS list) and the weights (tied head omitted)
     as model.safetensors, or shards of at most ``max_shard_bytes`` with model.safetensors.index.json.
+    Every file is written atomically and config.json last, so an interrupted write never leaves a
+    directory that looks complete; ``zaya convert`` (:func:`zaya_jax.lm.export_hf`) also builds the
+    whole directory beside its destination and renames it into place.
 
     ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
     """
@@ -605,17 +609,18 @@ def save_hf_directory(
         for name, value in variables_to_hf(variables, cfg).items()
     }
     write_directory(directory, tensors, max_shard_bytes)
+    generation = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    write_atomic(directory / "generation_config.json", json.dumps(generation, indent=2) + "\n")
     config = {
         "architectures": ["ZayaForCausalLM"],
         "model_type": "zaya",
         "dtype": dtype,
         **model_to_hf_config(cfg),
     }
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    generation = {
-        "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
-        "pad_token_id": cfg.pad_token_id,
-    }
-    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    # Last: a directory with config.json holds every file (transformers and zaya_jax.load look for it).
+    write_atomic(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory

@@ -113,6 +113,8 @@ def write_directory(
     for name, shard in zip(names, shards, strict=True):
         tmp = directory / (name + ".tmp")
         save_file(shard, str(tmp), metadata={"format": "pt"})
+        with tmp.open("rb") as f:  # on disk before its name is (write_atomic does the same)
+            os.fsync(f.fileno())
         os.replace(tmp, directory / name)
     if len(shards) > 1:
         index = {
