@@ -12,6 +12,7 @@ from tests.data.corpora import train_bpe_tokenizer, write_jsonl, write_parquet
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import ByteTokenizer, DataError, HFTokenizer, make_row_iterator, open_prepared, prepare
 from zaya_jax.data.prepare import MANIFEST, shard_name
+from zaya_jax.data.staging import StagedDirectory, lock_path, staging_path
 
 TEXTS = ["first text file", "second, longer text file ü", "jsonl one", "jsonl two", "pq a", "pq b", "pq c"]
 
@@ -130,3 +131,54 @@ def test_hf_tokenized_shards_hold_the_tokenizer_ids(tmp_path):
     docs = open_prepared(out, hf)
     for i, text in enumerate(TEXTS):
         np.testing.assert_array_equal(docs[i], hf.encode(text))
+
+
+def _files(directory):
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_a_killed_preparation_leaves_no_output_and_the_rerun_finishes_identically(tmp_path):
+    inputs = make_inputs(tmp_path)
+    reference = prepare(inputs, tmp_path / "reference" / "prepared", num_shards=2)
+    # what a preparation killed while writing leaves: its staging directory and a free lock beside it
+    out = tmp_path / "data" / "prepared"
+    out.parent.mkdir()
+    staging, lock = staging_path(out), lock_path(out)
+    staging.mkdir()
+    (staging / shard_name(0, 2)).write_bytes(b"half a shard")
+    lock.write_text("12345 zaya data prepare\n")
+    with pytest.raises(DataError, match=r"has no manifest\.json"):
+        open_prepared(staging)  # never read
+    assert prepare(inputs, out, num_shards=2) == reference
+    assert sorted(p.name for p in out.parent.iterdir()) == ["prepared"]  # staging and lock gone
+    assert _files(out) == _files(tmp_path / "reference" / "prepared")  # byte for byte
+    assert "seconds" not in reference  # nothing in the manifest varies between two preparations
+
+
+def test_a_rerun_over_a_finished_preparation_succeeds_only_when_identical(tmp_path):
+    inputs = make_inputs(tmp_path)
+    out = tmp_path / "prepared"
+    manifest = prepare(inputs, out, num_shards=2)
+    before = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    assert prepare(inputs, out, num_shards=2) == manifest  # the job was requeued after it finished
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before  # left as it was
+    with pytest.raises(DataError, match="not empty; zaya data prepare never overwrites"):
+        prepare(inputs, out, num_shards=3)  # another preparation: refused
+    assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_staging_directory_in_use_or_not_provably_ours_is_refused_and_kept(tmp_path):
+    inputs = make_inputs(tmp_path)
+    out = tmp_path / "prepared"
+    staging = staging_path(out)
+    staging.mkdir()
+    (staging / "notes.txt").write_text("someone else's")  # no lock file beside it
+    with pytest.raises(DataError, match=r"has no \.prepared\.partial\.lock beside it"):
+        prepare(inputs, out)
+    assert (staging / "notes.txt").read_text() == "someone else's"
+    (staging / "notes.txt").unlink()
+    busy = pytest.raises(DataError, match="being written by another process right now")
+    with StagedDirectory(out, "zaya data prepare"), busy:  # another preparation holds the lock
+        prepare(inputs, out)
+    assert not out.exists() and not staging.exists()
