@@ -7,6 +7,10 @@ at the end, the largest sample in between, and the growth from the first to the 
 bar: at most 5%). Not a timed test: it only reads memory.
 
     python bench/soak.py [--steps 2000] [--after 200] [--dir /tmp/zaya_soak]
+    python bench/soak.py --analyze /tmp/zaya_soak/soak_samples.json   # the report again, no run
+
+Besides the two end points it prints, per 200-step window, the median and the largest RSS, so a
+slow climb (a leak) can be told from the allocator's swings around checkpoints and evaluations.
 """
 
 from __future__ import annotations
@@ -42,7 +46,11 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--after", type=int, default=200, help="the step whose RSS is the baseline")
     parser.add_argument("--dir", default="/tmp/zaya_soak")
+    parser.add_argument("--analyze", help="a soak_samples.json from an earlier run: report it, run nothing")
     args = parser.parse_args()
+    if args.analyze:
+        print(json.dumps(report(json.loads(Path(args.analyze).read_text()), args.after), indent=2))
+        return 0
     run = Path(args.dir) / "run"
     shutil.rmtree(run, ignore_errors=True)
     cmd = [sys.executable, "-m", "zaya_jax.cli", "train", "tiny", f"train.steps={args.steps}",
@@ -59,27 +67,37 @@ def main() -> int:
     if proc.returncode != 0:
         print(err[-3000:], file=sys.stderr)
         return proc.returncode
-    after = [s for s in samples if s[1] >= args.after]
-    if not after:
-        print(f"no sample at or after step {args.after}", file=sys.stderr)
-        return 1
-    base, end = after[0], after[-1]
-    peak = max(s[2] for s in after)
-    result = {
-        "steps": args.steps,
-        "wall_s": round(time.time() - started, 1),
+    (Path(args.dir) / "soak_samples.json").write_text(json.dumps(samples))
+    result = report(samples, args.after)
+    print(json.dumps({"steps": args.steps, "wall_s": round(time.time() - started, 1), **result}, indent=2))
+    return 0
+
+
+def report(samples: list[tuple[float, int, float]], after: int) -> dict:
+    later = [s for s in samples if s[1] >= after]
+    if not later:
+        raise SystemExit(f"no sample at or after step {after}")
+    base, end = later[0], later[-1]
+    peak = max(s[2] for s in later)
+    windows = {}
+    for start in range(0, max(s[1] for s in samples) + 1, 200):
+        values = sorted(s[2] for s in samples if start <= s[1] < start + 200)
+        if values:
+            windows[f"{start}-{start + 199}"] = {
+                "median_mib": round(values[len(values) // 2]),
+                "max_mib": round(values[-1]),
+            }
+    return {
         "baseline_step": base[1],
         "rss_at_baseline_mib": round(base[2], 1),
         "last_sampled_step": end[1],
         "rss_at_end_mib": round(end[2], 1),
-        "peak_after_baseline_mib": round(peak, 1),
         "growth_pct": round(100 * (end[2] - base[2]) / base[2], 2),
+        "peak_after_baseline_mib": round(peak, 1),
         "peak_growth_pct": round(100 * (peak - base[2]) / base[2], 2),
         "samples": len(samples),
+        "windows": windows,
     }
-    print(json.dumps(result, indent=2))
-    (Path(args.dir) / "soak_samples.json").write_text(json.dumps(samples))
-    return 0
 
 
 if __name__ == "__main__":
