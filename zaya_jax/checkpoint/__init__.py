@@ -33,7 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
-from zaya_jax.checkpoint.fingerprint import fingerprints, mismatches
+from zaya_jax.checkpoint.fingerprint import fingerprints, mismatches, stored_in
 from zaya_jax.config import Config, config_from_dict, save_config, to_dict
 
 MODEL_ITEMS = ("params", "balancing")
@@ -140,12 +140,14 @@ def verify(step_dir: Path, saved: dict[str, str] | None, restored: dict[str, Any
         return
     bad = mismatches(saved, _fingerprints(restored))
     if bad:
-        items = sorted({name.split("/")[0] for name in bad})
-        shown = ", ".join(bad[:8]) + (f" and {len(bad) - 8} more" if len(bad) > 8 else "")
+        shown = [
+            f"{name} (files: {', '.join(stored_in(step_dir, name)) or step_dir / name.split('/')[0]})"
+            for name in bad[:8]
+        ]
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
         raise CheckpointCorruptError(
-            f"{len(bad)} array(s) of {step_dir} read back different from what was saved: {shown} (stored "
-            f"under {', '.join(str(step_dir / item) for item in items)}); the files changed on disk after "
-            "the save (storage fault or an interrupted copy)"
+            f"{len(bad)} array(s) of {step_dir} read back different from what was saved: {'; '.join(shown)}{more}. "
+            "The files changed on disk after the save (a storage fault or an interrupted copy)"
         )
 
 

@@ -20,10 +20,12 @@ leaves a window in which a committed step has no record.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import tensorstore as ts
 
 _UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -70,3 +72,43 @@ def _key(entry: Any) -> str:
 def mismatches(saved: dict[str, str], restored: dict[str, str]) -> list[str]:
     """The arrays of ``restored`` whose fingerprint differs from (or is missing in) ``saved``."""
     return [name for name, value in restored.items() if saved.get(name) != value]
+
+
+def stored_in(step_dir: Path, name: str) -> list[str]:
+    """The files under ``step_dir`` that hold array ``name`` ("params/final_norm/scale"), read from
+    the item's OCDBT b-tree (Orbax's default format packs many arrays into each data file). Used to
+    name the damaged file in an error; empty when the layout cannot be read."""
+    item, _, array = name.partition("/")
+    root = step_dir / item
+    prefix = array.replace("/", ".") + "/"
+    try:
+        kvstore = ts.KvStore.open(f"file://{root.absolute()}/").result()
+        manifest = ts.ocdbt.dump(kvstore).result()
+        files: set[str] = set()
+        _collect(kvstore, manifest["versions"][-1]["root"]["location"], prefix.encode(), files)
+    except Exception:  # not OCDBT, or unreadable: the caller names the item directory instead
+        return []
+    return sorted(str(root / f) for f in files)
+
+
+def _collect(kvstore: Any, location: str, prefix: bytes, files: set[str]) -> None:
+    node_file = _file_of(location)
+    for entry in ts.ocdbt.dump(kvstore, location).result().get("entries", []):
+        key = entry.get("key", b"")
+        if "indirect_value" in entry and key.startswith(prefix):
+            files.add(_file_of(entry["indirect_value"]))
+        elif "inline_value" in entry and key.startswith(prefix):
+            files.add(node_file)
+        else:
+            for value in entry.values():  # an interior node: its children
+                if isinstance(value, str) and value.startswith("btreenode:"):
+                    _collect(kvstore, value, prefix, files)
+
+
+def _file_of(location: str) -> str:
+    """``value:ocdbt.process_0/:d/4d46...:0:31308`` or ``btreenode::d/102e...:0:6764`` (kind, base
+    path, file, offset, length) -> the file relative to the item directory."""
+    _, rest = location.split(":", 1)
+    path, _, _ = rest.rsplit(":", 2)
+    base, relative = path.split(":", 1)
+    return base + relative
