@@ -397,6 +397,7 @@ def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
     :class:`CheckpointCorruptError` instead."""
     checkpoints, step = resolve(path)
     explicit = Path(path).parent.name == CHECKPOINTS
+    set_aside: set[int] = set()
     while True:
         try:
             return _restore_model_step(checkpoints, step)
@@ -404,7 +405,13 @@ def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
             if explicit:
                 raise
             _set_aside(checkpoints, step, err)
-            checkpoints, step = resolve(checkpoints.parent)  # the latest remaining, or not found
+            set_aside.add(step)
+            remaining = [s for s in manager(checkpoints).all_steps() if s not in set_aside]
+            if not remaining:
+                raise CheckpointNotFoundError(
+                    f"{checkpoints} holds no checkpoint that passes its check"
+                ) from err
+            step = max(remaining)
 
 
 def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str, Any], int]:
