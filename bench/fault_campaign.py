@@ -5,7 +5,12 @@ kill moments and the definition of "lost" are in tests/resilience/campaign.py (i
 CI runs a short subset of it (tests/resilience/test_campaign.py). Usage:
 
     python bench/fault_campaign.py --seed 0 --kills 30 [--kills-per-trial 1] [--prepare-kills 10]
-        [--convert-kills 10] [--steps 12] [--documents 150000] [--dir DIR] [--keep] [--parallel]
+        [--convert-kills 10] [--steps 12] [--documents 150000] [--convert-model larger|mini]
+        [--dir DIR] [--keep] [--parallel]
+
+``--kills N``: N SIGKILLs that hit a live process (a drawn moment that comes after the process has
+finished is counted as missed and the next one drawn). A warm-up run fills the compilation cache
+first, so the reference's timeline (from which the kill moments are scaled) is that of a restart.
 
 Prints the table (markdown, for bench/RESULTS.md) and every failed check; exits 1 when a check
 failed. The same seed draws the same kill moments (where they land also depends on the machine's
@@ -24,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
 
-from tests.resilience.campaign import run_campaign, table
+from tests.resilience.campaign import LARGER_MODEL, MINI_MODEL, run_campaign, table
 
 
 def main() -> int:
@@ -38,6 +43,12 @@ def main() -> int:
     parser.add_argument("--convert-kills", type=int, default=10, help="SIGKILLs of zaya convert, each way")
     parser.add_argument("--steps", type=int, default=12, help="training steps (one async checkpoint each)")
     parser.add_argument("--documents", type=int, default=150_000, help="documents of the prepare corpus")
+    parser.add_argument(
+        "--convert-model",
+        choices=["larger", "mini"],
+        default="larger",
+        help="the model converted: 25M parameters (default; writing it takes long enough to be hit) or MINI",
+    )
     parser.add_argument("--dir", default=None, help="working directory (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the trials that passed too")
     parser.add_argument("--parallel", action="store_true", help="run train beside prepare/convert")
@@ -56,6 +67,8 @@ def main() -> int:
         convert_kills=args.convert_kills,
         steps=args.steps,
         corpus_documents=args.documents,
+        convert_model=LARGER_MODEL if args.convert_model == "larger" else MINI_MODEL,
+        warmup=True,
         parallel=args.parallel,
         keep_outputs=args.keep,
     )

@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -284,9 +284,17 @@ class TrainReference:
         return kill.u * self.windows[kill.anchor]
 
 
-def train_reference(root: Path, steps: int = 12, every: int = 1, keep: int = 2) -> TrainReference:
+def train_reference(
+    root: Path, steps: int = 12, every: int = 1, keep: int = 2, warmup: bool = False
+) -> TrainReference:
     """The uninterrupted run (the trials' command, but keeping every checkpoint for the per-step
-    comparison) and its timeline of heartbeats."""
+    comparison) and its timeline of heartbeats. ``warmup``: run it once before, so that the timed
+    run (and the start-up window) finds every program in the compilation cache, as the trials do."""
+    if warmup:
+        outcome = run_child(train_cmd(root / "warmup", steps, every, keep))
+        if outcome.returncode != 0:
+            raise RuntimeError(f"the warm-up run failed ({outcome.returncode}):\n{outcome.stderr[-3000:]}")
+        shutil.rmtree(root / "warmup")
     run = root / "reference"
     beats: dict[int, float] = {}
     start = time.monotonic()
@@ -308,10 +316,12 @@ def train_reference(root: Path, steps: int = 12, every: int = 1, keep: int = 2) 
     return TrainReference(run, steps, every, keep, windows)
 
 
-def plan_train(seed: int, kills: int, steps: int) -> list[Kill]:
-    """``kills`` moments: anchor uniform over the process start and steps 1..steps, then u."""
+def plan_train(seed: int, steps: int) -> Iterator[Kill]:
+    """The seeded sequence of moments: anchor uniform over the process start and steps 1..steps,
+    then u. Trials take from it until enough kills have hit a live process."""
     rng = random.Random(f"{seed}-train")
-    return [Kill(rng.randrange(steps + 1), rng.random()) for _ in range(kills)]
+    while True:
+        yield Kill(rng.randrange(steps + 1), rng.random())
 
 
 def _train_landing(run: Path, pid: int, steps: int) -> str:
@@ -373,7 +383,7 @@ def train_trial(ref: TrainReference, run: Path, kills: list[Kill], tally: Tally,
         if not steps:
             continue
         latest = max(steps)
-        _check_latest(ref, run, latest, tally, what)
+        check_latest(ref, run, latest, tally, what)
         if any(not _restorable(run, s) for s in steps if s != latest):
             tally.notes["kills that interrupted a retention deletion (an older step half-deleted)"] += 1
         expectations.append((len(_events(run)), latest, what))
@@ -391,7 +401,7 @@ def train_trial(ref: TrainReference, run: Path, kills: list[Kill], tally: Tally,
     _check_finished_run(ref, run, expectations, tally)
 
 
-def _check_latest(ref: TrainReference, run: Path, latest: int, tally: Tally, what: str) -> None:
+def check_latest(ref: TrainReference, run: Path, latest: int, tally: Tally, what: str) -> None:
     try:
         variables = restore_variables(run / "checkpoints" / str(latest))
     except Exception as err:
@@ -466,8 +476,17 @@ def output_reference(
     out: Path,
     same: Callable[[Path, Path], bool],
     check_complete: Callable[[Path], None] | None = None,
+    warmup: bool = False,
 ) -> OutputReference:
+    """The uninterrupted run and its timeline (``warmup``: after one run to warm the page and
+    compilation caches, as the trials find them)."""
     out.parent.mkdir(parents=True, exist_ok=True)
+    if warmup:
+        scratch = out.parent / "warmup"
+        scratch.mkdir()
+        if run_child(command(scratch / out.name)).returncode != 0:
+            raise RuntimeError(f"the warm-up run of {command(out)} failed")
+        shutil.rmtree(scratch)
     appeared = new_entry_in(out.parent)
     first: list[float] = []
     published: list[float] = []
@@ -490,11 +509,12 @@ def output_reference(
     return OutputReference(command, out, [begin, max(0.01, 1.1 * (end - begin))], same, check_complete)
 
 
-def plan_output(seed: int, target: str, kills: int) -> list[Kill]:
-    """``kills`` moments: 85% after the output's first file appears (the writing), 15% from the
-    process start (imports, reading the inputs)."""
+def plan_output(seed: int, target: str) -> Iterator[Kill]:
+    """The seeded sequence of moments: 85% after the output's first file appears (the writing),
+    15% from the process start (imports, reading the inputs)."""
     rng = random.Random(f"{seed}-{target}")
-    return [Kill(1 if rng.random() < 0.85 else 0, rng.random()) for _ in range(kills)]
+    while True:
+        yield Kill(1 if rng.random() < 0.85 else 0, rng.random())
 
 
 def _output_anchor(parent: Path, kill: Kill) -> Callable[[subprocess.Popen], bool]:
@@ -578,22 +598,37 @@ def write_corpus(path: Path, documents: int, seed: int = 0) -> Path:
     return path
 
 
-def prepare_reference(root: Path, corpus: Path, shards: int = 4) -> OutputReference:
+def prepare_reference(root: Path, corpus: Path, shards: int = 4, warmup: bool = False) -> OutputReference:
     from zaya_jax.data import open_prepared
 
     def command(out: Path) -> list[str]:
         return [*CLI, "data", "prepare", str(corpus), "--out", str(out), "--shards", str(shards)]
 
-    return output_reference(command, root / "reference" / "prepared", same_files, open_prepared)
+    return output_reference(command, root / "reference" / "prepared", same_files, open_prepared, warmup)
 
 
-def make_hf_source(path: Path, seed: int = 0) -> Path:
-    """A tiny HF ``save_pretrained`` directory (the MINI model, random weights), written in process."""
+MINI_MODEL = [o for o in MINI if o.startswith("model.")]
+# 25M parameters (100 MB of float32): big enough that writing it takes a while to be killed in
+LARGER_MODEL = [
+    "model.hidden_size=256",
+    "model.num_layers=4",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=64",
+    "model.num_experts=8",
+    "model.moe_intermediate_size=1024",
+    "model.router_hidden_size=64",
+]
+
+
+def make_hf_source(path: Path, model: list[str] = MINI_MODEL, seed: int = 0) -> Path:
+    """An HF ``save_pretrained`` directory of the ``tiny`` preset with the ``model`` overrides and
+    random weights, written in process."""
     from zaya_jax.config import load_config
     from zaya_jax.interop.hf import save_hf_directory
     from zaya_jax.model import init_variables
 
-    cfg = load_config("tiny", [o for o in MINI if o.startswith("model.")]).model
+    cfg = load_config("tiny", model).model
     save_hf_directory(path, cfg, init_variables(cfg, seed))
     return path
 
@@ -621,20 +656,22 @@ def _loadable(path: Path) -> None:
     zaya_jax.load(path)
 
 
-def convert_references(root: Path, hf_source: Path) -> tuple[OutputReference, OutputReference]:
+def convert_references(
+    root: Path, hf_source: Path, warmup: bool = False
+) -> tuple[OutputReference, OutputReference]:
     """(hf-to-zaya from ``hf_source``, zaya-to-hf from that reference's output)."""
 
     def to_zaya(out: Path) -> list[str]:
         return [*CLI, "convert", "hf-to-zaya", str(hf_source), str(out)]
 
     to_zaya_ref = output_reference(
-        to_zaya, root / "reference-hf-to-zaya" / "zaya", same_converted_run, _loadable
+        to_zaya, root / "reference-hf-to-zaya" / "zaya", same_converted_run, _loadable, warmup
     )
 
     def to_hf(out: Path) -> list[str]:
         return [*CLI, "convert", "zaya-to-hf", str(to_zaya_ref.path), str(out)]
 
-    to_hf_ref = output_reference(to_hf, root / "reference-zaya-to-hf" / "hf", same_files, _loadable)
+    to_hf_ref = output_reference(to_hf, root / "reference-zaya-to-hf" / "hf", same_files, _loadable, warmup)
     return to_zaya_ref, to_hf_ref
 
 
@@ -654,14 +691,19 @@ def run_campaign(
     every: int = 1,
     keep: int = 2,
     corpus_documents: int = 20_000,
+    convert_model: list[str] = MINI_MODEL,
+    warmup: bool = False,
     parallel: bool = False,
     keep_outputs: bool = False,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> list[Tally]:
-    """The whole campaign under ``root``: train (``train_kills`` kills, ``kills_per_trial`` per
-    run), data prepare (``prepare_kills``) and convert (``convert_kills`` each way). With
-    ``parallel``, train runs beside the rest (two children at a time). A trial's directory is
-    removed once it passed, unless ``keep_outputs``. Returns one :class:`Tally` per target."""
+    """The whole campaign under ``root``: ``train_kills`` SIGKILLs of zaya train (``kills_per_trial``
+    per run), ``prepare_kills`` of zaya data prepare and ``convert_kills`` of zaya convert each way.
+    Each target takes moments from its seeded sequence until that many kills have hit a live process
+    (a moment that comes after the process has finished counts as missed, and the next is drawn; at
+    most twice the number asked for plus 5 are drawn). With ``parallel``, train runs beside the rest
+    (two children at a time). A trial's directory is removed once it passed, unless
+    ``keep_outputs``. Returns one :class:`Tally` per target."""
     train = Tally("zaya train")
     prepare = Tally("zaya data prepare")
     to_zaya = Tally("zaya convert hf-to-zaya")
@@ -671,38 +713,47 @@ def run_campaign(
         if not keep_outputs and len(tally.failures) == failures_before:
             shutil.rmtree(path, ignore_errors=True)
 
+    def draws_left(tally: Tally, wanted: int, trials: int) -> bool:
+        return tally.faults < wanted and max(tally.faults + tally.missed, trials) < 2 * wanted + 5
+
     def train_part() -> None:
-        ref = train_reference(root / "train", steps, every, keep)
+        ref = train_reference(root / "train", steps, every, keep, warmup)
         log(f"train: reference done, windows (s) {[round(w, 2) for w in ref.windows]}")
-        plan = plan_train(seed, train_kills, steps)
-        for t, first in enumerate(range(0, len(plan), kills_per_trial)):
+        plan = plan_train(seed, steps)
+        t = 0
+        while draws_left(train, train_kills, t):
             run = root / "train" / f"trial-{t:03d}"
             before = len(train.failures)
-            kills = plan[first : first + kills_per_trial]
+            kills = list(itertools.islice(plan, min(kills_per_trial, train_kills - train.faults)))
             _guarded(train, run.name, train_trial, ref, run, kills, train)
             log(f"train: {run.name} {kills} -> {_status(train, before)}")
             tidy(run, train, before)
+            t += 1
+
+    def outputs(ref: OutputReference, tally: Tally, name: str, wanted: int, directory: Path) -> None:
+        plan = plan_output(seed, name)
+        t = 0
+        while draws_left(tally, wanted, t):
+            parent = directory / f"{name}-trial-{t:03d}"
+            kill = next(plan)
+            before = len(tally.failures)
+            _guarded(tally, parent.name, output_trial, ref, parent, kill, tally)
+            log(f"{name}: {parent.name} {kill} -> {_status(tally, before)}")
+            tidy(parent, tally, before)
+            t += 1
 
     def output_part() -> None:
-        corpus = write_corpus((root / "corpus.jsonl"), corpus_documents, seed)
-        ref = prepare_reference(root / "prepare", corpus)
-        log(f"prepare: reference done, windows (s) {[round(w, 2) for w in ref.windows]}")
-        for t, kill in enumerate(plan_output(seed, "prepare", prepare_kills)):
-            parent = root / "prepare" / f"trial-{t:03d}"
-            before = len(prepare.failures)
-            _guarded(prepare, parent.name, output_trial, ref, parent, kill, prepare)
-            log(f"prepare: {parent.name} {kill} -> {_status(prepare, before)}")
-            tidy(parent, prepare, before)
-        source = make_hf_source(root / "hf-source")
-        refs = convert_references(root / "convert", source)
-        log(f"convert: references done, windows (s) {[[round(w, 2) for w in r.windows] for r in refs]}")
-        for ref, tally, name in ((refs[0], to_zaya, "hf-to-zaya"), (refs[1], to_hf, "zaya-to-hf")):
-            for t, kill in enumerate(plan_output(seed, name, convert_kills)):
-                parent = root / "convert" / f"{name}-trial-{t:03d}"
-                before = len(tally.failures)
-                _guarded(tally, parent.name, output_trial, ref, parent, kill, tally)
-                log(f"convert {name}: {parent.name} {kill} -> {_status(tally, before)}")
-                tidy(parent, tally, before)
+        if prepare_kills:
+            corpus = write_corpus((root / "corpus.jsonl"), corpus_documents, seed)
+            ref = prepare_reference(root / "prepare", corpus, warmup=warmup)
+            log(f"prepare: reference done, windows (s) {[round(w, 2) for w in ref.windows]}")
+            outputs(ref, prepare, "prepare", prepare_kills, root / "prepare")
+        if convert_kills:
+            source = make_hf_source(root / "hf-source", convert_model)
+            refs = convert_references(root / "convert", source, warmup)
+            log(f"convert: references done, windows (s) {[[round(w, 2) for w in r.windows] for r in refs]}")
+            outputs(refs[0], to_zaya, "hf-to-zaya", convert_kills, root / "convert")
+            outputs(refs[1], to_hf, "zaya-to-hf", convert_kills, root / "convert")
 
     parts = [p for p, n in ((train_part, train_kills), (output_part, prepare_kills + convert_kills)) if n]
     if parallel and len(parts) > 1:
@@ -724,16 +775,16 @@ def run_campaign(
     else:
         for part in parts:
             part()
-    return [
-        t
-        for t, n in (
-            (train, train_kills),
-            (prepare, prepare_kills),
-            (to_zaya, convert_kills),
-            (to_hf, convert_kills),
-        )
-        if n
-    ]
+    wanted = (
+        (train, train_kills),
+        (prepare, prepare_kills),
+        (to_zaya, convert_kills),
+        (to_hf, convert_kills),
+    )
+    for tally, n in wanted:
+        if n and tally.faults < n:
+            tally.fail(f"only {tally.faults} of the {n} kills asked for hit a live process")
+    return [t for t, n in wanted if n]
 
 
 def _guarded(tally: Tally, name: str, trial: Callable[..., None], *args: Any) -> None:
