@@ -47,7 +47,7 @@ def main() -> int:
         "--convert-model",
         choices=["larger", "mini"],
         default="larger",
-        help="the model converted: 25M parameters (default; writing it takes long enough to be hit) or MINI",
+        help="the model converted: 26M parameters (default; writing it takes long enough to be hit) or MINI",
     )
     parser.add_argument("--dir", default=None, help="working directory (default: a new temporary one)")
     parser.add_argument("--keep", action="store_true", help="keep the trials that passed too")

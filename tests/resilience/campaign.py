@@ -608,7 +608,7 @@ def prepare_reference(root: Path, corpus: Path, shards: int = 4, warmup: bool = 
 
 
 MINI_MODEL = [o for o in MINI if o.startswith("model.")]
-# 25M parameters (100 MB of float32): big enough that writing it takes a while to be killed in
+# 26M parameters (100 MB of float32): big enough that writing it takes a while to be killed in
 LARGER_MODEL = [
     "model.hidden_size=256",
     "model.num_layers=4",
