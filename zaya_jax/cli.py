@@ -23,12 +23,12 @@ def _print_json(obj: Any) -> None:
 
 def _cmd_convert(args: argparse.Namespace) -> int:
     """Both directions write their output beside ``dst`` and rename it into place when complete
-    (:mod:`zaya_jax.data.staging`): a killed conversion leaves no half-written ``dst``, and the same
+    (:mod:`zaya_jax.staging`): a killed conversion leaves no half-written ``dst``, and the same
     command can be rerun; a rerun over a finished conversion checks that it holds the same result."""
     from zaya_jax import checkpoint
     from zaya_jax.config import RunConfig
-    from zaya_jax.data.staging import StagedDirectory, is_empty_dir
     from zaya_jax.interop.hf import load_hf_directory
+    from zaya_jax.staging import StagedDirectory, is_empty_dir
 
     if args.direction == "zaya-to-hf":
         from zaya_jax.lm import export_hf

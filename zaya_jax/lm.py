@@ -16,13 +16,13 @@ import numpy as np
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, DataConfig, ModelConfig
 from zaya_jax.data.sources import source_for_path
-from zaya_jax.data.staging import StagedDirectory, is_empty_dir, same_files
 from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
 from zaya_jax.eval import evaluate, evaluate_held_out
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import load_hf_directory, save_hf_directory
 from zaya_jax.model import Zaya
+from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
 
 
 @dataclasses.dataclass
@@ -223,7 +223,7 @@ def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32")
     and ``lm_eval --model hf`` load it with its tokenizer. Returns (directory, step).
 
     The directory is written beside ``destination`` and renamed into place when complete
-    (:mod:`zaya_jax.data.staging`): a killed export leaves no ``destination`` (or the empty one it
+    (:mod:`zaya_jax.staging`): a killed export leaves no ``destination`` (or the empty one it
     found), and rerunning it succeeds. When ``destination`` already holds an export, it is exported
     again beside it: byte-identical files leave it as it is; anything else is refused."""
     destination = Path(destination)

@@ -11,9 +11,9 @@ import zaya_jax
 from tests.resilience.campaign import MINI, same_files
 from zaya_jax.cli import main
 from zaya_jax.config import load_config
-from zaya_jax.data.staging import lock_path, staging_path
 from zaya_jax.interop.hf import save_hf_directory
 from zaya_jax.model import init_variables
+from zaya_jax.staging import lock_path, staging_path
 
 IDS = np.arange(3, 15)[None]
 

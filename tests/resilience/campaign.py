@@ -536,7 +536,7 @@ def output_trial(ref: OutputReference, parent: Path, kill: Kill, tally: Tally) -
             return
     else:
         tally.faults += 1
-        staging = parent / f".{out.name}.partial"  # zaya_jax.data.staging's name for it
+        staging = parent / f".{out.name}.partial"  # zaya_jax.staging's name for it
         if out.exists() and os.listdir(out):
             if ref.same(out, ref.path):
                 tally.landed["after the output was complete (in place, identical)"] += 1

@@ -7,7 +7,7 @@ little-endian ``uint16`` (every id < 2**16) or ``uint32``. Documents are dealt r
 the documents in input order and shards differ in size by at most one document.
 
 The whole directory is written beside the destination and renamed into place when complete
-(:mod:`zaya_jax.data.staging`): a killed preparation leaves no output directory (only a hidden
+(:mod:`zaya_jax.staging`): a killed preparation leaves no output directory (only a hidden
 ``.<name>.partial`` that the next run of the same command removes), and the manifest is written last,
 so a directory without ``manifest.json`` is never read. A rerun of a preparation that had finished
 prepares again and succeeds when the result is byte-identical to what is there (the manifest holds
@@ -31,9 +31,9 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
-from zaya_jax.data.staging import StagedDirectory, StagingError, is_empty_dir, same_files
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 from zaya_jax.files import sha256_file, write_atomic
+from zaya_jax.staging import StagedDirectory, StagingError, is_empty_dir, same_files
 
 FORMAT = "zaya-jax-tokens"
 FORMAT_VERSION = 1

@@ -20,8 +20,9 @@ What a killed writer leaves behind, and what the next run of the same command do
 Nothing else is ever deleted. The staging directory sits in the destination's parent, so the
 rename never crosses file systems.
 
-Standard library only (like :mod:`zaya_jax.files`, where it belongs once that module has an owner
-free to take it); ``zaya_jax.lm`` and ``zaya_jax.cli`` use it for ``zaya convert``.
+Standard library only, in the bottom layer beside :mod:`zaya_jax.files` (atomic files; this module:
+atomic directories): ``zaya data prepare`` (``zaya_jax.data.prepare``) and ``zaya convert``
+(``zaya_jax.lm.export_hf``, ``zaya_jax.cli``) use it.
 """
 
 from __future__ import annotations
