@@ -69,21 +69,14 @@ from typing import Any
 import jax
 import numpy as np
 
+from tests.train import test_loop
+
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
-MINI = [  # tests/train/test_loop.py's MINI, with every step logged
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=2",
-    "model.moe_intermediate_size=32",
-    "model.router_hidden_size=8",
-    "train.batch_size=2",
-    "train.seq_len=32",
+# tests/train/test_loop.py's miniature model, with every step logged and no periodic evaluation
+MINI = [
+    *(o for o in test_loop.MINI if not o.startswith(("train.log_every=", "train.eval_every="))),
     "train.log_every=1",
     "train.eval_every=100",
-    "train.eval_batches=1",
 ]
 POLL_S = 0.004
 CHILD_TIMEOUT_S = 600.0
