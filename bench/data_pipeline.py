@@ -27,10 +27,8 @@ import zaya_jax
 from zaya_jax.config import DataSource
 from zaya_jax.data import load_tokenizer, prepare
 from zaya_jax.data.corpus import read_stdlib
-from zaya_jax.model import init_variables
-from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.programs import build_programs
 from zaya_jax.train.schedule import BatchProducer
-from zaya_jax.train.step import init_train_state, make_train_step
 
 
 def producer_rate(cfg, batches: int) -> dict[str, float]:
@@ -49,16 +47,15 @@ def producer_rate(cfg, batches: int) -> dict[str, float]:
 
 
 def step_rate(cfg, repeats: int = 5) -> float:
-    tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), 1000)
-    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
+    programs = build_programs(cfg, devices=jax.devices()[:1])  # the step `zaya train` runs
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     _, host, _ = BatchProducer(cfg, tokenizer)()
     batch = {k: jnp.asarray(v) for k, v in host.items()}
-    state = init_train_state(init_variables(cfg.model, 0), tx)
+    state = programs.init_state()
     best = float("inf")
     for i in range(repeats + 1):
         start = time.perf_counter()
-        state, metrics = step(state, batch, jnp.float32(1.0))
+        state, metrics = programs.train_step(*programs.step_arguments(state, batch))
         jax.block_until_ready(metrics["loss"])
         if i:  # the first call compiles
             best = min(best, time.perf_counter() - start)

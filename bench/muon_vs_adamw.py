@@ -18,20 +18,17 @@ import numpy as np
 
 import zaya_jax
 from zaya_jax.data import load_tokenizer, make_row_iterator, next_batch
-from zaya_jax.model import init_variables
-from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.step import init_train_state, make_train_step
+from zaya_jax.optim import LeafGroup, model_param_groups
+from zaya_jax.programs import build_programs
 
 
 def _stepper(cfg, groups, batch):
     """A function running one jitted train step (compiled and warmed up on creation)."""
-    tx = build_optimizer(cfg.optim, groups, cfg.train.steps)
-    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
-    box = [init_train_state(init_variables(cfg.model, 0), tx)]
-    scale = jnp.float32(1.0)
+    programs = build_programs(cfg, devices=jax.devices()[:1], groups=groups)  # as `zaya train` runs it
+    box = [programs.init_state()]
 
     def run() -> None:
-        box[0], metrics = step(box[0], batch, scale)
+        box[0], metrics = programs.train_step(*programs.step_arguments(box[0], batch))
         jax.block_until_ready(metrics)
 
     run()  # compile + warm-up

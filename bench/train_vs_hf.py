@@ -110,9 +110,9 @@ def zaya_worker(args, variant: str) -> None:
 
     import zaya_jax
     from zaya_jax.interop.hf import hf_to_variables
-    from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
+    from zaya_jax.optim import LeafGroup, model_param_groups
+    from zaya_jax.programs import build_programs, init_train_state
     from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
-    from zaya_jax.train.step import init_train_state, make_train_step
 
     cfg = _config(args)
     impl = variant.rsplit("_", 1)[-1]
@@ -129,8 +129,8 @@ def zaya_worker(args, variant: str) -> None:
         groups = jax.tree.map(
             lambda g: LeafGroup("adamw", None, g.decay), groups, is_leaf=lambda x: isinstance(x, LeafGroup)
         )
-    tx = build_optimizer(cfg.optim, groups, 1000)
-    step = jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
+    # the program `zaya train` runs (loss guard included), on one device
+    programs = build_programs(cfg, devices=jax.devices()[:1], groups=groups)
     ids = _ids(cfg, args)
     inputs, targets = ids[:, :-1], ids[:, 1:]
     ones = np.ones_like(inputs)
@@ -141,11 +141,10 @@ def zaya_worker(args, variant: str) -> None:
         "positions": jnp.asarray(np.broadcast_to(np.arange(inputs.shape[1]), inputs.shape), jnp.int32),
         "loss_mask": jnp.asarray(ones, jnp.float32),
     }
-    box = [init_train_state(variables, tx)]
-    scale = jnp.float32(1.0)
+    box = [init_train_state(variables, programs.tx)]
 
     def run():
-        box[0], metrics = step(box[0], batch, scale)
+        box[0], metrics = programs.train_step(*programs.step_arguments(box[0], batch))
         jax.block_until_ready(metrics["loss"])
 
     for _ in range(args.warmup):

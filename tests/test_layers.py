@@ -16,6 +16,7 @@ LAYERS: list[set[str]] = [
     {"ops"},
     {"model"},
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
+    {"programs"},
     {"train", "eval", "generate"},
     {"lm", "config_reference"},
     {"cli", "harness", "__main__", "__init__"},

@@ -140,7 +140,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from zaya_jax.parallel.distributed import apply_runtime, enable_compilation_cache, initialize
+    from zaya_jax.parallel.distributed import Launch
     from zaya_jax.train.loop import train
 
     if args.help_config is not None:
@@ -151,10 +151,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = _train_config(args)
     if args.compile_only:
         return _compile_only(cfg, args.devices, args.target)
-    apply_runtime(cfg.runtime)
-    enable_compilation_cache(cfg.runtime.compilation_cache_dir)
-    initialize(args.coordinator, args.num_processes, args.process_id, runtime=cfg.runtime)
-    summary = train(cfg, progress=not args.no_progress)
+    launch = Launch(args.coordinator, args.num_processes, args.process_id)
+    summary = train(cfg, progress=not args.no_progress, hooks=args.hooks, launch=launch)
     _print_json(summary)
     return 0
 
@@ -693,11 +691,14 @@ def _inspect_positionals(args: argparse.Namespace) -> None:
         args.config = args.config or "tiny"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int:
+    """Run one ``zaya`` command; returns its exit code. ``hooks`` are passed to ``zaya train``'s
+    loop (:class:`zaya_jax.train.hooks.Hook`; the tests' fault injection)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = _parse(parser, argv)
+        args.hooks = tuple(hooks)
         if args.subcommand == "inspect":
             _inspect_positionals(args)
         _positional_config(args)

@@ -605,32 +605,6 @@ class RuntimeConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class DebugConfig:
-    """Fault injection for tests; never active by default. Each fault fires at most once per run
-    directory (a marker file records it), so a restarted run gets past it."""
-
-    # Kill the process with SIGKILL right after this step completes (0: never).
-    crash_at_step: int = 0
-    # SIGKILL while the checkpoint of this step is being written (after it starts, before commit).
-    crash_during_save_at_step: int = 0
-    # Make this step's loss and gradients NaN: its host batch gets a NaN loss mask, outside the
-    # jitted step (the non-finite guard must catch it).
-    nan_at_step: int = 0
-    # Stop making progress after this step (the hang watchdog must catch it).
-    hang_at_step: int = 0
-    # Overwrite the data files of the checkpoint of this step once it is committed.
-    corrupt_checkpoint_at_step: int = 0
-    # Seconds added to the save clock of every process but process 0 (tests that a time-based save
-    # due on one process's clock only is still taken by all of them).
-    clock_skew_s: float = 0.0
-
-    def validate(self) -> None:
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) < 0:
-                raise ConfigError(f"debug.{field.name}={getattr(self, field.name)} must be >= 0 (0: never)")
-
-
-@dataclasses.dataclass(frozen=True)
 class ResilienceConfig:
     """What the trainer does when a step goes wrong or stops making progress."""
 
@@ -671,7 +645,7 @@ class ResilienceConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``,
-    ``checkpoint``, ``mesh``, ``runtime``, ``resilience`` and ``debug`` sections."""
+    ``checkpoint``, ``mesh``, ``runtime`` and ``resilience`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -683,12 +657,10 @@ class Config:
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
-    debug: DebugConfig = dataclasses.field(default_factory=DebugConfig)
 
     def validate(self) -> None:
         self.run.validate()
         self.resilience.validate()
-        self.debug.validate()
         self.checkpoint.validate()
         self.mesh.validate()
         self.runtime.validate()
@@ -908,9 +880,25 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a plain (YAML-like) mapping."""
-    cfg = _build(Config, data)
+    cfg = _build(Config, _without_retired(data))
     cfg.validate()
     return cfg
+
+
+def _without_retired(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` without the ``debug`` section that configs saved before it was retired carry (all
+    zeros: no fault set). A fault set there is an error: faults are injected by tests only, through
+    ``train(cfg, hooks=[...])``."""
+    if "debug" not in data:
+        return data
+    debug = data["debug"] or {}
+    active = {k: v for k, v in debug.items() if v} if isinstance(debug, Mapping) else debug
+    if active:
+        raise ConfigError(
+            f"the debug section ({active}) is no longer a config section: fault injection is for tests only "
+            "and goes through train(cfg, hooks=[...]) (tests/resilience/faults.py); remove it"
+        )
+    return {k: v for k, v in data.items() if k != "debug"}
 
 
 def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:

@@ -14,9 +14,8 @@ import numpy as np
 import zaya_jax
 from zaya_jax.loss import loss_and_stats
 from zaya_jax.model import Zaya
-from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.parallel import make_layout, put_batch
-from zaya_jax.train.step import init_sharded_train_state, make_train_step
+from zaya_jax.parallel import put_batch
+from zaya_jax.programs import build_programs
 
 MODEL = [
     "model.hidden_size=32",
@@ -64,17 +63,15 @@ def batches(cfg, steps):
 
 
 def run(extra, names):
-    cfg = zaya_jax.load_config("tiny", overrides=[*MODEL, *extra, *sys.argv[1:]])
+    cfg = zaya_jax.load_config("tiny", overrides=[*MODEL, "train.steps=100", *extra, *sys.argv[1:]])
     devices = jax.devices()[:1] if names == "single" else jax.devices()
-    layout = make_layout(cfg, devices)
-    groups = model_param_groups(cfg.model, cfg.optim.router_group)
-    tx = build_optimizer(cfg.optim, groups, 100, shardings=layout.variables["params"])
-    state, shardings = init_sharded_train_state(cfg, tx, layout)
-    step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
-        in_shardings=(shardings, layout.batch, layout.replicated),
-        out_shardings=(shardings, layout.replicated),
-    )
+    programs = build_programs(cfg, devices=devices)  # the programs `zaya train` runs
+    layout, shardings = programs.layout, programs.shardings
+    state = programs.init_state()
+
+    def step(state, batch):
+        return programs.train_step(*programs.step_arguments(state, batch))
+
     model = Zaya(cfg.model, layout.hooks)
     grad_fn = jax.jit(
         jax.grad(lambda p, b, batch: loss_and_stats(model, p, b, batch, 0.0)[0]),
@@ -86,14 +83,14 @@ def run(extra, names):
     trace = {"losses": [], "grad_norms": [], "spreads": [], "biases": []}
     dropped = 0.0
     for batch in batches(cfg, STEPS):
-        state, metrics = step(state, put_batch(batch, layout.batch), np.float32(1.0))
+        state, metrics = step(state, put_batch(batch, layout.batch))
         trace["losses"].append(float(metrics["loss"]))
         trace["grad_norms"].append(float(metrics["grad_norm"]))
         trace["spreads"].append(float(metrics["router_prob_spread"]))
         trace["biases"].append(np.asarray(state.balancing["layers"]["router"]["biases"]).tolist())
         dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
-    hlo = step.lower(state, put_batch(batches(cfg, 1)[0], layout.batch), np.float32(1.0)).as_text()
+    hlo = programs.lower_train_step().as_text()
     collectives = {
         "all_to_all": hlo.count("all_to_all"),
         "collective_permute": hlo.count("collective_permute"),

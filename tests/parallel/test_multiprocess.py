@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import numpy as np
 import pytest
 
 import zaya_jax
+from tests.resilience import faults
 from tests.train.test_loop import MINI
 from zaya_jax.checkpoint import restore_model
 
@@ -37,7 +37,7 @@ def _distributed(port: int, process_id: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
 
 
-def _start(run: Path, steps: int, *extra: str) -> list[subprocess.Popen]:
+def _start(run: Path, steps: int, *extra: str, clock_skew: float = 0.0) -> list[subprocess.Popen]:
     port = _free_port()
     env = {
         **os.environ,
@@ -59,7 +59,7 @@ def _start(run: Path, steps: int, *extra: str) -> list[subprocess.Popen]:
     ]
     return [
         subprocess.Popen(
-            [sys.executable, "-m", "zaya_jax.cli", "train", *args, "--no-progress", *_distributed(port, i)],
+            [*faults.command(clock_skew=clock_skew), "train", *args, "--no-progress", *_distributed(port, i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -121,7 +121,7 @@ def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exact
     run = tmp_path / "run"
     # process 1's save clock runs 10^5 s ahead: a time-based save is due by its clock after every
     # step and never by process 0's; SIGTERM goes to process 1 only
-    procs = _start(run, STEPS, "checkpoint.every_minutes=60", "debug.clock_skew_s=100000")
+    procs = _start(run, STEPS, "checkpoint.every_minutes=60", clock_skew=100000)
     _wait_for_step(run, 3, procs)
     procs[1].send_signal(signal.SIGTERM)
     first = _finish(procs)  # both exit 0: no process waits in a barrier the other never reaches

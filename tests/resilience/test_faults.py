@@ -19,6 +19,7 @@ import jax
 import numpy as np
 import pytest
 
+from tests.resilience import faults as fault_injection
 from tests.train.test_loop import MINI
 from zaya_jax.checkpoint import restore_model
 from zaya_jax.cli import main
@@ -35,8 +36,10 @@ COMMON = [
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
 
 
-def _train_cmd(run: Path, *extra: str) -> list[str]:
-    return [*CLI, "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
+def _train_cmd(run: Path, *extra: str, faults: tuple[str, ...] = ()) -> list[str]:
+    """``zaya train`` with ``faults`` ("NAME=STEP", tests/resilience/faults.py) injected."""
+    prefix = fault_injection.command(*faults) if faults else CLI
+    return [*prefix, "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
 
 
 def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -71,6 +74,11 @@ def _metrics(run: Path) -> list[dict]:
     return lines
 
 
+def _nan_at(step: int) -> fault_injection.FaultHook:
+    """The step's host batch gets a NaN loss mask (injected in-process, through the hook interface)."""
+    return fault_injection.FaultHook({"nan_at_step": step})
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     run = tmp_path_factory.mktemp("reference") / "run"
@@ -81,12 +89,10 @@ def reference(tmp_path_factory):
 def test_kill_during_save_and_corrupted_checkpoint_lose_nothing(tmp_path, reference):
     run = tmp_path / "run"
     # step 4's checkpoint is overwritten with garbage, then the process dies while writing step 6
-    crashed = _run(
-        _train_cmd(run, "debug.corrupt_checkpoint_at_step=4", "debug.crash_during_save_at_step=6"),
-        check=False,
-    )
+    injected = ("corrupt_checkpoint_at_step=4", "crash_during_save_at_step=6")
+    crashed = _run(_train_cmd(run, faults=injected), check=False)
     assert crashed.returncode == -signal.SIGKILL
-    rerun = _run(_train_cmd(run, "debug.corrupt_checkpoint_at_step=4", "debug.crash_during_save_at_step=6"))
+    rerun = _run(_train_cmd(run, faults=injected))
     events = _events(run)
     unreadable = [e for e in events if e["event"] == "checkpoint_unreadable"]
     resumed = [e["detail"]["from_step"] for e in events if e["event"] == "resume"]
@@ -104,15 +110,15 @@ def test_kill_during_save_and_corrupted_checkpoint_lose_nothing(tmp_path, refere
 def test_crash_and_hang_under_supervise(tmp_path, reference):
     run = tmp_path / "run"
     sup = [*CLI, "supervise", "--backoff", "0.1", "--max-restarts", "3", "--"]
-    faults = ["debug.hang_at_step=3", "resilience.hang_timeout_s=3", "debug.crash_at_step=5"]
-    result = _run([*sup, "zaya", "train", *COMMON, f"run.dir={run}", *faults, "--no-progress"])
+    child = _train_cmd(run, "resilience.hang_timeout_s=3", faults=("hang_at_step=3", "crash_at_step=5"))
+    result = _run([*sup, *child])
     events = _events(run)
     failed = [e["detail"]["cause"] for e in events if e["event"] == "child_failed"]
     assert failed == ["hang watchdog (no progress; stacks in hang_stacks.txt)", "killed by SIGKILL"], failed
     assert [e["event"] for e in events].count("restart") == 2
     assert events[-1]["event"] == "child_exit"
     stacks = (run / "hang_stacks.txt").read_text()
-    assert "no progress" in stacks and "Thread" in stacks and "hang" in stacks  # Faults.hang in a stack
+    assert "no progress" in stacks and "Thread" in stacks and "hang" in stacks  # faults.hang in a stack
     assert any(e["event"] == "hang" for e in events)
     assert "restart" in result.stderr
     _metrics(run)
@@ -155,7 +161,7 @@ def test_sigterm_under_supervise_saves_and_resumes(tmp_path, reference):
 
 def test_injected_nan_is_skipped(tmp_path, capsys):
     run = tmp_path / "skip"
-    assert main(["train", *COMMON, f"run.dir={run}", "debug.nan_at_step=3", "--no-progress"]) == 0
+    assert main(["train", *COMMON, f"run.dir={run}", "--no-progress"], hooks=[_nan_at(3)]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["steps"] == STEPS and np.isfinite(summary["final_loss"])
     skips = [e for e in _events(run) if e["event"] == "skip"]
@@ -167,8 +173,8 @@ def test_injected_nan_is_skipped(tmp_path, capsys):
 
 def test_injected_nan_rolls_back_and_skips_the_data_window(tmp_path, capsys):
     run = tmp_path / "rollback"
-    args = ["train", *COMMON, f"run.dir={run}", "debug.nan_at_step=5", "resilience.on_nonfinite=rollback"]
-    assert main([*args, "--no-progress"]) == 0
+    args = ["train", *COMMON, f"run.dir={run}", "resilience.on_nonfinite=rollback"]
+    assert main([*args, "--no-progress"], hooks=[_nan_at(5)]) == 0
     capsys.readouterr()
     rollbacks = [e["detail"] for e in _events(run) if e["event"] == "rollback"]
     assert rollbacks == [{"reason": "nonfinite", "from_step": 5, "to_step": 4}]
@@ -181,8 +187,8 @@ def test_injected_nan_rolls_back_and_skips_the_data_window(tmp_path, capsys):
 
 def test_nonfinite_stop_exits_with_the_reason(tmp_path, capsys):
     run = tmp_path / "stop"
-    args = ["train", *COMMON, f"run.dir={run}", "debug.nan_at_step=3", "resilience.on_nonfinite=stop"]
-    assert main([*args, "--no-progress"]) == 1
+    args = ["train", *COMMON, f"run.dir={run}", "resilience.on_nonfinite=stop"]
+    assert main([*args, "--no-progress"], hooks=[_nan_at(3)]) == 1
     assert "resilience.on_nonfinite=stop" in capsys.readouterr().err
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [2]
 

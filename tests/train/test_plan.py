@@ -61,3 +61,54 @@ def test_the_plan_is_the_gpu_program_not_the_cpu_one():
     cpu, _ = _plan("mesh.data=2", "mesh.expert=4", target="cpu")
     assert cpu["planned_program"] == "cpu"
     assert set(cpu["platform_paths"]) == {"blocked_grouped_matmul"}
+
+
+def test_the_planned_step_is_the_trained_step(tmp_path):
+    """``--compile-only`` and ``zaya train`` build the step in one place (``build_programs``): on
+    the same config and mesh the plan's fingerprint is the one the run records when it compiles.
+    A step built beside the builder (the old plan's three inputs, without the loss guard) is a
+    different program, and so is the same config with other micro-batches."""
+    from tests.train.test_loop import MINI
+
+    # train.steps is in the program too: the learning-rate schedule's constants
+    layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.batch_size=8", "train.steps=1"]
+    run = tmp_path / "run"
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    }
+    cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *MINI, *layout, f"run.dir={run}"]
+    result = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    (compiled,) = [e["detail"] for e in events if e["event"] == "compiled"]
+    assert compiled["program"] == "train_step" and compiled["batch"] == [8, 32]
+
+    planned, _ = _plan(*MINI, *layout, target="cpu")
+    assert planned["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
+    assert planned["train_step_fingerprint"] == compiled["fingerprint"]
+    other, _ = _plan(*MINI, *layout, "train.batch_size=16", "train.micro_batches=2", target="cpu")
+    assert other["train_step_fingerprint"] != compiled["fingerprint"]
+
+
+def test_a_step_without_the_loss_guard_is_another_program():
+    """The fingerprint tells the trained step (four inputs, the accept/reject select over the
+    state) from the three-input step the plan used to build for itself."""
+    import jax
+
+    from zaya_jax.optim import set_lr_scale
+    from zaya_jax.programs import build_programs, fingerprint, make_train_step
+
+    cfg = load_config("tiny", ["train.batch_size=2", "train.seq_len=32"])
+    programs = build_programs(cfg)
+    layout = programs.layout
+    three_inputs = jax.jit(
+        make_train_step(cfg, programs.tx, set_lr_scale, **layout.step_hooks),
+        in_shardings=(programs.shardings, layout.batch, layout.replicated),
+        out_shardings=(programs.shardings, layout.replicated),
+        donate_argnums=0,
+    )
+    scalar = jax.ShapeDtypeStruct((), "float32", sharding=layout.replicated)
+    old = three_inputs.lower(programs.abstract_state, programs.abstract_batch(), scalar)
+    assert fingerprint(old) != fingerprint(programs.lower_train_step())
+    assert fingerprint(programs.lower_train_step()) == fingerprint(programs.lower_train_step())

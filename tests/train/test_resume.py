@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.resilience import faults
 from tests.train.test_loop import MINI
 
 STEPS = 8
@@ -26,8 +27,13 @@ COMMON = [
 ]
 
 
-def _train(run: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
+def _train(
+    run: Path,
+    *extra: str,
+    check: bool = True,
+    prefix: tuple[str, ...] = (sys.executable, "-m", "zaya_jax.cli"),
+) -> subprocess.CompletedProcess:
+    cmd = [*prefix, "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if check:
         assert result.returncode == 0, result.stderr[-3000:]
@@ -46,7 +52,7 @@ def test_resume_after_sigkill_matches_the_uninterrupted_run(tmp_path):
     _train(reference)
 
     run = tmp_path / "killed"
-    crashed = _train(run, "debug.crash_at_step=5", check=False)
+    crashed = _train(run, check=False, prefix=faults.command("crash_at_step=5"))
     assert crashed.returncode == -signal.SIGKILL
     assert max(_losses(run)) == 5
     _train(run)  # the same command again: resumes from the last complete checkpoint

@@ -1,6 +1,7 @@
 """Evaluation: held-out loss and perplexity of a saved model (``zaya eval``): the run's own
 held-out evaluation reproduced (:func:`evaluate_held_out`), or any data read in order
-(:func:`evaluate`)."""
+(:func:`evaluate`). Both run the evaluation program of :func:`zaya_jax.programs.build_programs`
+on one device, the one training's held-out loss runs."""
 
 from __future__ import annotations
 
@@ -16,9 +17,9 @@ import numpy as np
 from tqdm import tqdm
 
 from zaya_jax.config import Config, ConfigError, DataConfig, ModelConfig
-from zaya_jax.data import eval_batches, load_tokenizer, make_row_iterator
+from zaya_jax.data import load_tokenizer, make_row_iterator
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.loss import make_eval_step
+from zaya_jax.programs import held_out_host_batches, single_device_programs
 
 
 class Evaluable(Protocol):
@@ -41,7 +42,7 @@ def _checked(tokenizer: Tokenizer | str, lm: Evaluable) -> Tokenizer:
 def _loss_over(
     lm: Evaluable, cfg: Config, batches: Iterable[dict[str, np.ndarray]], progress: bool
 ) -> dict[str, Any]:
-    eval_step = jax.jit(make_eval_step(cfg))
+    eval_step = single_device_programs(cfg).eval_step
     total, tokens = 0.0, 0.0
     for batch in tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False):
         ce, count = eval_step(
@@ -89,15 +90,6 @@ def evaluate_held_out(
     """The run's own held-out evaluation, as training computes its ``eval_loss``: the same held-out
     batches (``train.seq_len``, ``train.batch_size``, ``train.eval_batches``, ``train.seed``) and the
     same loss code. Returns ``{"loss", "perplexity", "tokens"}``."""
-    train = run_config.train
     tok = _checked(tokenizer if tokenizer is not None else run_config.data.tokenizer, lm)
-    batches = eval_batches(
-        run_config.data,
-        tok,
-        seq_len=train.seq_len,
-        batch_size=train.batch_size,
-        num_batches=train.eval_batches,
-        seed=train.seed,
-    )
     cfg = dataclasses.replace(run_config, model=lm.config)
-    return _loss_over(lm, cfg, batches, progress)
+    return _loss_over(lm, cfg, held_out_host_batches(cfg, tok), progress)

@@ -2,7 +2,7 @@
 batches (``zaya_jax.parallel.rules``, ``zaya_jax.parallel.mesh``)."""
 
 from zaya_jax.parallel.layout import Layout, make_layout
-from zaya_jax.parallel.mesh import batch_sharding, make_mesh, mesh_sizes, put_batch, replicated
+from zaya_jax.parallel.mesh import batch_sharding, local_rows, make_mesh, mesh_sizes, put_batch, replicated
 from zaya_jax.parallel.rules import (
     DEFAULT_RULES,
     batch_spec,
@@ -17,6 +17,7 @@ __all__ = [
     "Layout",
     "batch_sharding",
     "batch_spec",
+    "local_rows",
     "logical_rules",
     "logical_to_spec",
     "make_layout",

@@ -9,6 +9,7 @@ cluster auto-detection when a scheduler launched several tasks (Slurm ``srun``, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from collections.abc import Mapping, MutableMapping
@@ -44,7 +45,8 @@ def apply_runtime(runtime: RuntimeConfig, env: MutableMapping[str, str] = os.env
     A backend that is already running (a notebook that used JAX first) cannot take new flags: that
     is an error naming the fix rather than a silently ignored setting.
     """
-    flags = runtime.flags()
+    present = env.get("XLA_FLAGS", "").split()
+    flags = [flag for flag in runtime.flags() if flag not in present]  # applied before: a second run
     if not flags:
         return []
     from jax._src import xla_bridge
@@ -82,7 +84,13 @@ def enable_compilation_cache(spec: str) -> Path | None:
             f"compilation cache {path} cannot be created ({err}); compiling without it", stacklevel=2
         )
         return None
-    jax.config.update("jax_compilation_cache_dir", str(path))
+    if jax.config.jax_compilation_cache_dir != str(path):
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        # JAX opens its cache once, at the first compilation after a directory is set; a process
+        # that used another directory before (a notebook's earlier run) must reopen it.
+        from jax._src import compilation_cache
+
+        compilation_cache.reset_cache()
     return path
 
 
@@ -98,6 +106,8 @@ def initialize(
     Must run before anything touches a JAX backend. Explicit arguments win over ``ZAYA_*``
     variables, which win over scheduler auto-detection.
     """
+    if jax.distributed.is_initialized():  # started before (a second run in the same process)
+        return {"mode": "initialized", "num_processes": jax.process_count()}
     coordinator = coordinator or env.get("ZAYA_COORDINATOR")
     if num_processes is None and env.get("ZAYA_NUM_PROCESSES"):
         num_processes = int(env["ZAYA_NUM_PROCESSES"])
@@ -122,6 +132,28 @@ def initialize(
         )  # JAX's cluster detection reads the scheduler's variables
         return {"mode": "auto", "scheduler": scheduler, "num_processes": jax.process_count()}
     return {"mode": "single"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process joins a multi-process job (``zaya train --coordinator ...``); every field
+    None: from ``ZAYA_*`` variables or the scheduler, or a single process."""
+
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def setup_runtime(runtime: RuntimeConfig, launch: Launch | None = None) -> dict[str, object]:
+    """Everything a run needs of the process before it builds its programs, the same for
+    ``zaya train`` and ``zaya_jax.train.train(cfg)`` from Python: the XLA flags, the persistent
+    compilation cache and, for a multi-process job, ``jax.distributed``. Safe to call again in
+    the same process (a notebook's second run). Returns what was set up."""
+    launch = launch or Launch()
+    flags = apply_runtime(runtime)
+    cache = enable_compilation_cache(runtime.compilation_cache_dir)
+    distributed = initialize(launch.coordinator, launch.num_processes, launch.process_id, runtime=runtime)
+    return {"xla_flags": flags, "compilation_cache": str(cache) if cache else None, **distributed}
 
 
 def _timeouts(runtime: RuntimeConfig | None) -> dict[str, int]:

@@ -75,6 +75,13 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())
 
 
+def local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """This process's share of a global host batch (all of it in a single-process run)."""
+    count, index = jax.process_count(), jax.process_index()
+    rows = next(iter(batch.values())).shape[0] // count
+    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}
+
+
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Host rows of this process -> global arrays. Each process passes its own slice of the global
     batch (``jax.make_array_from_process_local_data``); one process passes the whole batch."""

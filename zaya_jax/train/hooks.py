@@ -1,49 +1,141 @@
-"""What happens around each training step, behind one small interface (:class:`StepHook`):
-checkpoint cadence (:class:`Checkpointing`), test-only fault injection (:class:`FaultHook`) and
-profiler traces (:class:`ProfileHook`), plus the SIGTERM/SIGINT stop request. The jitted step itself stays pure: a fault is injected into the
-host batch or the process, never into the compiled program."""
+"""What happens around each training step, behind one interface (:class:`Hook`). Each component
+owns its cadence, read from its own config keys: metrics records (:class:`Logging`,
+``train.log_every``), the held-out loss (:class:`Evaluation`, ``train.eval_every``), checkpoints
+(:class:`Checkpointing`, ``checkpoint.*``) and profiler traces (:class:`Profiling`,
+``run.profile_steps``). The loop calls them in that order, then the hooks passed to
+``train(cfg, hooks=[...])`` (tests inject faults this way; nothing test-only is built in a user's
+run). The jitted step itself stays pure: a hook changes the host batch or the process, never the
+compiled program."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import signal
 import threading
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config
-from zaya_jax.resilience import Faults, Watchdog, corrupt_checkpoint
+from zaya_jax.optim import current_learning_rates
+from zaya_jax.resilience import Watchdog
+from zaya_jax.train.flops import flops_per_token
+from zaya_jax.train.metrics import MetricsWriter, Throughput, metric_record
+from zaya_jax.train.programs import HeldOut
 from zaya_jax.train.rundir import RunDir
 
 HostBatch = dict[str, np.ndarray]
 
 
 @dataclasses.dataclass(frozen=True)
+class RunContext:
+    """What a hook may use of the run, handed to :meth:`Hook.start` once the run is set up."""
+
+    cfg: Config
+    run: RunDir
+    checkpoints: Checkpointing
+    writer: MetricsWriter
+    primary: bool  # process 0
+
+
+@dataclasses.dataclass(frozen=True)
 class StepEnd:
-    """A finished step as the hooks see it: the state after it and the data position after it."""
+    """A finished, accepted or skipped step as the hooks see it: the state and data position after
+    it, what the step reported, and what earlier hooks measured (``eval_loss``)."""
 
     step: int
     state: Any  # TrainState
     data_state: dict[str, Any]
-    last: bool  # the run's final step (saved by the driver after the loop)
+    metrics: dict[str, Any]  # the step's outputs (device arrays)
+    plan: Any  # the StepPlan the batch was drawn for (schedule.py)
+    counts: dict[str, int]  # skipped_steps, rollbacks so far
+    last: bool  # the run's final step (saved by Checkpointing.end_run)
     time_save: bool = False  # a time-based save is due, as agreed by every process
     eval_loss: float | None = None  # the held-out loss measured after this step, if it was evaluated
 
 
-class StepHook(Protocol):
-    def before_step(self, step: int, batch: HostBatch) -> HostBatch: ...
+class Hook:
+    """A collaborator of the loop. Every method is optional (the defaults do nothing):
+    ``start`` once the run is set up; ``before_step`` may replace the host batch; ``wants_save``
+    proposes a save for this step (agreed across processes, with Checkpointing's clock);
+    ``after_step`` may return a new :class:`StepEnd` for the hooks after it; ``end_run`` after the
+    last step when the loop ends normally; ``close`` always, last."""
 
-    def after_step(self, end: StepEnd) -> None: ...
+    def start(self, run: RunContext) -> None:
+        pass
+
+    def before_step(self, step: int, batch: HostBatch) -> HostBatch:
+        return batch
+
+    def wants_save(self, step: int) -> bool:
+        return False
+
+    def after_step(self, end: StepEnd) -> StepEnd | None:
+        return None
+
+    def end_run(self, end: StepEnd) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
-class Checkpointing:
+class Logging(Hook):
+    """A metrics record every ``train.log_every`` steps and at every evaluated step; tokens/s and
+    MFU over the steps since the previous record, evaluation time left out."""
+
+    def __init__(self, cfg: Config, writer: MetricsWriter, meter: Throughput, also_at: Callable[[int], bool]):
+        self.cfg, self.writer, self.meter, self.also_at = cfg, writer, meter, also_at
+        self.last: dict[str, Any] = {}  # the latest record (the summary's final loss)
+
+    def after_step(self, end: StepEnd) -> None:
+        plan = end.plan
+        self.meter.add(plan.tokens, plan.tokens * flops_per_token(self.cfg.model, plan.seq_len))
+        if end.step % self.cfg.train.log_every == 0 or self.also_at(end.step):
+            lrs = current_learning_rates(end.state.opt_state)
+            self.last = metric_record(
+                end.step,
+                end.metrics,
+                lr=lrs["adam_lr"],
+                muon_lr=lrs["muon_lr"],
+                **self.meter.fields(),
+                tokens_seen=end.data_state["tokens_seen"],
+                **plan.fields(),
+                **end.counts,
+            )
+            self.writer.write(self.last)
+            self.meter.reset()
+
+
+class Evaluation(Hook):
+    """The held-out loss every ``train.eval_every`` steps and after the final step, written to
+    ``metrics.jsonl`` as ``{"step", "eval_loss"}`` and passed on to the hooks after it."""
+
+    def __init__(self, held_out: HeldOut, cfg: Config, writer: MetricsWriter, meter: Throughput):
+        self.held_out, self.cfg, self.writer, self.meter = held_out, cfg, writer, meter
+        self.last_loss: float | None = None
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.train.eval_every == 0 or step == self.cfg.train.steps
+
+    def after_step(self, end: StepEnd) -> StepEnd | None:
+        if not self.due(end.step):
+            return None
+        started = time.perf_counter()
+        self.last_loss = self.held_out(end.step, end.state)
+        self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
+        self.writer.write({"step": end.step, "eval_loss": self.last_loss})
+        return dataclasses.replace(end, eval_loss=self.last_loss)
+
+
+class Checkpointing(Hook):
     """Training checkpoints of one run: restore the latest readable one, save on the configured
-    cadence (``checkpoint.every_steps`` / ``every_minutes``), surface failed background saves."""
+    cadence (``checkpoint.every_steps`` / ``every_minutes``, every evaluated step with
+    ``keep_best``) and after the last step, surface failed background saves."""
 
     def __init__(self, cfg: Config, run: RunDir, watchdog: Watchdog):
         self.cfg, self.run, self.watchdog = cfg, run, watchdog
@@ -56,8 +148,8 @@ class Checkpointing:
             keep_best=ckpt.keep_best,
         )
         self.saved_step = 0  # the last step saved (or restored: it is on disk already)
-        self.skew = cfg.debug.clock_skew_s if jax.process_index() > 0 else 0.0
-        self.last_save = time.monotonic()
+        self.clock: Callable[[], float] = time.monotonic  # of checkpoint.every_minutes
+        self.last_save = self.clock()
 
     def restore(self, like: Any) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
         """(latest readable (state, data_state, step) or None, ``checkpoint_unreadable`` event
@@ -71,11 +163,11 @@ class Checkpointing:
             self.saved_step = restored[2]
         return restored, unreadable
 
-    def time_due(self) -> bool:
+    def wants_save(self, step: int) -> bool:
         """Whether this process's clock says a ``checkpoint.every_minutes`` save is due (a proposal:
         the loop acts on the value agreed by every process)."""
         minutes = self.cfg.checkpoint.every_minutes
-        return bool(minutes and time.monotonic() + self.skew - self.last_save >= 60 * minutes)
+        return bool(minutes and self.clock() - self.last_save >= 60 * minutes)
 
     def due(self, end: StepEnd) -> bool:
         ckpt = self.cfg.checkpoint
@@ -85,55 +177,28 @@ class Checkpointing:
             or (ckpt.keep_best and end.eval_loss is not None)  # keep_best ranks evaluated steps
         )
 
-    def save(self, step: int, state: Any, data_state: dict[str, Any], eval_loss: float | None = None) -> None:
-        self.watchdog.beat(step, "save")
-        self.saver.save(step, self.cfg, state, data_state, eval_loss)
-        self.saved_step, self.last_save = step, time.monotonic()
-
-    def before_step(self, step: int, batch: HostBatch) -> HostBatch:
-        return batch
+    def save(self, end: StepEnd) -> None:
+        self.watchdog.beat(end.step, "save")
+        self.saver.save(end.step, self.cfg, end.state, end.data_state, end.eval_loss)
+        self.saved_step, self.last_save = end.step, self.clock()
 
     def after_step(self, end: StepEnd) -> None:
         if not end.last and self.due(end):
-            self.save(end.step, end.state, end.data_state, end.eval_loss)
+            self.save(end)
         else:
             self.saver.check()  # a save that failed in the background stops the run here
 
-    def finish(self) -> None:
+    def end_run(self, end: StepEnd) -> None:
+        """The final (or stop) step saved if it is not yet, and every save committed."""
+        if end.step != self.saved_step:
+            self.save(end)
         self.saver.finish()
 
     def close(self) -> None:
         self.saver.close()
 
 
-class FaultHook:
-    """The ``debug.*`` faults (tests only), each fired once per run directory: a NaN loss (the
-    step's loss mask poisoned on the host), a crash during a save, a corrupted checkpoint, a crash
-    and a hang after a step."""
-
-    def __init__(self, cfg: Config, run: RunDir, checkpoints: Checkpointing, *, primary: bool):
-        self.faults = Faults(cfg.debug, run.path, primary=primary)
-        self.checkpoints = checkpoints
-
-    def before_step(self, step: int, batch: HostBatch) -> HostBatch:
-        if self.faults.due("nan_at_step", step):
-            return {**batch, "loss_mask": batch["loss_mask"] * np.float32(math.nan)}
-        return batch
-
-    def after_step(self, end: StepEnd) -> None:
-        step, saved = end.step, self.checkpoints.saved_step == end.step
-        if saved and self.faults.due("crash_during_save_at_step", step):
-            self.faults.crash()  # the save is still being written in the background
-        if saved and self.faults.due("corrupt_checkpoint_at_step", step):
-            self.checkpoints.finish()
-            corrupt_checkpoint(self.checkpoints.run.checkpoints / str(step))
-        if self.faults.due("crash_at_step", step):
-            self.faults.crash()
-        if self.faults.due("hang_at_step", step):
-            self.faults.hang()
-
-
-class ProfileHook:
+class Profiling(Hook):
     """A ``jax.profiler`` trace of the steps ``run.profile_steps`` = [first, last] into
     ``<run>/profile/process_<i>/`` (open it with TensorBoard's profile plugin, or the
     ``*.trace.json.gz`` with Perfetto). A run resumed past ``first`` records nothing."""
@@ -152,6 +217,11 @@ class ProfileHook:
     def after_step(self, end: StepEnd) -> None:
         if self.active and end.step >= self.window[1]:
             jax.block_until_ready(end.state)  # the window's work inside the trace
+            jax.profiler.stop_trace()
+            self.active = False
+
+    def close(self) -> None:
+        if self.active:
             jax.profiler.stop_trace()
             self.active = False
 

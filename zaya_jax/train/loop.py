@@ -1,143 +1,164 @@
 """``zaya train``: the training driver, read top to bottom.
 
 Each concern lives in its own module: the run directory (``rundir``), what each step trains on
-(``schedule``), the compiled programs (``programs``), the pure step (``step``), what to do after a
-bad step (``policy``), checkpoint cadence and fault injection (``hooks``), metrics (``metrics``).
-No state is shared through closures: every helper returns what changed.
+(``schedule``), the compiled programs (``zaya_jax.programs``, called through ``programs``), what to
+do after a bad step (``policy``), the components with a cadence of their own behind one interface
+(``hooks``: logging, evaluation, checkpoints, profiling), metrics sinks (``metrics``). No state is
+shared through closures: every helper returns what changed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import math
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 
 from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
-from zaya_jax.optim import batch_lr_scale, build_optimizer, current_learning_rates, model_param_groups
-from zaya_jax.parallel import make_layout, put_batch
+from zaya_jax.optim import batch_lr_scale
+from zaya_jax.parallel import put_batch
+from zaya_jax.parallel.distributed import Launch, setup_runtime
+from zaya_jax.programs import TrainState, build_programs
 from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
 from zaya_jax.train.consensus import agree
-from zaya_jax.train.flops import flops_per_token, peak_flops
-from zaya_jax.train.hooks import Checkpointing, FaultHook, ProfileHook, StepEnd, StopRequest
+from zaya_jax.train.flops import peak_flops
+from zaya_jax.train.hooks import (
+    Checkpointing,
+    Evaluation,
+    Hook,
+    Logging,
+    Profiling,
+    RunContext,
+    StepEnd,
+    StopRequest,
+)
 from zaya_jax.train.init import initialize_from
-from zaya_jax.train.metrics import MetricsWriter, Throughput, metric_record, start_event
+from zaya_jax.train.metrics import MetricsWriter, Throughput, start_event
 from zaya_jax.train.policy import Action, Outcome, decide
 from zaya_jax.train.programs import HeldOut, TrainStep
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.schedule import BatchProducer, check_run, final_batch_size
-from zaya_jax.train.step import TrainState, init_sharded_train_state
 
 
-def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
-    """Run ``cfg.train.steps`` steps; returns a summary (final eval loss, time, throughput)."""
+@dataclasses.dataclass
+class _Resumed:
+    """Where the loop starts: the state, the first step to run, what the events say about it."""
+
+    state: TrainState
+    first_step: int
+    unreadable: list[dict[str, Any]]
+    initialized: dict[str, Any] | None
+
+
+def train(
+    cfg: Config, *, progress: bool = True, hooks: Sequence[Hook] = (), launch: Launch | None = None
+) -> dict[str, Any]:
+    """Run ``cfg.train.steps`` steps; returns a summary (final eval loss, time, throughput).
+
+    The process is set up as ``zaya train`` sets it up (XLA flags, compilation cache,
+    ``jax.distributed`` per ``launch`` or the scheduler), so a notebook's run is the command's.
+    ``hooks`` run after the built-in ones at each step (:class:`zaya_jax.train.hooks.Hook`)."""
     start_time = time.perf_counter()
+    setup_runtime(cfg.runtime, launch)
     primary = jax.process_index() == 0
 
-    # --- The run: directory, layout, optimizer, state ---------------------------------------------
+    # --- The run: directory, programs, state ------------------------------------------------------
     tokenizer = check_run(cfg)
     run, resuming = RunDir.open(cfg)
-    layout = make_layout(cfg)
-    groups = model_param_groups(cfg.model, cfg.optim.router_group)
-    tx = build_optimizer(cfg.optim, groups, cfg.train.steps, shardings=layout.variables["params"])
-    state, shardings = init_sharded_train_state(cfg, tx, layout)
-    resilience = cfg.resilience
-    watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
+    programs = build_programs(cfg)
+    watchdog = Watchdog(
+        run.path, cfg.resilience.hang_timeout_s, cfg.resilience.compile_timeout_s, enabled=primary
+    )
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
-    hooks = [checkpoints, FaultHook(cfg, run, checkpoints, primary=primary), ProfileHook(cfg, run)]
     producer = BatchProducer(cfg, tokenizer)
+    resumed = _resume(cfg, run, resuming, programs.init_state(), checkpoints, producer, primary)
 
-    # --- Resume from the latest readable checkpoint -------------------------------------------------
-    restored, unreadable = checkpoints.restore(state) if resuming else (None, [])
-    initialized = None
-    if restored is not None:
-        state, data_state, restored_step = restored
-        producer.set_state(data_state)
-        if primary:
-            run.truncate_metrics(restored_step)  # before the writer opens the file
-    elif cfg.train.init_from:  # a fresh run from existing weights
-        state, initialized = initialize_from(cfg.train.init_from, state)
-    first_step = checkpoints.saved_step + 1
-    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, first_step - 1, cfg)
-    for detail in unreadable:
+    writer = MetricsWriter(
+        run.path, cfg.train.steps if progress else None, primary, resumed.first_step - 1, cfg
+    )
+    for detail in resumed.unreadable:
         writer.event("checkpoint_unreadable", **detail)
-    if first_step > 1:
-        writer.event("resume", from_step=first_step - 1)
-    if initialized:
-        writer.event("init_from", **initialized)
+    if resumed.first_step > 1:
+        writer.event("resume", from_step=resumed.first_step - 1)
+    if resumed.initialized:
+        writer.event("init_from", **resumed.initialized)
 
-    # --- Compiled programs ----------------------------------------------------------------------------
-    train_step = TrainStep(cfg, tx, layout, shardings, watchdog)
-    held_out = HeldOut(cfg, tokenizer, layout, shardings, watchdog)
+    # --- Compiled programs and the components around each step --------------------------------------
+    train_step = TrainStep(programs, watchdog, writer.event)
     peak, peak_source = peak_flops(cfg.model.dtype)
-    start_event(writer, cfg, layout, peak, peak_source, first_step - 1, initialized)
+    start_event(writer, cfg, programs.layout, peak, peak_source, resumed.first_step - 1, resumed.initialized)
+    meter = Throughput(peak)
+    evaluation = Evaluation(HeldOut(programs, tokenizer, watchdog), cfg, writer, meter)
+    logging = Logging(cfg, writer, meter, also_at=evaluation.due)
+    every = [logging, evaluation, checkpoints, Profiling(cfg, run), *hooks]
+    for hook in every:
+        hook.start(RunContext(cfg, run, checkpoints, writer, primary))
 
     # --- The loop ---------------------------------------------------------------------------------------
-    stop, guard, meter = StopRequest(), LossGuard(resilience), Throughput(peak)
+    stop, guard = StopRequest(), LossGuard(cfg.resilience)
     data_state = producer.get_state()  # read before the prefetch thread runs ahead of training
     batches = Prefetcher(producer, cfg.data.prefetch)
-    eval_loss, step_eval, last, skipped_steps, rollbacks = math.nan, None, {}, 0, 0
-    step = first_step
+    state, step, end = resumed.state, resumed.first_step, None
+    counts = {"skipped_steps": 0, "rollbacks": 0}
     try:
         while step <= cfg.train.steps:
             wait_start = time.perf_counter()
             plan, host_batch, data_state = next(batches)
             meter.data_wait += time.perf_counter() - wait_start
-            for hook in hooks:
+            for hook in every:
                 host_batch = hook.before_step(step, host_batch)
             lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
             limit = guard.limit()
-            state, metrics = train_step(step, state, put_batch(host_batch, layout.batch), lr_scale, limit)
-            meter.add(plan.tokens, plan.tokens * flops_per_token(cfg.model, plan.seq_len))
+            state, metrics = train_step(
+                step, state, put_batch(host_batch, programs.layout.batch), lr_scale, limit
+            )
             watchdog.beat(step)
 
             outcome = Outcome.of(step, metrics, limit)
-            decision = decide(outcome, resilience, rollbacks)
-            agreed = agree(step, time_due=checkpoints.time_due(), stop=stop.requested, action=decision.action)
+            decision = decide(outcome, cfg.resilience, counts["rollbacks"])
+            time_due = any(hook.wants_save(step) for hook in every)
+            agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
             if outcome.skipped:
-                skipped_steps += 1
+                counts["skipped_steps"] += 1
                 writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
             if decision.action is Action.STOP:
                 raise NonFiniteLossError(decision.message)
             if decision.action is Action.ROLLBACK:
                 state, to_step = _rollback(checkpoints, writer, state, outcome)
                 if to_step is not None:
-                    rollbacks, step = rollbacks + 1, to_step + 1
+                    counts["rollbacks"] += 1
+                    step = to_step + 1
                     continue
             if decision.action is Action.ACCEPT:
                 guard.accept(outcome.loss)
 
-            is_eval = step % cfg.train.eval_every == 0 or step == cfg.train.steps
-            if step % cfg.train.log_every == 0 or is_eval:
-                lrs = current_learning_rates(state.opt_state)
-                counts = {"skipped_steps": skipped_steps, "rollbacks": rollbacks}
-                last = metric_record(step, metrics, lr=lrs["adam_lr"], muon_lr=lrs["muon_lr"], **meter.fields(),
-                                     tokens_seen=data_state["tokens_seen"], **plan.fields(), **counts)  # fmt: skip
-                writer.write(last)
-                meter.reset()
-            step_eval = None
-            if is_eval:
-                eval_start = time.perf_counter()
-                eval_loss = step_eval = held_out(step, state)
-                meter.pause(time.perf_counter() - eval_start)
-                writer.write({"step": step, "eval_loss": eval_loss})
-            writer.advance(last)
-            end = StepEnd(step, state, data_state, step == cfg.train.steps, agreed.time_save, step_eval)
-            for hook in hooks:
-                hook.after_step(end)
+            end = StepEnd(
+                step,
+                state,
+                data_state,
+                metrics,
+                plan,
+                dict(counts),
+                step == cfg.train.steps,
+                agreed.time_save,
+            )
+            for hook in every:
+                end = hook.after_step(end) or end
+            writer.advance(logging.last)
             if agreed.stop:
                 writer.event("stop", signal=agreed.stop, received_by=list(agreed.stopped_by))
                 break
             step += 1
         step = min(step, cfg.train.steps)
-        if step != checkpoints.saved_step:
-            checkpoints.save(step, state, data_state, step_eval)
-        checkpoints.finish()
+        if end is not None:
+            for hook in every:
+                hook.end_run(end)
     except jax.errors.JaxRuntimeError as err:
         writer.event("device_error", **{"class": classify_runtime_error(err), "message": str(err)[:2000]})
         raise
@@ -145,19 +166,44 @@ def train(cfg: Config, *, progress: bool = True) -> dict[str, Any]:
         watchdog.close()
         batches.close()
         stop.restore()
-        checkpoints.close()
+        for hook in every:
+            hook.close()
         if sys.exc_info()[1] is not None:  # failing: close the sinks now, quietly (not at exit)
             writer.close(failing=True)
 
     # --- Summary ------------------------------------------------------------------------------------------
-    summary = _summary(
-        run, cfg, step, data_state, last, eval_loss, time.perf_counter() - start_time, first_step
-    )
+    eval_loss = evaluation.last_loss
+    wall = time.perf_counter() - start_time
+    summary = _summary(run, cfg, step, data_state, logging.last, eval_loss, wall, resumed.first_step)
     writer.event("end", **summary)
     writer.close()
-    if primary and first_step <= cfg.train.steps:
+    if primary and resumed.first_step <= cfg.train.steps:
         run.write_summary(summary)
     return summary
+
+
+def _resume(
+    cfg: Config,
+    run: RunDir,
+    resuming: bool,
+    fresh: TrainState,
+    checkpoints: Checkpointing,
+    producer: BatchProducer,
+    primary: bool,
+) -> _Resumed:
+    """The latest readable checkpoint of a resumed run (its data position given to ``producer``),
+    or, for a new run with ``train.init_from``, existing weights; else the fresh state."""
+    restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
+    if restored is not None:
+        state, data_state, restored_step = restored
+        producer.set_state(data_state)
+        if primary:
+            run.truncate_metrics(restored_step)  # before the writer opens the file
+        return _Resumed(state, restored_step + 1, unreadable, None)
+    if cfg.train.init_from:
+        state, initialized = initialize_from(cfg.train.init_from, fresh)
+        return _Resumed(state, 1, unreadable, initialized)
+    return _Resumed(fresh, 1, unreadable, None)
 
 
 def _rollback(
@@ -183,7 +229,7 @@ def _summary(
     step: int,
     data_state: dict[str, Any],
     last: dict[str, Any],
-    eval_loss: float,
+    eval_loss: float | None,
     wall: float,
     first_step: int,
 ) -> dict[str, Any]:
@@ -197,6 +243,6 @@ def _summary(
         "interrupted": step < cfg.train.steps,
         "tokens": data_state["tokens_seen"],
         "final_loss": last.get("loss"),
-        "eval_loss": eval_loss if math.isfinite(eval_loss) else None,  # None: no step ran (already complete)
+        "eval_loss": eval_loss,  # None: no step ran (already complete)
         "wall_time_s": wall,
     }

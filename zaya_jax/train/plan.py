@@ -3,7 +3,8 @@ a single array (abstract inputs carrying their shardings), and report per-device
 plans it, plus the model dimensions that fit AMD MI300X GEMM tiles poorly.
 
 ``zaya train --config zaya1-8b --compile-only --devices 64 mesh.fsdp=8 mesh.expert=8`` runs this on
-64 fake CPU devices. The program traced is the GPU's (``target="gpu"``, the default): every
+64 fake CPU devices. The program is built by :func:`zaya_jax.programs.build_programs`, as training
+builds it (all four inputs of the step, its loss guard included). The program traced is the GPU's (``target="gpu"``, the default): every
 platform-dependent op takes its GPU branch, with a memory twin where XLA:CPU cannot compile the GPU
 op as a GPU does (``zaya_jax.ops.platform``); the report names the twins. XLA:CPU's buffer
 assignment still approximates, not equals, the GPU compiler's.
@@ -11,6 +12,7 @@ assignment still approximates, not equals, the GPU compiler's.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax
@@ -18,12 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import Config
-from zaya_jax.data import BATCH_FIELDS
-from zaya_jax.model import init_variables, param_counts
+from zaya_jax.model import param_counts
 from zaya_jax.ops.platform import Target, planning_for
-from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.parallel import make_layout
-from zaya_jax.train.step import init_train_state, make_train_step
+from zaya_jax.parallel.distributed import apply_runtime
+from zaya_jax.programs import build_programs, fingerprint
 
 
 def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> list[str]:
@@ -58,34 +58,15 @@ PLATFORM_PATHS = {
 
 def compile_plan(cfg: Config, target: Target = "gpu") -> dict[str, Any]:
     """Lower and compile the train step on the current devices (usually fake CPU devices), tracing
-    ``target``'s program ("gpu" or "cpu")."""
-    with planning_for(target):
-        return _compile_plan(cfg, target)
-
-
-def _compile_plan(cfg: Config, target: Target) -> dict[str, Any]:
-    layout = make_layout(cfg)
-    groups = model_param_groups(cfg.model, cfg.optim.router_group)
-    tx = build_optimizer(cfg.optim, groups, cfg.train.steps, shardings=layout.variables["params"])
-
-    abstract = jax.eval_shape(
-        lambda key: init_train_state(init_variables(cfg.model, key), tx), jax.random.key(0)
-    )
-    shardings = layout.state_shardings(abstract)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, shardings)
-    rows, seq = cfg.train.batch_size, cfg.train.seq_len
-    batch = {
-        key: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=layout.batch)
-        for key, dtype in BATCH_FIELDS.items()
-    }
-    lr = jax.ShapeDtypeStruct((), jnp.float32, sharding=layout.replicated)
-    step = jax.jit(
-        make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
-        in_shardings=(shardings, layout.batch, layout.replicated),
-        out_shardings=(shardings, layout.replicated),
-        donate_argnums=0,
-    )
-    compiled = step.lower(state, batch, lr).compile()
+    ``target``'s program ("gpu" or "cpu"). Where ``target`` is the backend's own platform, the
+    program is exactly the one ``zaya train`` compiles for the same config and layout: the report's
+    ``train_step_fingerprint`` equals the ``compiled`` event's in the run's ``events.jsonl``."""
+    apply_runtime(cfg.runtime)
+    native = (target == "cpu") == (jax.default_backend() == "cpu")
+    with contextlib.nullcontext() if native else planning_for(target):
+        programs = build_programs(cfg)
+        lowered = programs.lower_train_step()
+        compiled = lowered.compile()
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
 
@@ -100,10 +81,11 @@ def _compile_plan(cfg: Config, target: Target) -> dict[str, Any]:
         "devices": jax.device_count(),
         "platform": jax.devices()[0].platform,
         "planned_program": target,
+        "train_step_fingerprint": fingerprint(lowered),
         "platform_paths": {name: about for name, about in PLATFORM_PATHS.items() if name in hlo},
-        "mesh": dict(layout.mesh.shape),
+        "mesh": dict(programs.layout.mesh.shape),
         **param_counts(cfg.model),
-        "state_bytes_per_device": per_device(state),
+        "state_bytes_per_device": per_device(programs.abstract_state),
         "gemm_tile_warnings": gemm_tile_warnings(cfg),
     }
     if memory is not None:

@@ -1,54 +1,37 @@
-"""The compiled programs of a training run: the train step (one executable per batch shape, as the
-batch ramp and curriculum change it) and the held-out evaluation.
+"""The compiled programs as the training loop calls them: the train step (one executable per batch
+shape, as the batch ramp and curriculum change it) and the held-out evaluation, both taken from the
+run's :class:`zaya_jax.programs.Programs`.
 
 Each is compiled ahead of its first call, then every process waits at a barrier: on CPU (gloo) a
-process still compiling would otherwise trip its peers' collective timeout.
+process still compiling would otherwise trip its peers' collective timeout. Each compilation is
+recorded as a ``compiled`` event with the program's fingerprint, the one ``--compile-only`` reports
+for the same config and layout.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import optax
 
-from zaya_jax.config import Config
-from zaya_jax.data import eval_batches
-from zaya_jax.loss import make_eval_step
-from zaya_jax.optim import set_lr_scale
-from zaya_jax.parallel import Layout, put_batch
 from zaya_jax.parallel.distributed import barrier
+from zaya_jax.programs import Programs, TrainState, fingerprint
 from zaya_jax.resilience import Watchdog
-from zaya_jax.train.schedule import local_rows
-from zaya_jax.train.step import TrainState, make_train_step
 
 
 class TrainStep:
     """``(state, batch, lr_scale, loss_limit) -> (state, metrics)``, compiled once per batch shape."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        tx: optax.GradientTransformation,
-        layout: Layout,
-        shardings: TrainState,
-        watchdog: Watchdog,
-    ):
-        self.cfg, self.watchdog = cfg, watchdog
-        self._jitted = jax.jit(
-            make_train_step(cfg, tx, set_lr_scale, **layout.step_hooks),
-            in_shardings=(shardings, layout.batch, layout.replicated, layout.replicated),
-            out_shardings=(shardings, layout.replicated),
-            donate_argnums=0,
-        )
+    def __init__(self, programs: Programs, watchdog: Watchdog, event: Callable[..., None]):
+        self.programs, self.watchdog, self.event = programs, watchdog, event
         self._compiled: dict[tuple[int, ...], Any] = {}
 
     def __call__(
         self, step: int, state: TrainState, batch: dict[str, jax.Array], lr_scale: float, loss_limit: float
     ):
-        args = (state, batch, jnp.asarray(lr_scale, jnp.float32), jnp.asarray(loss_limit, jnp.float32))
+        args = self.programs.step_arguments(state, batch, lr_scale, loss_limit)
         shape = batch["inputs"].shape
         if shape not in self._compiled:
             self.watchdog.beat(step - 1, "compile")
@@ -58,8 +41,10 @@ class TrainStep:
                     file=sys.stderr,
                     flush=True,
                 )
-            self._compiled[shape] = self._jitted.lower(*args).compile()
-            barrier(f"step {shape}", self.cfg.runtime.barrier_timeout_s)
+            lowered = self.programs.lower_train_step(*shape)  # from abstract inputs, as planning does
+            self._compiled[shape] = lowered.compile()
+            self.event("compiled", program="train_step", batch=list(shape), fingerprint=fingerprint(lowered))
+            barrier(f"step {shape}", self.programs.cfg.runtime.barrier_timeout_s)
         return self._compiled[shape](*args)
 
 
@@ -67,33 +52,17 @@ class HeldOut:
     """The run's held-out evaluation: ``train.eval_batches`` batches of the held-out split, placed
     on the mesh once; calling it returns the mean cross-entropy per target token."""
 
-    def __init__(
-        self, cfg: Config, tokenizer: Any, layout: Layout, shardings: TrainState, watchdog: Watchdog
-    ):
-        self.cfg, self.watchdog = cfg, watchdog
-        self._jitted = jax.jit(
-            make_eval_step(cfg, **layout.step_hooks),
-            in_shardings=(shardings.params, shardings.balancing, layout.batch),
-            out_shardings=layout.replicated,
-        )
+    def __init__(self, programs: Programs, tokenizer: Any, watchdog: Watchdog):
+        self.programs, self.watchdog = programs, watchdog
         self._compiled: Any = None
-        self.batches = [
-            put_batch(local_rows(b), layout.batch)
-            for b in eval_batches(
-                cfg.data,
-                tokenizer,
-                seq_len=cfg.train.seq_len,
-                batch_size=cfg.train.batch_size,
-                num_batches=cfg.train.eval_batches,
-                seed=cfg.train.seed,
-            )
-        ]
+        self.batches = programs.held_out_batches(tokenizer)
 
     def __call__(self, step: int, state: TrainState) -> float:
         self.watchdog.beat(step, "eval" if self._compiled else "compile")
         if self._compiled is None:
-            self._compiled = self._jitted.lower(state.params, state.balancing, self.batches[0]).compile()
-            barrier("eval", self.cfg.runtime.barrier_timeout_s)
+            lowered = self.programs.eval_step.lower(state.params, state.balancing, self.batches[0])
+            self._compiled = lowered.compile()
+            barrier("eval", self.programs.cfg.runtime.barrier_timeout_s)
         total, count = 0.0, 0.0
         for batch in self.batches:
             ce, n = self._compiled(state.params, state.balancing, batch)

@@ -123,10 +123,3 @@ class BatchProducer:
         self.tokens_seen += plan.tokens  # global tokens, all processes together
         batch = next_batch(self.rows, plan.batch_size // jax.process_count())  # this process's rows
         return plan, batch, self.get_state()
-
-
-def local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """This process's share of a global host batch (all of it in a single-process run)."""
-    count, index = jax.process_count(), jax.process_index()
-    rows = next(iter(batch.values())).shape[0] // count
-    return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}

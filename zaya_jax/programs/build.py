@@ -1,0 +1,164 @@
+"""The run builder: from a config and a layout, the jitted programs of a run (state init, the train
+step with all of its inputs, held-out evaluation), their shardings and their abstract inputs.
+
+Training (``zaya_jax.train``), compile-only planning (``zaya train --compile-only``), evaluation of
+a run (``zaya eval``), the bench scripts, the test workers and the notebooks all take their programs
+from :func:`build_programs`, so the program a memory plan describes is the one training runs:
+:func:`fingerprint` of the lowered train step is recorded in a run's ``events.jsonl`` (``compiled``)
+and in the plan's report (``train_step_fingerprint``). MaxText's pattern
+(``utils/maxtext_utils.py`` builds the step and its shardings once, for training and for AOT
+compilation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from zaya_jax.config import Config, MeshConfig
+from zaya_jax.data import BATCH_FIELDS, eval_batches
+from zaya_jax.loss import make_eval_step
+from zaya_jax.model import init_variables
+from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
+from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
+
+
+def fingerprint(lowered: jax.stages.Lowered) -> str:
+    """A short hash of a lowered program's text: equal fingerprints, the same program."""
+    return hashlib.sha256(lowered.as_text().encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The programs of one run on one layout. Everything is built on first use, so evaluation does
+    not trace the optimizer and planning allocates nothing.
+
+    - ``init``: ``key -> TrainState``, step 0 created directly in its shardings (no device ever
+      holds the whole model);
+    - ``train_step``: ``(state, batch, lr_scale, loss_limit) -> (state, metrics)``, the state
+      donated; ``loss_limit`` (``inf`` for none) makes the step keep the old state on a bad step;
+    - ``eval_step``: ``(params, balancing, batch) -> (summed cross-entropy, target tokens)``.
+    """
+
+    cfg: Config
+    layout: Layout
+    groups: dict[str, LeafGroup] | None = None  # Muon/AdamW grouping (default: the model's)
+
+    @functools.cached_property
+    def tx(self) -> optax.GradientTransformation:
+        groups = self.groups or model_param_groups(self.cfg.model, self.cfg.optim.router_group)
+        return build_optimizer(
+            self.cfg.optim, groups, self.cfg.train.steps, shardings=self.layout.variables["params"]
+        )
+
+    def _init(self, key: jax.Array) -> TrainState:
+        return init_train_state(init_variables(self.cfg.model, key), self.tx)
+
+    @functools.cached_property
+    def shardings(self) -> TrainState:
+        """The train state's shardings (parameters by the rules, optimizer state like them)."""
+        return self.layout.state_shardings(jax.eval_shape(self._init, jax.random.key(0)))
+
+    @functools.cached_property
+    def abstract_state(self) -> TrainState:
+        """The train state as shapes and dtypes carrying their shardings (nothing allocated)."""
+        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
+            shapes,
+            self.shardings,
+        )
+
+    @functools.cached_property
+    def init(self) -> Any:
+        return jax.jit(self._init, out_shardings=self.shardings)
+
+    def init_state(self) -> TrainState:
+        """Step 0 from ``train.seed``."""
+        return self.init(jax.random.key(self.cfg.train.seed))
+
+    @functools.cached_property
+    def train_step(self) -> Any:
+        layout = self.layout
+        return jax.jit(
+            make_train_step(self.cfg, self.tx, set_lr_scale, **layout.step_hooks),
+            in_shardings=(self.shardings, layout.batch, layout.replicated, layout.replicated),
+            out_shardings=(self.shardings, layout.replicated),
+            donate_argnums=0,
+        )
+
+    @functools.cached_property
+    def eval_step(self) -> Any:
+        layout = self.layout
+        return jax.jit(
+            make_eval_step(self.cfg, **layout.step_hooks),
+            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
+            out_shardings=layout.replicated,
+        )
+
+    def abstract_batch(self, rows: int | None = None, seq: int | None = None) -> dict[str, Any]:
+        """A batch of ``rows`` x ``seq`` tokens (default: the run's final batch) as abstract arrays."""
+        rows, seq = rows or self.cfg.train.batch_size, seq or self.cfg.train.seq_len
+        return {
+            key: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=self.layout.batch)
+            for key, dtype in BATCH_FIELDS.items()
+        }
+
+    def step_arguments(
+        self, state: Any, batch: dict[str, Any], lr_scale: float = 1.0, loss_limit: float = np.inf
+    ) -> tuple[Any, ...]:
+        """The train step's arguments, the scalars as float32 arrays (as training passes them)."""
+        return (state, batch, jnp.asarray(lr_scale, jnp.float32), jnp.asarray(loss_limit, jnp.float32))
+
+    def lower_train_step(self, rows: int | None = None, seq: int | None = None) -> jax.stages.Lowered:
+        """The train step lowered from abstract inputs: the program training compiles for batches
+        of ``rows`` x ``seq`` tokens."""
+        scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.layout.replicated)
+        return self.train_step.lower(self.abstract_state, self.abstract_batch(rows, seq), scalar, scalar)
+
+    def held_out_batches(self, tokenizer: Any) -> list[dict[str, jax.Array]]:
+        """The run's held-out batches (``train.eval_batches`` of ``train.batch_size`` x
+        ``train.seq_len``, seed ``train.seed``), this process's rows placed on the mesh."""
+        return [
+            put_batch(local_rows(b), self.layout.batch) for b in held_out_host_batches(self.cfg, tokenizer)
+        ]
+
+
+def held_out_host_batches(cfg: Config, tokenizer: Any) -> list[dict[str, np.ndarray]]:
+    """The run's held-out evaluation data as global host batches (the same on every call)."""
+    train = cfg.train
+    return eval_batches(
+        cfg.data,
+        tokenizer,
+        seq_len=train.seq_len,
+        batch_size=train.batch_size,
+        num_batches=train.eval_batches,
+        seed=train.seed,
+    )
+
+
+def build_programs(
+    cfg: Config,
+    layout: Layout | None = None,
+    *,
+    devices: Sequence[Any] | None = None,
+    groups: dict[str, LeafGroup] | None = None,
+) -> Programs:
+    """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
+    when None). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW)."""
+    return Programs(cfg, layout if layout is not None else make_layout(cfg, devices), groups)
+
+
+def single_device_programs(cfg: Config, device: Any | None = None) -> Programs:
+    """``cfg``'s programs on one device, whatever mesh the run trained on (evaluating a saved model)."""
+    one = dataclasses.replace(cfg, mesh=MeshConfig(data=1, rules=cfg.mesh.rules))
+    return build_programs(one, devices=[device if device is not None else jax.devices()[0]])

@@ -1,0 +1,145 @@
+"""The pure training step ``(state, batch, lr_scale, loss_limit) -> (state, metrics)`` and the
+state it updates. Jitted with its shardings in one place, :func:`zaya_jax.programs.build_programs`.
+
+The step splits a batch (:data:`zaya_jax.data.BATCH_KEYS`) into ``micro_batches`` accumulated by a
+``lax.scan``; the loss (:mod:`zaya_jax.loss`) is the token-weighted mean next-token cross-entropy
+over the whole batch (plus the optional z-loss), so accumulation gives the same gradient as one big
+batch. Every metric the step returns is a scalar or a vector and goes to ``metrics.jsonl`` under its
+own name (:func:`zaya_jax.train.metrics.metric_record`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from zaya_jax.config import Config
+from zaya_jax.loss import Batch, loss_and_stats, under_axis_rules
+from zaya_jax.model import BALANCING, Zaya
+from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
+from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    balancing: Any
+    controller: ControllerState
+
+
+def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
+    """Step 0: fresh optimizer state; the controller starts from the variables' balancing biases."""
+    biases = variables[BALANCING]["layers"]["router"]["biases"]
+    return TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=variables["params"],
+        opt_state=tx.init(variables["params"]),
+        balancing=variables[BALANCING],
+        controller=init_controller(biases),
+    )
+
+
+def make_train_step(
+    cfg: Config,
+    tx: optax.GradientTransformation,
+    set_lr_scale: Callable[[Any, jax.Array], Any],
+    hooks: ModelHooks = SINGLE_DEVICE,
+    axis_rules: tuple[Any, Any] | None = None,
+) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
+    """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
+    batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
+    ``hooks``: expert and context parallelism and the sharded fused-norm kernel on a mesh
+    (``Layout.hooks``); ``axis_rules``: (mesh, logical-axis rules) for the
+    activations' sharding constraints (``Layout.step_hooks``)."""
+    model = Zaya(cfg.model, hooks)
+    micro = cfg.train.micro_batches
+    grad_fn = jax.grad(
+        lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss, cfg.train.loss_chunk),
+        has_aux=True,
+    )
+
+    def step(
+        state: TrainState, batch: Batch, lr_scale: jax.Array, loss_limit: jax.Array | None = None
+    ) -> tuple[TrainState, dict[str, jax.Array]]:
+        """With ``loss_limit`` (a float32 scalar; ``inf`` for none) the step keeps the previous
+        parameters, optimizer and balancing state when the loss or gradient norm is not finite or
+        the loss exceeds the limit (metrics ``skipped``, ``nonfinite``)."""
+        grads, stats = _accumulated_grads(grad_fn, state, batch, micro)
+        tokens = jnp.maximum(stats["tokens"], 1.0)
+        grads = jax.tree.map(lambda g: g / tokens, grads)
+        grad_norm = optax.tree.norm(grads)
+        opt_state = set_lr_scale(state.opt_state, lr_scale)
+        updates, opt_state = tx.update(grads, opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        balancing, controller = state.balancing, state.controller
+        biases = state.balancing["layers"]["router"]["biases"]
+        spread = probability_spread(stats["prob_dev_sum"], stats["prob_dev_sq_sum"], stats["routed"])
+        if cfg.balancing.enabled:
+            biases, controller, _ = update_biases(
+                cfg.balancing, state.controller, biases, stats["load"], spread
+            )
+            balancing = {"layers": {"router": {"biases": biases}}}
+
+        metrics = _step_metrics(stats, tokens, grad_norm, biases, spread)
+        new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
+        if loss_limit is not None:
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+            accept = finite & (metrics["loss"] <= loss_limit)
+            kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
+            new_state = kept.replace(step=state.step + 1)
+            metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
+            metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        return new_state, metrics
+
+    return under_axis_rules(step, axis_rules)
+
+
+def _accumulated_grads(
+    grad_fn: Callable, state: TrainState, batch: Batch, micro: int
+) -> tuple[Any, dict[str, jax.Array]]:
+    """Summed gradients and loss statistics over ``micro`` equal micro-batches of ``batch``."""
+    if micro == 1:  # no loop: a one-step scan still costs a while loop and a zeroed carry
+        return grad_fn(state.params, state.balancing, batch)
+    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], split)
+    zeros = jax.tree.map(
+        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, state.params, state.balancing, first)
+    )
+
+    def accumulate(carry, micro_batch):
+        grads, stats = grad_fn(state.params, state.balancing, micro_batch)
+        return jax.tree.map(jnp.add, carry, (grads, stats)), None
+
+    return jax.lax.scan(accumulate, zeros, split)[0]
+
+
+def _step_metrics(
+    stats: dict[str, jax.Array], tokens: jax.Array, grad_norm: jax.Array, biases: jax.Array, spread: jax.Array
+) -> dict[str, jax.Array]:
+    """The step's scalars and vectors, each under its name in ``metrics.jsonl``."""
+    load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
+    experts = load_fraction[:, :-1]
+    return {
+        "loss": stats["ce_sum"] / tokens,
+        "log_z_squared": stats["z_sum"] / tokens,  # the z-loss term before its weight train.z_loss
+        "grad_norm": grad_norm,
+        "expert_load": load_fraction.mean(0),  # (E+1,) averaged over layers
+        # inf (null in metrics.jsonl) while some expert receives no token at all
+        "max_min_load_ratio": jnp.where(
+            jnp.min(experts) > 0, jnp.max(experts) / jnp.maximum(jnp.min(experts), 1e-30), jnp.inf
+        ),
+        "skip_fraction": load_fraction[:, -1].mean(),
+        "dropped_tokens": stats["dropped"].sum(),
+        "bias_mean": biases[:, :-1].mean(),
+        "bias_std": biases[:, :-1].std(),
+        "bias_skip": biases[:, -1].mean(),
+        "router_prob_spread": spread.mean(),
+    }
