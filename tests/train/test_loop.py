@@ -68,7 +68,10 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     assert eval_lines[-1]["eval_loss"] == pytest.approx(summary["eval_loss"])
 
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["start", "end"]
+    assert [e["event"] for e in events] == ["start", "compiled", "end"]
+    compiled = events[1]["detail"]
+    assert compiled["program"] == "train_step" and compiled["batch"] == [2, 32]
+    assert len(compiled["fingerprint"]) == 16  # the plan's train_step_fingerprint (tests/train/test_plan.py)
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tb").iterdir())
 
     lm = zaya_jax.load(run)  # the final model is a checkpoint that evaluation can load

@@ -2,13 +2,8 @@
 
 from zaya_jax.model.counts import param_counts
 from zaya_jax.model.router import BALANCING
-from zaya_jax.model.transformer import (
-    Zaya,
-    abstract_variables,
-    init_cache,
-    init_variables,
-    positions_in_document,
-)
+from zaya_jax.model.stack import positions_in_document
+from zaya_jax.model.transformer import Zaya, abstract_variables, init_cache, init_variables
 
 __all__ = [
     "BALANCING",

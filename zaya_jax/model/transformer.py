@@ -1,38 +1,28 @@
-"""The ZAYA1 decoder: embedding with input scale/bias, L blocks scanned over depth, final norm, tied
-LM head (spec §2.1-§2.2). Block: CCA attention and a top-1 MoE, each merged into the float32
-residual stream by a learned residual scaling; the router state r is carried across blocks (EDA).
+"""The ZAYA1 decoder: embedding with input scale/bias, L blocks scanned over depth
+(:mod:`zaya_jax.model.stack`), final norm, tied LM head (spec §2.1-§2.2). Block: CCA attention and a
+top-1 MoE, each merged into the float32 residual stream by a learned residual scaling; the router
+state r is carried across blocks (EDA).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.axes import ACTIVATION_AXES
-from zaya_jax.model.balancing import probability_moments
-from zaya_jax.model.cca import CCAAttention
-from zaya_jax.model.experts import Experts
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.layers import Dense, param_with_axes
-from zaya_jax.model.norms import ResidualScaling, RMSNorm
-from zaya_jax.model.rope import inverse_frequencies
-from zaya_jax.model.router import BALANCING, Router
-from zaya_jax.ops.attention import AttentionMask, self_attention_mask
-from zaya_jax.ops.residual_norm import residual_rms_norm
-
-REMAT_POLICIES = {
-    # Recompute the whole block: only each layer's input carry is kept for the backward pass.
-    "full": jax.checkpoint_policies.nothing_saveable,
-    # Keep the outputs of weight matmuls (dots without batch dimensions), recompute the rest
-    # (norms, activations, convolutions, attention scores).
-    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-}
+from zaya_jax.model.norms import RMSNorm
+from zaya_jax.model.stack import (
+    LAYER_CACHE_KEYS,
+    layer_inputs,
+    scanned_blocks,
+    shared_inputs,
+)
 
 
 def _embedding_init(pad_token_id: int, std: float):
@@ -43,87 +33,6 @@ def _embedding_init(pad_token_id: int, std: float):
         return table.at[pad_token_id].set(0)
 
     return init
-
-
-def positions_in_document(segment_ids: jax.Array) -> jax.Array:
-    """(batch, seq) index of each token within its document (segments are contiguous runs)."""
-    seq = segment_ids.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(seq), segment_ids.shape)
-    starts = jnp.concatenate(
-        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
-    )
-    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
-
-
-class Block(nn.Module):
-    """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R)).
-
-    ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window),
-    ``ctx`` the inputs shared by every layer (positions, masks). Returns the new carry and this
-    layer's routing statistics.
-    """
-
-    cfg: ModelConfig
-    hooks: ModelHooks = SINGLE_DEVICE
-
-    @nn.compact
-    def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
-        cfg = self.cfg
-        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        h, r = carry
-        token_mask = ctx["token_mask"]
-
-        a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
-        o, cache = CCAAttention(cfg, self.hooks, name="attn")(
-            a,
-            layer["inv_freq"],
-            layer["window"],
-            positions=ctx["positions"],
-            mask=ctx["mask"],
-            segment_ids=ctx["segment_ids"],
-            token_mask=token_mask,
-            cache=layer.get("cache"),
-            index=ctx.get("cache_index"),
-        )
-        merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
-        norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
-        if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
-            fused = self.hooks.residual_norm or functools.partial(residual_rms_norm, impl="custom")
-            h, m = fused(
-                o.astype(dtype),
-                h,
-                *merge(o, h, weights_only=True),
-                norm(h, weight_only=True),
-                eps=cfg.rms_norm_eps,
-            )
-        else:
-            h = merge(o, h)
-            m = norm(h.astype(dtype))
-        routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
-        # Recorded only when applied with mutable=["intermediates"] (notebooks, diagnostics).
-        self.sow("intermediates", "router_state", routing.state)
-        self.sow("intermediates", "router_probs", routing.probs)
-        self.sow("intermediates", "router_choice", routing.choice)
-        is_skip = routing.choice == cfg.num_experts
-        weight = jnp.where(is_skip, 0, routing.weight)
-        f, dropped = Experts(cfg, self.hooks.moe_dispatch, name="experts")(m, routing.choice, weight)
-        if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
-            f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
-        h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
-
-        valid = (
-            jnp.ones(routing.choice.shape, jnp.float32)
-            if token_mask is None
-            else token_mask.astype(jnp.float32)
-        )
-        prob_dev_sum, prob_dev_sq_sum = probability_moments(routing.probs, valid)
-        stats = {
-            "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
-            "dropped": jnp.sum(dropped * valid),
-            "prob_dev_sum": prob_dev_sum,
-            "prob_dev_sq_sum": prob_dev_sq_sum,
-        }
-        return (h, routing.state), (stats, cache)
 
 
 class Zaya(nn.Module):
@@ -161,21 +70,6 @@ class Zaya(nn.Module):
     cfg: ModelConfig
     hooks: ModelHooks = SINGLE_DEVICE
 
-    def _layer_inputs(self, eda_scale: jax.Array) -> dict[str, jax.Array]:
-        cfg = self.cfg
-        theta = {"hybrid": cfg.rope_theta, "hybrid_sliding": cfg.rope_theta_sliding}
-        types = cfg.resolved_layer_types
-        return {
-            # Block 0 has no EDA: a zero scale row adds an exact zero to its router state.
-            "eda_scale": jnp.concatenate(
-                [jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]
-            ),
-            "inv_freq": jnp.asarray(np.stack([inverse_frequencies(theta[t], cfg.rotary_dim) for t in types])),
-            "window": jnp.asarray(
-                [cfg.sliding_window if t == "hybrid_sliding" else 0 for t in types], dtype=jnp.int32
-            ),
-        }
-
     @nn.compact
     def __call__(
         self,
@@ -191,7 +85,6 @@ class Zaya(nn.Module):
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         batch, seq = tokens.shape
         embed_shape = (cfg.hidden_size,)
-
         embedding = param_with_axes(
             self,
             "embedding",
@@ -206,74 +99,26 @@ class Zaya(nn.Module):
         input_bias = param_with_axes(
             self, "input_bias", nn.initializers.zeros, embed_shape, ("embed",), pdtype
         )
+        eda_shape = (cfg.num_layers - 1, cfg.router_hidden_size)
         eda_scale = param_with_axes(
-            self,
-            "router_states_scale",
-            nn.initializers.ones,
-            (cfg.num_layers - 1, cfg.router_hidden_size),
-            ("layers", "router"),
-            pdtype,
+            self, "router_states_scale", nn.initializers.ones, eda_shape, ("layers", "router"), pdtype
         )
 
-        layer_inputs = self._layer_inputs(eda_scale)
-        if cache is None:
-            if positions is None:
-                positions = (
-                    positions_in_document(segment_ids)
-                    if segment_ids is not None
-                    else jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-                )
-            ctx = {
-                "positions": positions,
-                "mask": self_attention_mask(seq, segment_ids, token_mask),
-                "segment_ids": segment_ids,
-                "token_mask": token_mask,
-            }
-        else:
-            if segment_ids is not None:
-                raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
-            index = cache["index"]
-            query_slots = index + jnp.arange(seq)
-            if positions is None:
-                positions = jnp.broadcast_to(query_slots, (batch, seq))
-            new_mask = (
-                jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
-            )
-            key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
-            ctx = {
-                "positions": positions,
-                "mask": AttentionMask(
-                    q_slots=query_slots.astype(jnp.int32),
-                    k_slots=jnp.arange(key_mask.shape[1], dtype=jnp.int32),
-                    k_valid=key_mask.astype(bool),
-                ),
-                "segment_ids": None,
-                "token_mask": token_mask,
-                "cache_index": index,
-            }
-            layer_inputs["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
+        per_layer = layer_inputs(cfg, eda_scale)
+        ctx = shared_inputs((batch, seq), token_mask, segment_ids, positions, cache)
+        key_mask = ctx.pop("key_mask", None)
+        if cache is not None:
+            per_layer["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
 
         e = jnp.take(embedding, tokens, axis=0).astype(dtype)
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
         h = nn.with_logical_constraint(h, ACTIVATION_AXES)
         r = jnp.zeros((batch, seq, cfg.router_hidden_size), dtype)
-
-        block = Block
-        if cfg.remat != "none":
-            # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.
-            block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
-        blocks = nn.scan(
-            block,
-            variable_axes={"params": 0, BALANCING: 0, "intermediates": 0},
-            split_rngs={"params": True},
-            in_axes=(0, nn.broadcast),
-            length=cfg.num_layers,
-            unroll=min(cfg.scan_unroll, cfg.num_layers),
-            metadata_params={nn.PARTITION_NAME: "layers"},
-        )(cfg, self.hooks, name="layers")
-        (h, _), (stats, layer_cache) = blocks((h, r), layer_inputs, ctx)
+        (h, _), (stats, layer_cache) = scanned_blocks(cfg)(cfg, self.hooks, name="layers")(
+            (h, r), per_layer, ctx
+        )
         if cache is not None:
-            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": index + seq}}
+            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": cache["index"] + seq}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
         y = nn.with_logical_constraint(y, ACTIVATION_AXES)
@@ -286,17 +131,17 @@ class Zaya(nn.Module):
                     self, "lm_head_bias", nn.initializers.zeros, (cfg.vocab_size,), ("vocab",), pdtype
                 )
                 logits = logits + bias.astype(dtype)
-        else:
-            logits = Dense(
-                cfg.vocab_size,
-                ("embed", "vocab"),
-                cfg.lm_head_bias,
-                cfg.initializer_range,
-                dtype,
-                pdtype,
-                name="lm_head",
-            )(y)
-        return logits, stats
+            return logits, stats
+        head = Dense(
+            cfg.vocab_size,
+            ("embed", "vocab"),
+            cfg.lm_head_bias,
+            cfg.initializer_range,
+            dtype,
+            pdtype,
+            name="lm_head",
+        )
+        return head(y), stats
 
 
 def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array, jax.Array | None, int]:
@@ -306,9 +151,6 @@ def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array
         return params["embedding"], params.get("lm_head_bias"), 0
     head = params["lm_head"]
     return head["kernel"], head.get("bias"), 1
-
-
-LAYER_CACHE_KEYS = ("keys", "values", "conv", "vdel")
 
 
 def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> dict[str, jax.Array]:

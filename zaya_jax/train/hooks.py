@@ -24,9 +24,10 @@ from zaya_jax.config import Config
 from zaya_jax.optim import current_learning_rates
 from zaya_jax.resilience import Watchdog
 from zaya_jax.train.flops import flops_per_token
-from zaya_jax.train.metrics import MetricsWriter, Throughput, metric_record
+from zaya_jax.train.metrics import MetricsWriter, metric_record
 from zaya_jax.train.programs import HeldOut
 from zaya_jax.train.rundir import RunDir
+from zaya_jax.train.throughput import Throughput
 
 HostBatch = dict[str, np.ndarray]
 

@@ -23,7 +23,7 @@ from zaya_jax.data import Prefetcher
 from zaya_jax.optim import batch_lr_scale
 from zaya_jax.parallel import put_batch
 from zaya_jax.parallel.distributed import Launch, setup_runtime
-from zaya_jax.programs import TrainState, build_programs
+from zaya_jax.programs import Programs, TrainState, build_programs
 from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
 from zaya_jax.train.consensus import agree
 from zaya_jax.train.flops import peak_flops
@@ -38,11 +38,13 @@ from zaya_jax.train.hooks import (
     StopRequest,
 )
 from zaya_jax.train.init import initialize_from
-from zaya_jax.train.metrics import MetricsWriter, Throughput, start_event
+from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.policy import Action, Outcome, decide
 from zaya_jax.train.programs import HeldOut, TrainStep
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.schedule import BatchProducer, check_run, final_batch_size
+from zaya_jax.train.startup import start_event
+from zaya_jax.train.throughput import Throughput
 
 
 @dataclasses.dataclass
@@ -55,6 +57,25 @@ class _Resumed:
     initialized: dict[str, Any] | None
 
 
+@dataclasses.dataclass
+class _Run:
+    """A run's collaborators, set up by :func:`_open_run`; the loop holds no other state."""
+
+    cfg: Config
+    run: RunDir
+    programs: Programs
+    watchdog: Watchdog
+    checkpoints: Checkpointing
+    producer: BatchProducer
+    writer: MetricsWriter
+    resumed: _Resumed
+    train_step: TrainStep
+    meter: Throughput
+    logging: Logging
+    evaluation: Evaluation
+    hooks: list[Hook]  # every hook, built-in first, in call order
+
+
 def train(
     cfg: Config, *, progress: bool = True, hooks: Sequence[Hook] = (), launch: Launch | None = None
 ) -> dict[str, Any]:
@@ -65,121 +86,121 @@ def train(
     ``hooks`` run after the built-in ones at each step (:class:`zaya_jax.train.hooks.Hook`)."""
     start_time = time.perf_counter()
     setup_runtime(cfg.runtime, launch)
-    primary = jax.process_index() == 0
+    r = _open_run(cfg, progress, hooks)
+    batches = Prefetcher(r.producer, cfg.data.prefetch)
+    stop = StopRequest()
+    try:
+        step, data_state = _loop(r, batches, stop)
+    except jax.errors.JaxRuntimeError as err:
+        r.writer.event("device_error", **{"class": classify_runtime_error(err), "message": str(err)[:2000]})
+        raise
+    finally:
+        r.watchdog.close()
+        batches.close()
+        stop.restore()
+        for hook in r.hooks:
+            hook.close()
+        if sys.exc_info()[1] is not None:  # failing: close the sinks now, quietly (not at exit)
+            r.writer.close(failing=True)
 
-    # --- The run: directory, programs, state ------------------------------------------------------
+    wall = time.perf_counter() - start_time
+    first = r.resumed.first_step
+    summary = _summary(r.run, cfg, step, data_state, r.logging.last, r.evaluation.last_loss, wall, first)
+    r.writer.event("end", **summary)
+    r.writer.close()
+    if jax.process_index() == 0 and first <= cfg.train.steps:
+        r.run.write_summary(summary)
+    return summary
+
+
+def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
+    """The run directory, its programs, the state to start from, the sinks and the hooks."""
+    primary = jax.process_index() == 0
     tokenizer = check_run(cfg)
     run, resuming = RunDir.open(cfg)
     programs = build_programs(cfg)
-    watchdog = Watchdog(
-        run.path, cfg.resilience.hang_timeout_s, cfg.resilience.compile_timeout_s, enabled=primary
-    )
+    resilience = cfg.resilience
+    watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
     producer = BatchProducer(cfg, tokenizer)
     resumed = _resume(cfg, run, resuming, programs.init_state(), checkpoints, producer, primary)
 
-    writer = MetricsWriter(
-        run.path, cfg.train.steps if progress else None, primary, resumed.first_step - 1, cfg
-    )
+    after = resumed.first_step - 1
+    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
     for detail in resumed.unreadable:
         writer.event("checkpoint_unreadable", **detail)
-    if resumed.first_step > 1:
-        writer.event("resume", from_step=resumed.first_step - 1)
+    if after > 0:
+        writer.event("resume", from_step=after)
     if resumed.initialized:
         writer.event("init_from", **resumed.initialized)
-
-    # --- Compiled programs and the components around each step --------------------------------------
-    train_step = TrainStep(programs, watchdog, writer.event)
     peak, peak_source = peak_flops(cfg.model.dtype)
-    start_event(writer, cfg, programs.layout, peak, peak_source, resumed.first_step - 1, resumed.initialized)
+    start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized)
+
     meter = Throughput(peak)
     evaluation = Evaluation(HeldOut(programs, tokenizer, watchdog), cfg, writer, meter)
     logging = Logging(cfg, writer, meter, also_at=evaluation.due)
     every = [logging, evaluation, checkpoints, Profiling(cfg, run), *hooks]
     for hook in every:
         hook.start(RunContext(cfg, run, checkpoints, writer, primary))
+    train_step = TrainStep(programs, watchdog, writer.event)
+    return _Run(
+        cfg, run, programs, watchdog, checkpoints, producer, writer, resumed, train_step, meter, logging,
+        evaluation, every,
+    )  # fmt: skip
 
-    # --- The loop ---------------------------------------------------------------------------------------
-    stop, guard = StopRequest(), LossGuard(cfg.resilience)
-    data_state = producer.get_state()  # read before the prefetch thread runs ahead of training
-    batches = Prefetcher(producer, cfg.data.prefetch)
-    state, step, end = resumed.state, resumed.first_step, None
+
+def _loop(r: _Run, batches: Prefetcher, stop: StopRequest) -> tuple[int, dict[str, Any]]:
+    """Steps from the first to ``train.steps`` (or to an agreed stop); returns the last step and
+    the data position after it."""
+    cfg, writer, every = r.cfg, r.writer, r.hooks
+    guard = LossGuard(cfg.resilience)
+    data_state = r.producer.get_state()  # read before the prefetch thread runs ahead of training
+    state, step, end = r.resumed.state, r.resumed.first_step, None
     counts = {"skipped_steps": 0, "rollbacks": 0}
-    try:
-        while step <= cfg.train.steps:
-            wait_start = time.perf_counter()
-            plan, host_batch, data_state = next(batches)
-            meter.data_wait += time.perf_counter() - wait_start
-            for hook in every:
-                host_batch = hook.before_step(step, host_batch)
-            lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
-            limit = guard.limit()
-            state, metrics = train_step(
-                step, state, put_batch(host_batch, programs.layout.batch), lr_scale, limit
-            )
-            watchdog.beat(step)
-
-            outcome = Outcome.of(step, metrics, limit)
-            decision = decide(outcome, cfg.resilience, counts["rollbacks"])
-            time_due = any(hook.wants_save(step) for hook in every)
-            agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
-            if outcome.skipped:
-                counts["skipped_steps"] += 1
-                writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
-            if decision.action is Action.STOP:
-                raise NonFiniteLossError(decision.message)
-            if decision.action is Action.ROLLBACK:
-                state, to_step = _rollback(checkpoints, writer, state, outcome)
-                if to_step is not None:
-                    counts["rollbacks"] += 1
-                    step = to_step + 1
-                    continue
-            if decision.action is Action.ACCEPT:
-                guard.accept(outcome.loss)
-
-            end = StepEnd(
-                step,
-                state,
-                data_state,
-                metrics,
-                plan,
-                dict(counts),
-                step == cfg.train.steps,
-                agreed.time_save,
-            )
-            for hook in every:
-                end = hook.after_step(end) or end
-            writer.advance(logging.last)
-            if agreed.stop:
-                writer.event("stop", signal=agreed.stop, received_by=list(agreed.stopped_by))
-                break
-            step += 1
-        step = min(step, cfg.train.steps)
-        if end is not None:
-            for hook in every:
-                hook.end_run(end)
-    except jax.errors.JaxRuntimeError as err:
-        writer.event("device_error", **{"class": classify_runtime_error(err), "message": str(err)[:2000]})
-        raise
-    finally:
-        watchdog.close()
-        batches.close()
-        stop.restore()
+    while step <= cfg.train.steps:
+        wait_start = time.perf_counter()
+        plan, host_batch, data_state = next(batches)
+        r.meter.data_wait += time.perf_counter() - wait_start
         for hook in every:
-            hook.close()
-        if sys.exc_info()[1] is not None:  # failing: close the sinks now, quietly (not at exit)
-            writer.close(failing=True)
+            host_batch = hook.before_step(step, host_batch)
+        lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
+        limit = guard.limit()
+        batch = put_batch(host_batch, r.programs.layout.batch)
+        state, metrics = r.train_step(step, state, batch, lr_scale, limit)
+        r.watchdog.beat(step)
 
-    # --- Summary ------------------------------------------------------------------------------------------
-    eval_loss = evaluation.last_loss
-    wall = time.perf_counter() - start_time
-    summary = _summary(run, cfg, step, data_state, logging.last, eval_loss, wall, resumed.first_step)
-    writer.event("end", **summary)
-    writer.close()
-    if primary and resumed.first_step <= cfg.train.steps:
-        run.write_summary(summary)
-    return summary
+        outcome = Outcome.of(step, metrics, limit)
+        decision = decide(outcome, cfg.resilience, counts["rollbacks"])
+        time_due = any(hook.wants_save(step) for hook in every)
+        agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
+        if outcome.skipped:
+            counts["skipped_steps"] += 1
+            writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
+        if decision.action is Action.STOP:
+            raise NonFiniteLossError(decision.message)
+        if decision.action is Action.ROLLBACK:
+            state, to_step = _rollback(r.checkpoints, writer, state, outcome)
+            if to_step is not None:
+                counts["rollbacks"] += 1
+                step = to_step + 1
+                continue
+        if decision.action is Action.ACCEPT:
+            guard.accept(outcome.loss)
+
+        last = step == cfg.train.steps
+        end = StepEnd(step, state, data_state, metrics, plan, dict(counts), last, agreed.time_save)
+        for hook in every:
+            end = hook.after_step(end) or end
+        writer.advance(r.logging.last)
+        if agreed.stop:
+            writer.event("stop", signal=agreed.stop, received_by=list(agreed.stopped_by))
+            break
+        step += 1
+    if end is not None:
+        for hook in every:
+            hook.end_run(end)
+    return min(step, cfg.train.steps), data_state
 
 
 def _resume(

@@ -1,0 +1,113 @@
+"""Model files: the parameters and balancing biases of a step (with its config), written by
+``zaya convert`` and read by everything that uses a trained model, each array checked against its
+fingerprint."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from zaya_jax.checkpoint.paths import resolve
+from zaya_jax.checkpoint.store import (
+    CHECKPOINTS,
+    MODEL_ITEMS,
+    CheckpointCorruptError,
+    CheckpointNotFoundError,
+    array_fingerprints,
+    manager,
+    saved_fingerprints,
+    verify,
+)
+from zaya_jax.config import Config, config_from_dict, save_config, to_dict
+
+
+def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step: int = 0) -> Path:
+    """Write ``config.yaml`` and a model-only checkpoint at ``step``; returns the step directory.
+
+    Refuses to overwrite an existing step: nothing already saved is replaced.
+    """
+    run_dir = Path(run_dir)
+    mgr = manager(run_dir / CHECKPOINTS)
+    if step in mgr.all_steps():
+        raise FileExistsError(
+            f"{run_dir / CHECKPOINTS / str(step)} already exists; choose another destination"
+        )
+    save_config(cfg, run_dir / "config.yaml")
+    items = {name: ocp.args.StandardSave(variables[name]) for name in MODEL_ITEMS}
+    stamps = ocp.args.JsonSave(array_fingerprints({name: variables[name] for name in MODEL_ITEMS}))
+    mgr.save(
+        step, args=ocp.args.Composite(config=ocp.args.JsonSave(to_dict(cfg)), fingerprints=stamps, **items)
+    )
+    mgr.wait_until_finished()
+    mgr.close()
+    return run_dir / CHECKPOINTS / str(step)
+
+
+def read_config(path: str | Path) -> tuple[Config, int]:
+    """The config and step of a checkpoint, without reading any array."""
+    checkpoints, step = resolve(path)
+    data = manager(checkpoints).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
+        "config"
+    ]
+    return config_from_dict(data), step
+
+
+def array_metadata(path: str | Path) -> tuple[int, dict[str, Any]]:
+    """(step, {item: tree of (shape, dtype)}) from the checkpoint metadata only."""
+    checkpoints, step = resolve(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = manager(checkpoints).item_metadata(step)
+    trees = {}
+    for name in MODEL_ITEMS:
+        tree = meta[name]
+        trees[name] = jax.tree.map(lambda m: (tuple(m.shape), str(np.dtype(m.dtype))), dict(tree))
+    return step, trees
+
+
+def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
+    """(config, variables, step) of a checkpoint, placed on the first local device, every array
+    checked against its fingerprint. For a run directory a corrupt latest step is quarantined (with
+    a warning) and the previous one used; a step directory given explicitly raises
+    :class:`CheckpointCorruptError` instead."""
+    checkpoints, step = resolve(path)
+    explicit = Path(path).parent.name == CHECKPOINTS
+    set_aside: set[int] = set()
+    while True:
+        try:
+            return _restore_model_step(checkpoints, step)
+        except CheckpointCorruptError as err:
+            if explicit:
+                raise
+            set_aside(checkpoints, step, err)
+            set_aside.add(step)
+            remaining = [s for s in manager(checkpoints).all_steps() if s not in set_aside]
+            if not remaining:
+                raise CheckpointNotFoundError(
+                    f"{checkpoints} holds no checkpoint that passes its check"
+                ) from err
+            step = max(remaining)
+
+
+def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str, Any], int]:
+    mgr = manager(checkpoints)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        meta = mgr.item_metadata(step)
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    args = {
+        name: ocp.args.StandardRestore(
+            jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=device), dict(meta[name]))
+        )
+        for name in MODEL_ITEMS
+    }
+    restored = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), **args))
+    variables = {name: restored[name] for name in MODEL_ITEMS}
+    step_dir = checkpoints / str(step)
+    verify(step_dir, saved_fingerprints(mgr, step_dir, step), variables)
+    return config_from_dict(restored["config"]), variables, step

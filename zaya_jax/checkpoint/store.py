@@ -1,0 +1,132 @@
+"""What every checkpoint shares: the Orbax manager and its item handlers, retention policies, the
+errors, array fingerprints checked on restore, and quarantine (a step set aside, never deleted)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from orbax.checkpoint import checkpoint_managers as policies
+
+from zaya_jax.checkpoint.fingerprint import fingerprints, mismatches, stored_in
+
+MODEL_ITEMS = ("params", "balancing")
+CHECKPOINTS = "checkpoints"
+
+
+class CheckpointNotFoundError(FileNotFoundError):
+    """No complete checkpoint where one was expected; the message says where it looked."""
+
+
+class CheckpointCorruptError(RuntimeError):
+    """A restored array differs from what was saved (bytes changed on disk); names the arrays."""
+
+
+def _handlers() -> dict[str, ocp.CheckpointHandler]:
+    return {
+        "params": ocp.StandardCheckpointHandler(),
+        "balancing": ocp.StandardCheckpointHandler(),
+        "config": ocp.JsonCheckpointHandler(),
+        "fingerprints": ocp.JsonCheckpointHandler(),
+        "train": ocp.StandardCheckpointHandler(),
+        # Every process saves and restores its own data position (its share of the rows).
+        "data": ocp.JsonCheckpointHandler(
+            filename=data_filename(),
+            multiprocessing_options=ocp.options.MultiprocessingOptions(primary_host=None),
+        ),
+    }
+
+
+def data_filename() -> str:
+    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+
+
+def manager(
+    checkpoints_dir: str | Path,
+    *,
+    async_save: bool = False,
+    keep: int | None = None,
+    keep_every: int = 0,
+    keep_best: int = 0,
+) -> ocp.CheckpointManager:
+    """An Orbax manager over ``checkpoints_dir`` keeping the ``keep`` latest steps (None: all), every
+    ``keep_every``-th step and the ``keep_best`` steps of lowest saved ``eval_loss``; only committed
+    (complete) steps are listed."""
+    keeping: list[policies.PreservationPolicy] = [policies.LatestN(n=keep)]
+    if keep_every:
+        keeping.append(policies.EveryNSteps(interval_steps=keep_every))
+    if keep_best:  # BestN keeps the last n after sorting: descending, so the lowest losses
+        keeping.append(
+            policies.BestN(
+                get_metric_fn=_eval_loss, reverse=True, n=keep_best, keep_checkpoints_without_metrics=False
+            )
+        )
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=async_save,
+        create=True,
+        preservation_policy=policies.AnyPreservationPolicy(keeping),
+        best_fn=_eval_loss if keep_best else None,  # makes Orbax record the metrics of each step
+        best_mode="min",
+    )
+    return ocp.CheckpointManager(Path(checkpoints_dir).absolute(), options=options, item_handlers=_handlers())
+
+
+def _eval_loss(metrics: dict[str, Any]) -> float:
+    return float(metrics["eval_loss"])
+
+
+def array_fingerprints(items: dict[str, Any]) -> dict[str, str]:
+    return {k: v for name, tree in items.items() for k, v in fingerprints(tree, f"{name}/").items()}
+
+
+def verify(step_dir: Path, saved: dict[str, str] | None, restored: dict[str, Any]) -> None:
+    """Raise :class:`CheckpointCorruptError` naming every restored array whose fingerprint differs
+    from the one recorded at save time (``saved`` None: a checkpoint written before fingerprints)."""
+    if saved is None:
+        return
+    bad = mismatches(saved, array_fingerprints(restored))
+    if bad:
+        shown = [
+            f"{name} (files: {', '.join(stored_in(step_dir, name)) or step_dir / name.split('/')[0]})"
+            for name in bad[:8]
+        ]
+        more = f" and {len(bad) - 8} more" if len(bad) > 8 else ""
+        raise CheckpointCorruptError(
+            f"{len(bad)} array(s) of {step_dir} read back different from what was saved: {'; '.join(shown)}{more}. "
+            "The files changed on disk after the save (a storage fault or an interrupted copy)"
+        )
+
+
+def saved_fingerprints(mgr: ocp.CheckpointManager, step_dir: Path, step: int) -> dict[str, str] | None:
+    if not (step_dir / "fingerprints").is_dir():
+        return None
+    return mgr.restore(step, args=ocp.args.Composite(fingerprints=ocp.args.JsonRestore()))["fingerprints"]
+
+
+QUARANTINE = "quarantine"
+
+
+def quarantine(checkpoints_dir: str | Path, step: int) -> Path:
+    """Move an unreadable checkpoint out of the checkpoints directory (never delete it) to
+    ``<run>/quarantine/<step>-<time>``, so a later save of the same step has room."""
+    source = Path(checkpoints_dir) / str(step)
+    target = Path(checkpoints_dir).parent / QUARANTINE / f"{step}-{int(time.time())}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if jax.process_index() == 0 and source.exists():
+        source.rename(target)
+    return target
+
+
+def set_aside(checkpoints_dir: str | Path, step: int, err: Exception) -> dict[str, Any]:
+    """Quarantine an unreadable or corrupt step, with a warning; its ``checkpoint_unreadable`` detail."""
+    moved = quarantine(checkpoints_dir, step)
+    warnings.warn(
+        f"checkpoint step {step} in {checkpoints_dir} cannot be used ({type(err).__name__}: "
+        f"{str(err)[:600]}); moved to {moved}, trying the previous one",
+        stacklevel=3,
+    )
+    return {"checkpoint": step, "error": f"{type(err).__name__}: {str(err)[:1000]}", "moved_to": str(moved)}

@@ -1,0 +1,193 @@
+"""Training checkpoints: the whole train state and the data position of every process, saved
+(async, never failing silently) and restored into the current layout's shardings, the latest
+readable step first."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from zaya_jax.checkpoint.store import (
+    CheckpointNotFoundError,
+    array_fingerprints,
+    data_filename,
+    manager,
+    saved_fingerprints,
+    set_aside,
+    verify,
+)
+from zaya_jax.config import Config, to_dict
+
+
+def save_training(
+    mgr: ocp.CheckpointManager,
+    step: int,
+    cfg: Config,
+    state: Any,
+    data_state: dict[str, Any],
+    eval_loss: float | None = None,
+) -> None:
+    """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState;
+    ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``."""
+    arrays = {
+        "params": state.params,
+        "balancing": state.balancing,
+        "train": {"step": state.step, "opt_state": state.opt_state, "controller": state.controller},
+    }
+    mgr.save(
+        step,
+        args=ocp.args.Composite(
+            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+            fingerprints=ocp.args.JsonSave(array_fingerprints(arrays)),
+            data=ocp.args.JsonSave(data_state),
+            config=ocp.args.JsonSave(to_dict(cfg)),
+        ),
+        metrics=None if eval_loss is None else {"eval_loss": float(eval_loss)},
+        force=True,
+    )
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint save failed, possibly in the background; complete checkpoints are untouched."""
+
+
+class TrainingSaver:
+    """Training-checkpoint saves that never fail silently.
+
+    Wraps a :func:`manager`: a save that failed in the background (disk full, permissions, a lost
+    filesystem) surfaces as :class:`CheckpointSaveError` at the next :meth:`check`, :meth:`save` or
+    :meth:`finish`, naming the failed step and the complete checkpoints left to resume from.
+    """
+
+    def __init__(
+        self,
+        checkpoints_dir: str | Path,
+        *,
+        async_save: bool,
+        keep: int | None,
+        keep_every: int,
+        keep_best: int = 0,
+    ):
+        self.dir = Path(checkpoints_dir)
+        self.mgr = manager(
+            self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best
+        )
+        self.pending: int | None = None  # the step of the save started last
+
+    def _fail(self, err: BaseException) -> CheckpointSaveError:
+        self.mgr.reload()
+        complete = [s for s in self.mgr.all_steps() if s != self.pending]
+        resume = f"resume from step {max(complete)}" if complete else "start from scratch"
+        return CheckpointSaveError(
+            f"saving the checkpoint of step {self.pending} in {self.dir} failed: {err}. Complete checkpoints "
+            f"are intact ({sorted(complete) or 'none yet'}); fix the cause (disk space, permissions) and "
+            f"rerun the same command to {resume}"
+        )
+
+    def reload(self) -> None:
+        """Re-read the directory (after checkpoints were moved to quarantine)."""
+        self.mgr.reload()
+
+    def check(self) -> None:
+        """Raise the error of a background save that has failed since the last check."""
+        try:
+            self.mgr.check_for_errors()
+        except Exception as err:
+            raise self._fail(err) from err
+
+    def save(
+        self, step: int, cfg: Config, state: Any, data_state: dict[str, Any], eval_loss: float | None = None
+    ) -> None:
+        """Start saving ``step`` once the previous save has completed (raising if it failed)."""
+        self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
+        self.pending = step
+        try:
+            save_training(self.mgr, step, cfg, state, data_state, eval_loss)
+        except Exception as err:
+            raise self._fail(err) from err
+
+    def finish(self) -> None:
+        """Wait for the last save; raise if it failed."""
+        try:
+            self.mgr.wait_until_finished()
+        except Exception as err:
+            raise self._fail(err) from err
+        self.check()
+
+    def close(self) -> None:
+        """Wait for the pending save and release the manager. While another exception is already
+        propagating (the run is failing anyway), a save error here is logged instead of masking it."""
+        in_flight = sys.exc_info()[1]  # set when called from a ``finally`` during an exception
+        try:
+            self.mgr.close()
+        except Exception as err:
+            if in_flight is None:
+                raise self._fail(err) from err
+            warnings.warn(str(self._fail(err)), stacklevel=2)
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_training(
+    checkpoints_dir: str | Path, like: Any, *, verify_arrays: bool = True
+) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
+    """The latest readable training checkpoint restored into the structure and shardings of the
+    TrainState ``like``: ((state, data_state, step) or None when there is none, the unreadable ones).
+
+    Restoring reads every array and (``verify_arrays``) checks it against its fingerprint; a
+    checkpoint that cannot be read (torn or overwritten files, missing pieces) or reads back
+    different is moved to ``<run>/quarantine/`` with a warning and the previous one is tried. Each
+    one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``."""
+    mgr = manager(checkpoints_dir)
+    steps = [s for s in mgr.all_steps() if (Path(checkpoints_dir) / str(s) / "train").is_dir()]
+    unreadable: list[dict[str, Any]] = []
+    for step in sorted(steps, reverse=True):
+        try:
+            return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays), unreadable
+        except CheckpointNotFoundError:
+            raise
+        except Exception as err:
+            unreadable.append(set_aside(checkpoints_dir, step, err))
+    return None, unreadable
+
+
+def _restore_step(
+    mgr: ocp.CheckpointManager, checkpoints_dir: str | Path, step: int, like: Any, verify_arrays: bool
+):
+    train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
+    step_dir = Path(checkpoints_dir) / str(step)
+    data_dir = step_dir / "data"
+    if not (data_dir / data_filename()).is_file():
+        saved = sorted(p.name for p in data_dir.glob("process_*.json"))
+        raise CheckpointNotFoundError(
+            f"{data_dir} holds the data positions {saved} but this run is process {jax.process_index()} of "
+            f"{jax.process_count()}; resume with the number of processes that saved it"
+        )
+    restored = mgr.restore(
+        step,
+        args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(like.params)),
+            balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
+            train=ocp.args.StandardRestore(_abstract(train_like)),
+            data=ocp.args.JsonRestore(),
+        ),
+    )
+    if verify_arrays:
+        arrays = {name: restored[name] for name in ("params", "balancing", "train")}
+        verify(step_dir, saved_fingerprints(mgr, step_dir, step), arrays)
+    train = restored["train"]
+    state = like.replace(
+        step=train["step"],
+        params=restored["params"],
+        opt_state=train["opt_state"],
+        balancing=restored["balancing"],
+        controller=train["controller"],
+    )
+    return state, restored["data"], step

@@ -1,0 +1,117 @@
+"""``save_pretrained`` directories: config.json (+ generation_config.json) and safetensors, read
+(new or legacy layout) and written (atomically, config.json last)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.files import write_atomic
+from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config, token_id_list
+from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
+from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
+from zaya_jax.interop.safetensors_io import SHARD_BYTES, read_directory, write_directory
+
+
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise ConversionError(
+            f"{directory} has no config.json; expected a Hugging Face save_pretrained directory"
+        )
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConversionError(f"{path} is not valid UTF-8 JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
+    model_type = data.get("model_type")
+    if model_type not in (None, "zaya"):
+        raise ConversionError(f"{path}: model_type is {model_type!r}, not 'zaya'")
+    return data
+
+
+def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
+    """The ModelConfig of an HF ``save_pretrained`` directory's ``config.json``; a missing field is a
+    :class:`ConversionError` naming the field and the file."""
+    try:
+        cfg = hf_config_to_model(read_hf_config(directory), **overrides)
+    except KeyError as err:
+        raise ConversionError(
+            f"{Path(directory) / 'config.json'} lacks the field {err.args[0]!r}, which a ZAYA config needs; "
+            "is it a complete save_pretrained config?"
+        ) from None
+    # generation_config.json may hold the full EOS list where config.json has one id
+    generation = Path(directory) / "generation_config.json"
+    if not cfg.eos_token_ids and "eos_token_ids" not in overrides and generation.is_file():
+        listed = token_id_list(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+        if listed:
+            cfg = dataclasses.replace(cfg, eos_token_ids=listed)
+            cfg.validate()
+    return cfg
+
+
+def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelConfig, dict[str, Any]]:
+    """Read an HF ``save_pretrained`` directory (new or legacy layout) -> (ModelConfig, variables)."""
+    cfg = hf_directory_model(directory, **overrides)
+    tensors = read_directory(directory)
+    if is_legacy_layout(tensors):
+        tensors = legacy_to_hf(tensors, cfg.num_layers)
+    return cfg, hf_to_variables(tensors, cfg)
+
+
+def save_hf_directory(
+    directory: str | Path,
+    cfg: ModelConfig,
+    variables: Mapping[str, Any],
+    dtype: str = "float32",
+    max_shard_bytes: int = SHARD_BYTES,
+) -> Path:
+    """Write a ``save_pretrained``-compatible directory: config.json, generation_config.json (the
+    special ids; generation stops on every id of the EOS list) and the weights (tied head omitted)
+    as model.safetensors, or shards of at most ``max_shard_bytes`` with model.safetensors.index.json.
+    Every file is written atomically and config.json last, so an interrupted write never leaves a
+    directory that looks complete; ``zaya convert`` (:func:`zaya_jax.lm.export_hf`) also builds the
+    whole directory beside its destination and renames it into place.
+
+    ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
+    """
+    if cfg.mod_skip_output != "zero":
+        raise ConversionError(
+            f"model.mod_skip_output={cfg.mod_skip_output!r} has no Hugging Face equivalent (HF zeroes "
+            "skip-routed tokens); only 'zero' models can be exported"
+        )
+    if dtype not in ("float32", "bfloat16"):
+        raise ConversionError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    directory = Path(directory)
+    if directory.exists() and any(directory.iterdir()):
+        raise FileExistsError(f"{directory} exists and is not empty; choose a new destination")
+    directory.mkdir(parents=True, exist_ok=True)
+    numpy_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
+    tensors = {
+        name: value.astype(np.float32 if name.endswith("balancing_biases") else numpy_dtype)
+        for name, value in variables_to_hf(variables, cfg).items()
+    }
+    write_directory(directory, tensors, max_shard_bytes)
+    generation = {
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
+        "pad_token_id": cfg.pad_token_id,
+    }
+    write_atomic(directory / "generation_config.json", json.dumps(generation, indent=2) + "\n")
+    config = {
+        "architectures": ["ZayaForCausalLM"],
+        "model_type": "zaya",
+        "dtype": dtype,
+        **model_to_hf_config(cfg),
+    }
+    # Last: a directory with config.json holds every file (transformers and zaya_jax.load look for it).
+    write_atomic(directory / "config.json", json.dumps(config, indent=2) + "\n")
+    return directory

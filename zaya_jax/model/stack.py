@@ -1,0 +1,192 @@
+"""The decoder's blocks (spec §2.2) and the stack that scans them over depth: one block's
+parameters are stacked along a leading ``layers`` axis, its per-layer inputs (EDA scale, RoPE
+frequencies, sliding window, decode cache) scanned with it, the inputs every layer shares
+(positions, masks) broadcast. Pattern of big_vision's ``models/vit.py`` encoder."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax.config import ModelConfig
+from zaya_jax.model.balancing import probability_moments
+from zaya_jax.model.cca import CCAAttention
+from zaya_jax.model.experts import Experts
+from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.norms import ResidualScaling, RMSNorm
+from zaya_jax.model.rope import inverse_frequencies
+from zaya_jax.model.router import BALANCING, Router
+from zaya_jax.ops.attention import AttentionMask, self_attention_mask
+from zaya_jax.ops.residual_norm import residual_rms_norm
+
+LAYER_CACHE_KEYS = ("keys", "values", "conv", "vdel")
+
+REMAT_POLICIES = {
+    # Recompute the whole block: only each layer's input carry is kept for the backward pass.
+    "full": jax.checkpoint_policies.nothing_saveable,
+    # Keep the outputs of weight matmuls (dots without batch dimensions), recompute the rest
+    # (norms, activations, convolutions, attention scores).
+    "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def positions_in_document(segment_ids: jax.Array) -> jax.Array:
+    """(batch, seq) index of each token within its document (segments are contiguous runs)."""
+    seq = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(seq), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class Block(nn.Module):
+    """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R)).
+
+    ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window),
+    ``ctx`` the inputs shared by every layer (positions, masks). Returns the new carry and this
+    layer's routing statistics.
+    """
+
+    cfg: ModelConfig
+    hooks: ModelHooks = SINGLE_DEVICE
+
+    @nn.compact
+    def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        h, r = carry
+        token_mask = ctx["token_mask"]
+
+        a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
+        o, cache = CCAAttention(cfg, self.hooks, name="attn")(
+            a,
+            layer["inv_freq"],
+            layer["window"],
+            positions=ctx["positions"],
+            mask=ctx["mask"],
+            segment_ids=ctx["segment_ids"],
+            token_mask=token_mask,
+            cache=layer.get("cache"),
+            index=ctx.get("cache_index"),
+        )
+        merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
+        norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
+        if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
+            fused = self.hooks.residual_norm or functools.partial(residual_rms_norm, impl="custom")
+            h, m = fused(
+                o.astype(dtype),
+                h,
+                *merge(o, h, weights_only=True),
+                norm(h, weight_only=True),
+                eps=cfg.rms_norm_eps,
+            )
+        else:
+            h = merge(o, h)
+            m = norm(h.astype(dtype))
+        routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
+        # Recorded only when applied with mutable=["intermediates"] (notebooks, diagnostics).
+        self.sow("intermediates", "router_state", routing.state)
+        self.sow("intermediates", "router_probs", routing.probs)
+        self.sow("intermediates", "router_choice", routing.choice)
+        is_skip = routing.choice == cfg.num_experts
+        weight = jnp.where(is_skip, 0, routing.weight)
+        f, dropped = Experts(cfg, self.hooks.moe_dispatch, name="experts")(m, routing.choice, weight)
+        if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
+            f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
+        h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)
+
+        valid = (
+            jnp.ones(routing.choice.shape, jnp.float32)
+            if token_mask is None
+            else token_mask.astype(jnp.float32)
+        )
+        prob_dev_sum, prob_dev_sq_sum = probability_moments(routing.probs, valid)
+        stats = {
+            "load": jnp.einsum("bt,btc->c", valid, jax.nn.one_hot(routing.choice, cfg.num_experts + 1)),
+            "dropped": jnp.sum(dropped * valid),
+            "prob_dev_sum": prob_dev_sum,
+            "prob_dev_sq_sum": prob_dev_sq_sum,
+        }
+        return (h, routing.state), (stats, cache)
+
+
+def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
+    """The module class of the whole stack: :class:`Block` (rematerialised per ``cfg.remat``)
+    scanned ``cfg.num_layers`` times. Instantiate it as ``(cfg, hooks, name="layers")`` and call
+    it with ``((h, r), layer_inputs, ctx)``; it returns the final carry and the stacked per-layer
+    (stats, cache)."""
+    block = Block
+    if cfg.remat != "none":
+        # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.
+        block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)
+    return nn.scan(
+        block,
+        variable_axes={"params": 0, BALANCING: 0, "intermediates": 0},
+        split_rngs={"params": True},
+        in_axes=(0, nn.broadcast),
+        length=cfg.num_layers,
+        unroll=min(cfg.scan_unroll, cfg.num_layers),
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+
+
+def layer_inputs(cfg: ModelConfig, eda_scale: jax.Array) -> dict[str, jax.Array]:
+    """The inputs scanned with the blocks, one row per layer."""
+    theta = {"hybrid": cfg.rope_theta, "hybrid_sliding": cfg.rope_theta_sliding}
+    types = cfg.resolved_layer_types
+    return {
+        # Block 0 has no EDA: a zero scale row adds an exact zero to its router state.
+        "eda_scale": jnp.concatenate([jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]),
+        "inv_freq": jnp.asarray(np.stack([inverse_frequencies(theta[t], cfg.rotary_dim) for t in types])),
+        "window": jnp.asarray([cfg.sliding_window if t == "hybrid_sliding" else 0 for t in types], jnp.int32),
+    }
+
+
+def shared_inputs(
+    shape: tuple[int, int],
+    token_mask: jax.Array | None,
+    segment_ids: jax.Array | None,
+    positions: jax.Array | None,
+    cache: dict[str, jax.Array] | None,
+) -> dict[str, Any]:
+    """The inputs every layer shares: RoPE positions, the attention mask, segment ids, the token
+    mask; with a decode cache also the slot index the chunk is written at and the cache's updated
+    key mask (``key_mask``). Positions default to arange, the index within the document when
+    ``segment_ids`` are given, or the cache slots when decoding."""
+    batch, seq = shape
+    if cache is None:
+        if positions is None:
+            positions = (
+                positions_in_document(segment_ids)
+                if segment_ids is not None
+                else jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+            )
+        mask = self_attention_mask(seq, segment_ids, token_mask)
+        return {"positions": positions, "mask": mask, "segment_ids": segment_ids, "token_mask": token_mask}
+    if segment_ids is not None:
+        raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
+    index = cache["index"]
+    query_slots = index + jnp.arange(seq)
+    if positions is None:
+        positions = jnp.broadcast_to(query_slots, (batch, seq))
+    new_mask = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
+    key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
+    mask = AttentionMask(
+        q_slots=query_slots.astype(jnp.int32),
+        k_slots=jnp.arange(key_mask.shape[1], dtype=jnp.int32),
+        k_valid=key_mask.astype(bool),
+    )
+    return {
+        "positions": positions,
+        "mask": mask,
+        "segment_ids": None,
+        "token_mask": token_mask,
+        "cache_index": index,
+        "key_mask": key_mask,
+    }

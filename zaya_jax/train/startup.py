@@ -1,0 +1,60 @@
+"""What a run says when it starts: the ``start`` event in ``events.jsonl`` and a few lines on
+stderr (new, resumed or from weights; the model's size; devices and mesh)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import jax
+
+from zaya_jax.config import Config, to_dict
+from zaya_jax.train.metrics import MetricsWriter
+
+
+def start_event(
+    writer: MetricsWriter,
+    cfg: Config,
+    layout: Any,
+    peak: float,
+    peak_source: str,
+    resumed_after: int,
+    initialized: dict[str, Any] | None,
+) -> None:
+    """The run's ``start`` event (peak FLOPs and their source, devices, mesh, XLA flags, runtime),
+    and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
+    > 0) or one from existing weights (``initialized``)."""
+    origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
+    origin = f"new run from the weights of {initialized['source']}" if initialized else origin
+    from zaya_jax.model import param_counts
+
+    writer.event(
+        "start",
+        peak_flops=peak,
+        peak_source=peak_source,
+        devices=jax.device_count(),
+        mesh=layout.describe(),
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        runtime=to_dict(cfg.runtime),
+    )
+    if writer.enabled:
+        counts = param_counts(cfg.model)
+        mesh = (
+            " x ".join(f"{name} {size}" for name, size in layout.describe().items() if size > 1)
+            or "one device"
+        )
+        print(
+            f"zaya train: {writer.run_dir} ({origin})\n"
+            f"zaya train: {_count(counts['total_params'])} parameters ({_count(counts['active_params'])} active), "
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _count(n: int) -> str:
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

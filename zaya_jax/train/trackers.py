@@ -1,0 +1,115 @@
+"""Where metric records go besides the writer's bookkeeping: a tracker is anything with
+``log(step, record)``, ``rewind(step)`` and ``close()`` (:class:`Tracker`): ``metrics.jsonl``
+(always), TensorBoard, and the wandb/trackio dashboards (``run.trackers``)."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+from pathlib import Path
+from typing import Any, Protocol
+
+from zaya_jax.config import Config, ConfigError, to_dict
+from zaya_jax.files import filter_jsonl
+
+
+class Tracker(Protocol):
+    def log(self, step: int, record: dict[str, Any]) -> None: ...
+
+    def rewind(self, step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class JsonlTracker:
+    """``metrics.jsonl``: flushed line by line, so a crash loses nothing already logged."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file = path.open("a")
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def rewind(self, step: int) -> None:
+        """Drop the lines after ``step`` (a rollback re-runs those step numbers), atomically."""
+        self._file.close()
+        filter_jsonl(self.path, lambda record: record["step"] <= step)
+        self._file = self.path.open("a")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers as flat scalars for dashboards: a vector ``v`` as ``v/0``, ``v/1``, ...;
+    ``step`` and nulls left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or value is None or isinstance(value, bool):
+            continue
+        if isinstance(value, int | float):
+            out[key] = value
+        elif isinstance(value, list) and all(isinstance(v, int | float) for v in value):
+            out.update({f"{key}/{i}": v for i, v in enumerate(value)})
+    return out
+
+
+class TensorBoardTracker:
+    """TensorBoard scalars under the record's names (:func:`scalars`)."""
+
+    def __init__(self, directory: Path, resume_step: int = 0):
+        self.directory = directory
+        self._open(resume_step)
+
+    def _open(self, after_step: int) -> None:
+        """Open the event files; points logged after ``after_step`` by an earlier attempt are
+        purged (``purge_step``), so a resumed or rolled-back run shows each step once."""
+        from tensorboardX import SummaryWriter
+
+        self._tb = SummaryWriter(str(self.directory), purge_step=after_step + 1 if after_step else None)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        for key, value in scalars(record).items():
+            self._tb.add_scalar(key, value, step)
+
+    def rewind(self, step: int) -> None:
+        self._tb.close()
+        self._open(step)
+
+    def close(self) -> None:
+        self._tb.close()
+
+
+class DashboardTracker:
+    """``wandb`` or ``trackio`` (the same ``init`` / ``log`` / ``finish`` API), behind their extras.
+    The run id is derived from the run directory, so a resumed run continues the same dashboard
+    run. Neither can take steps back: after a rollback, the repeated steps keep their first values
+    there (``metrics.jsonl`` and TensorBoard are rewound)."""
+
+    def __init__(self, library: str, cfg: Config, run_dir: Path):
+        try:
+            self._lib = importlib.import_module(library)
+        except ImportError:
+            raise ConfigError(
+                f"run.trackers includes {library!r} but it is not installed: pip install 'zaya-jax[{library}]' "
+                f"or remove it from run.trackers"
+            ) from None
+        run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
+        options: dict[str, Any] = {"project": cfg.run.project, "name": cfg.run.name, "config": to_dict(cfg)}
+        if library == "wandb":
+            options.update(dir=str(run_dir), id=run_id, resume="allow")
+        else:
+            options.update(resume="allow")
+        self._run = self._lib.init(**options)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        self._lib.log(scalars(record), step=step)
+
+    def rewind(self, step: int) -> None:
+        pass  # see the class docstring
+
+    def close(self) -> None:
+        self._lib.finish()
