@@ -16,6 +16,7 @@ of T new tokens costs O(T) projections and convolutions plus attention over the 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -155,6 +156,27 @@ def _write_cache(cache, k, v, index):
     return k, v, {"keys": k, "values": v}
 
 
+def _normalized_rotated(q: jax.Array, k: jax.Array, temp: jax.Array, tables: tuple[jax.Array, jax.Array]):
+    """Steps 5-6: q and k L2-normalised to sqrt(d), k scaled by the per-KV-head ``temp``, both
+    rotated by the RoPE ``tables`` (cos, sin)."""
+    scale = math.sqrt(q.shape[-1])
+    q = l2_normalize(q, scale)
+    k = l2_normalize(k, scale) * temp[None, None, :, None]
+    cos, sin = tables
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+def _mean_residuals(q0: jax.Array, k0: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Step 2: the q/k "mean" residual paths: each q head averaged with its KV head, each KV head
+    with its q group; (q_res (batch, seq, nq, d), k_res (batch, seq, nk, d))."""
+    batch, seq, _ = q0.shape
+    nq, nk, d, groups = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_groups
+    q_heads = q0.reshape(batch, seq, nq, d)
+    k_heads = k0.reshape(batch, seq, nk, d)
+    q_res = (q_heads + jnp.repeat(k_heads, groups, axis=2)) * jnp.asarray(0.5, q0.dtype)
+    return q_res, jnp.mean(q_res.reshape(batch, seq, nk, groups, d), axis=3)
+
+
 class CCAAttention(nn.Module):
     """One CCA attention layer (spec §2.3). a: (batch, seq, embed) normed input -> (output (batch,
     seq, embed), updated layer cache or None).
@@ -171,6 +193,19 @@ class CCAAttention(nn.Module):
 
     cfg: ModelConfig
     hooks: ModelHooks = SINGLE_DEVICE
+
+    def _attend_local(self, q, k, v, mask, cache, index, new_cache):
+        """Attention where one device holds every key: the plain and decode modes (decoding first
+        writes the new keys and values into the cache). Returns (output, updated cache or None)."""
+        cfg = self.cfg
+        if cache is not None:
+            k, v, kv_cache = _write_cache(cache, k, v, index)
+            new_cache = {**new_cache, **kv_cache}
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        kernel = self.hooks.attention or functools.partial(
+            attention, impl=cfg.attention_impl, block=cfg.attention_block
+        )
+        return kernel(q, k, v, mask), new_cache
 
     @nn.compact
     def __call__(
@@ -189,7 +224,7 @@ class CCAAttention(nn.Module):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         batch, seq, _ = a.shape
-        nq, nk, d, groups = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_kv_groups
+        nq, nk, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         std = cfg.initializer_range
         mode = "decode" if cache is not None else "context" if self.hooks.context is not None else "plain"
 
@@ -204,11 +239,7 @@ class CCAAttention(nn.Module):
         v_current = dense("v_current", cfg.kv_width // 2, ("embed", "kv"))(a)
         v_delayed_proj = dense("v_delayed", cfg.kv_width // 2, ("embed", "kv"))
 
-        # Step 2: q/k "mean" residual paths: each q head averaged with its KV head, each KV head with its q group.
-        q_heads = q0.reshape(batch, seq, nq, d)
-        k_heads = k0.reshape(batch, seq, nk, d)
-        q_res = (q_heads + jnp.repeat(k_heads, groups, axis=2)) * jnp.asarray(0.5, dtype)
-        k_res = jnp.mean(q_res.reshape(batch, seq, nk, groups, d), axis=3)
+        q_res, k_res = _mean_residuals(q0, k0, cfg)
 
         # Steps 3-4: the two-stage causal convolution of [q0 || k0] and the delayed value half.
         normal, zeros = nn.initializers.normal(std), nn.initializers.zeros
@@ -243,14 +274,9 @@ class CCAAttention(nn.Module):
         k = conv[:, :, nq:] + k_res
         v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
-        # Step 5: QK L2-norm to sqrt(d); keys scaled by the raw per-KV-head temperature.
+        # Steps 5-6: QK L2-norm to sqrt(d), keys scaled by the raw per-KV-head temperature; partial NeoX RoPE.
         temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype)
-        q = l2_normalize(q, math.sqrt(d))
-        k = l2_normalize(k, math.sqrt(d)) * temp.astype(dtype)[None, None, :, None]
-
-        # Step 6: partial NeoX RoPE.
-        cos, sin = rope_tables(positions, inv_freq, dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = _normalized_rotated(q, k, temp.astype(dtype), rope_tables(positions, inv_freq, dtype))
 
         # Steps 7-8: causal GQA attention (sliding-window layers add their window), then o_proj.
         if cfg.has_sliding_layers:
@@ -259,12 +285,5 @@ class CCAAttention(nn.Module):
             real = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
             out = self.hooks.context.attention(q, k, v, segments, real, mask.window)
         else:
-            if mode == "decode":
-                k, v, kv_cache = _write_cache(cache, k, v, index)
-                new_cache = {**new_cache, **kv_cache}
-                k, v = k.astype(dtype), v.astype(dtype)
-            if self.hooks.attention is not None:
-                out = self.hooks.attention(q, k, v, mask)
-            else:
-                out = attention(q, k, v, mask, impl=cfg.attention_impl, block=cfg.attention_block)
+            out, new_cache = self._attend_local(q, k, v, mask, cache, index, new_cache)
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

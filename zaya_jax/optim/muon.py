@@ -177,6 +177,26 @@ def _muon_leaves(groups_tree: Any, tree: Any) -> Any:
     )
 
 
+def _check_settings(beta: float, ns_coeffs: Sequence[float], ns_steps: int) -> None:
+    if len(ns_coeffs) != 3:
+        raise ValueError(f"ns_coeffs must be 3 numbers (a, b, c), got {list(ns_coeffs)}")
+    if ns_steps < 1:
+        raise ValueError(f"ns_steps={ns_steps} must be >= 1")
+    if not 0.0 <= beta < 1.0:
+        raise ValueError(f"Muon momentum beta={beta} must be in [0, 1)")
+
+
+def _check_leaf(group: LeafGroup, p: Any) -> None:
+    """A Muon leaf must have the matrix axes its group names."""
+    if group.group != "muon" or isinstance(p, optax.MaskedNode):
+        return
+    if p.ndim < 2 or max(group.matrix_axes) >= p.ndim:
+        raise ValueError(
+            f"a Muon leaf of shape {p.shape} cannot have matrix axes {group.matrix_axes}; "
+            "the groups tree does not describe these parameters"
+        )
+
+
 def scale_by_muon(
     groups_tree: Any,
     *,
@@ -200,24 +220,10 @@ def scale_by_muon(
     per device on gathered matrices (:func:`orthogonalize_sharded`). ``kernels``: ``custom`` runs
     the iterations as the zaya_newton_schulz custom call where registered.
     """
-    if len(ns_coeffs) != 3:
-        raise ValueError(f"ns_coeffs must be 3 numbers (a, b, c), got {list(ns_coeffs)}")
-    if ns_steps < 1:
-        raise ValueError(f"ns_steps={ns_steps} must be >= 1")
-    if not 0.0 <= beta < 1.0:
-        raise ValueError(f"Muon momentum beta={beta} must be in [0, 1)")
-
-    def check_leaf(group: LeafGroup, p: Any) -> None:
-        if group.group != "muon" or isinstance(p, optax.MaskedNode):
-            return
-        if p.ndim < 2 or max(group.matrix_axes) >= p.ndim:
-            raise ValueError(
-                f"a Muon leaf of shape {p.shape} cannot have matrix axes {group.matrix_axes}; "
-                "the groups tree does not describe these parameters"
-            )
+    _check_settings(beta, ns_coeffs, ns_steps)
 
     def init_fn(params: optax.Params) -> MuonState:
-        jax.tree.map(check_leaf, groups_tree, params, is_leaf=is_leaf_group)
+        jax.tree.map(_check_leaf, groups_tree, params, is_leaf=is_leaf_group)
         mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), _muon_leaves(groups_tree, params))
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
 
