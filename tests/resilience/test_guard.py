@@ -23,7 +23,7 @@ def test_guarded_step_keeps_the_previous_state_on_a_bad_step():
     batch = synthetic_batch(0, 2, 16)
     one = jnp.asarray(1.0)
     state, _ = step(state, batch, one, jnp.float32(np.inf))  # past lr warm-up's 0
-    # a NaN fault is injected on the host, as the loop's FaultHook does: the loss mask poisoned
+    # a NaN fault is injected on the host, as tests/resilience/faults.py's FaultHook does: the loss mask poisoned
     poisoned = {**batch, "loss_mask": batch["loss_mask"] * np.float32(np.nan)}
     cases = {"ok": (batch, np.inf), "spike": (batch, 0.0), "nan": (poisoned, np.inf)}
     outcomes = {}

@@ -18,6 +18,9 @@ that cannot be read or fails the check is moved to ``<run>/quarantine/`` and the
 Retention (``keep``, ``keep_every``, ``keep_best``) is Orbax's preservation policies: a pure function
 of the steps and their saved held-out losses, so every process decides the same, and the latest
 step (the one a resume or a rollback needs) is always kept.
+
+Modules: ``store`` (the manager, items, errors, verification, quarantine), ``training`` (train-state
+checkpoints), ``model_files`` (model-only files), ``paths`` (which step a path names).
 """
 
 from zaya_jax.checkpoint.model_files import array_metadata, read_config, restore_model, save_model
