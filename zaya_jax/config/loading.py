@@ -1,0 +1,265 @@
+"""Loading a config: YAML presets with inheritance, dotted overrides, typed conversion into the
+schema (:mod:`zaya_jax.config.schema`), and writing it back.
+
+A config is built in three steps:
+
+1. a preset (``configs/<name>.yaml`` or a path) is read with ``yaml.safe_load``; a top-level
+   ``inherits: <name or path>`` key merges it over its parent, recursively;
+2. dotted overrides (``model.num_layers=4``) are applied, values parsed as YAML scalars/lists;
+3. the merged dict is converted into frozen dataclasses, checking every key and type, and the
+   result is validated for impossible combinations.
+
+Every problem raises :class:`ConfigError` with the offending key and what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from zaya_jax.config.schema import Config, ConfigError, ModelConfig
+from zaya_jax.files import write_atomic
+
+_INHERITS = "inherits"
+_REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
+_PACKAGED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def config_dirs() -> list[Path]:
+    """Directories searched for bare preset names: the repository's ``configs/``, then the wheel's copy."""
+    return [d for d in (_REPO_CONFIGS, _PACKAGED_CONFIGS) if d.is_dir()]
+
+
+def available_presets() -> list[str]:
+    return sorted({p.stem for d in config_dirs() for p in d.glob("*.yaml")})
+
+
+def _preset_path(name_or_path: str | Path, relative_to: Path | None = None) -> Path:
+    text = str(name_or_path)
+    if text.endswith((".yaml", ".yml")) or "/" in text:
+        path = Path(text)
+        if not path.is_absolute() and relative_to is not None and not path.exists():
+            path = relative_to / path
+        if not path.is_file():
+            raise ConfigError(f"config file {text!r} does not exist")
+        return path
+    for directory in config_dirs():
+        candidate = directory / f"{text}.yaml"
+        if candidate.is_file():
+            return candidate
+    close = difflib.get_close_matches(text, available_presets(), n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    raise ConfigError(f"unknown preset {text!r}; {hint}available presets: {', '.join(available_presets())}")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path} is not valid YAML: {err}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(dict(out[key]), value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_preset(name_or_path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    path = _preset_path(name_or_path, relative_to=seen[-1].parent if seen else None).resolve()
+    if path in seen:
+        chain = " -> ".join(str(p.name) for p in (*seen, path))
+        raise ConfigError(f"config inheritance cycle: {chain}")
+    data = _read_yaml(path)
+    parent = data.pop(_INHERITS, None)
+    if parent is None:
+        return data
+    return _deep_merge(_resolve_preset(parent, (*seen, path)), data)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"model.num_layers=4"`` -> (["model", "num_layers"], 4); the value is read as YAML."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r} must look like section.key=value, e.g. model.num_layers=4")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {err}") from None
+    return key.strip().split("."), value
+
+
+def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif not isinstance(child, dict):
+            raise ConfigError(f"override of {'.'.join(keys)}: {key!r} is a value, not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(tp))
+    if origin is tuple:
+        return f"list of {_type_name(typing.get_args(tp)[0])}"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check ``value`` against the annotation ``tp`` and convert lists to tuples; raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{key} must be a section (mapping), got {value!r}")
+        return _build(tp, value, key)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{key}={value!r} has the wrong type; expected {_type_name(tp)}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}={value!r} is not allowed; choose one of {_type_name(tp)}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str) or not isinstance(value, Sequence):
+            raise ConfigError(f"{key}={value!r} must be a list")
+        (item_tp, _) = typing.get_args(tp)
+        return tuple(_coerce(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}={value!r} must be true or false")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}={value!r} must be an integer")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-3" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}={value!r} must be a number")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}={value!r} must be a string")
+        return value
+    raise TypeError(f"unsupported config annotation {tp!r} at {key}")
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown config key {full!r}{hint} (valid: {', '.join(names)})")
+        kwargs[key] = _coerce(value, hints[key], full)
+    return cls(**kwargs)
+
+
+def config_from_dict(data: Mapping[str, Any]) -> Config:
+    """Build and validate a :class:`Config` from a plain (YAML-like) mapping."""
+    cfg = _build(Config, _without_retired(data))
+    cfg.validate()
+    return cfg
+
+
+def _without_retired(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` without the ``debug`` section that configs saved before it was retired carry (all
+    zeros: no fault set). A fault set there is an error: faults are injected by tests only, through
+    ``train(cfg, hooks=[...])``."""
+    if "debug" not in data:
+        return data
+    debug = data["debug"] or {}
+    active = {k: v for k, v in debug.items() if v} if isinstance(debug, Mapping) else debug
+    if active:
+        raise ConfigError(
+            f"the debug section ({active}) is no longer a config section: fault injection is for tests only "
+            "and goes through train(cfg, hooks=[...]) (tests/resilience/faults.py); remove it"
+        )
+    return {k: v for k, v in data.items() if k != "debug"}
+
+
+def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
+    cfg = _build(ModelConfig, data, "model")
+    cfg.validate()
+    return cfg
+
+
+def load_config(
+    name_or_path: str | Path | None = "tiny",
+    overrides: Sequence[str] = (),
+    *,
+    model: Mapping[str, Any] | None = None,
+) -> Config:
+    """Load a preset (bare name -> ``configs/<name>.yaml``, or a YAML path) and apply dotted overrides.
+    ``model``: a model section replacing the preset's (e.g. the one of ``train.init_from``'s
+    weights); ``model.*`` overrides still apply on top of it."""
+    data = _resolve_preset(name_or_path) if name_or_path is not None else {}
+    if model is not None:
+        data["model"] = dict(model)
+    for text in overrides:
+        keys, value = parse_override(text)
+        _apply_override(data, keys, value)
+    return config_from_dict(data)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A YAML-safe dict of a config dataclass (tuples become lists)."""
+
+    def plain_value(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return to_dict(value)
+        if isinstance(value, tuple):
+            return [plain_value(v) for v in value]
+        return value
+
+    return {f.name: plain_value(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+
+
+def dump_config(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def save_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config as YAML (atomically: a reader never sees half a file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return write_atomic(path, dump_config(cfg))
