@@ -21,6 +21,7 @@ from zaya_jax.checkpoint.store import (
     array_fingerprints,
     manager,
     saved_fingerprints,
+    set_aside,
     verify,
 )
 from zaya_jax.config import Config, config_from_dict, save_config, to_dict
@@ -77,7 +78,7 @@ def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
     :class:`CheckpointCorruptError` instead."""
     checkpoints, step = resolve(path)
     explicit = Path(path).parent.name == CHECKPOINTS
-    set_aside: set[int] = set()
+    skipped: set[int] = set()
     while True:
         try:
             return _restore_model_step(checkpoints, step)
@@ -85,8 +86,8 @@ def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
             if explicit:
                 raise
             set_aside(checkpoints, step, err)
-            set_aside.add(step)
-            remaining = [s for s in manager(checkpoints).all_steps() if s not in set_aside]
+            skipped.add(step)
+            remaining = [s for s in manager(checkpoints).all_steps() if s not in skipped]
             if not remaining:
                 raise CheckpointNotFoundError(
                     f"{checkpoints} holds no checkpoint that passes its check"
