@@ -64,14 +64,19 @@ class Programs:
         return init_train_state(init_variables(self.cfg.model, key), self.tx)
 
     @functools.cached_property
+    def _shapes(self) -> TrainState:
+        """The train state's shapes and dtypes (one trace of the init, shared)."""
+        return jax.eval_shape(self._init, jax.random.key(0))
+
+    @functools.cached_property
     def shardings(self) -> TrainState:
         """The train state's shardings (parameters by the rules, optimizer state like them)."""
-        return self.layout.state_shardings(jax.eval_shape(self._init, jax.random.key(0)))
+        return self.layout.state_shardings(self._shapes)
 
     @functools.cached_property
     def abstract_state(self) -> TrainState:
         """The train state as shapes and dtypes carrying their shardings (nothing allocated)."""
-        shapes = jax.eval_shape(self._init, jax.random.key(0))
+        shapes = self._shapes
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s, weak_type=x.weak_type),
             shapes,
