@@ -69,8 +69,11 @@ def run(extra, names):
     layout, shardings = programs.layout, programs.shardings
     state = programs.init_state()
 
+    lowered = programs.lower_train_step()  # as training compiles it: one trace, one compile
+    compiled = lowered.compile()
+
     def step(state, batch):
-        return programs.train_step(*programs.step_arguments(state, batch))
+        return compiled(*programs.step_arguments(state, batch))
 
     model = Zaya(cfg.model, layout.hooks)
     grad_fn = jax.jit(
@@ -90,7 +93,7 @@ def run(extra, names):
         trace["biases"].append(np.asarray(state.balancing["layers"]["router"]["biases"]).tolist())
         dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
-    hlo = programs.lower_train_step().as_text()
+    hlo = lowered.as_text()
     collectives = {
         "all_to_all": hlo.count("all_to_all"),
         "collective_permute": hlo.count("collective_permute"),
