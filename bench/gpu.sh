@@ -49,16 +49,16 @@ timeout 40 python3 bench/generate_speed.py --config $CONFIG --batch 8 --prompt 2
 step "kernels vs XLA"
 timeout 30 python3 bench/kernels.py --repeats 5 2>&1 | tee "$OUT/kernels.json" | tail -12
 step "zaya train (small, bf16): tokens/s and MFU"
-timeout 80 python3 -m zaya_jax.cli train --config $CONFIG run.dir=/tmp/gpu_run_$$ train.steps=30 train.log_every=10 \
-  train.eval_every=1000 train.eval_batches=1 train.batch_size=16 train.micro_batches=4 --no-progress 2>&1 | tail -5
+timeout 80 python3 -m zaya_jax.cli train --config $CONFIG run.dir=/tmp/gpu_run_$$ train.steps=30 log.every=10 \
+  eval.every=1000 eval.batches=1 train.batch_size=16 train.micro_batches=4 --no-progress 2>&1 | tail -5
 cp /tmp/gpu_run_$$/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
 grep tokens_per_s /tmp/gpu_run_$$/metrics.jsonl | tail -2
 step "attention: blocked vs dense vs cuDNN (bf16, 8/2 heads of 128)"
 timeout 60 python3 bench/attention.py --shapes ${ATTN_SHAPES:-4x1024 2x4096 1x8192} --blocks 128 256 512 \
   --heads 8,2,128 --dtype bfloat16 --repeats 5 2>&1 | tee "$OUT/attention.json" | tail -40
 step "zaya train (small, bf16) at 4k tokens per row: tokens/s and MFU"
-timeout 70 python3 -m zaya_jax.cli train --config $CONFIG run.dir=/tmp/gpu_run4k_$$ train.steps=20 train.log_every=5 \
-  train.eval_every=1000 train.eval_batches=1 train.seq_len=${SEQ4K:-4096} train.batch_size=8 train.micro_batches=2 \
+timeout 70 python3 -m zaya_jax.cli train --config $CONFIG run.dir=/tmp/gpu_run4k_$$ train.steps=20 log.every=5 \
+  eval.every=1000 eval.batches=1 train.seq_len=${SEQ4K:-4096} train.batch_size=8 train.micro_batches=2 \
   --no-progress 2>&1 | tail -5
 cp /tmp/gpu_run4k_$$/metrics.jsonl "$OUT/small_4k_metrics.jsonl" 2>/dev/null
 grep tokens_per_s /tmp/gpu_run4k_$$/metrics.jsonl | tail -2

@@ -17,8 +17,8 @@ python3 -c "import jax, flax, optax; print('jax', jax.__version__, jax.devices()
 JAX_DEFAULT_MATMUL_PRECISION=highest timeout 150 python3 -m pytest -q -p no:cacheprovider -o addopts="" \
   tests/model/test_hf_parity.py tests/model/test_experts.py tests/model/test_packing.py \
   tests/eval/test_generate.py -k "not trained_run" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -8
-timeout 150 python3 -m zaya_jax.cli train --config small run.dir=/tmp/gpu_run train.steps=40 train.log_every=10 \
-  train.eval_every=1000 train.eval_batches=1 train.batch_size=16 train.micro_batches=4 --no-progress 2>&1 | tail -12
+timeout 150 python3 -m zaya_jax.cli train --config small run.dir=/tmp/gpu_run train.steps=40 log.every=10 \
+  eval.every=1000 eval.batches=1 train.batch_size=16 train.micro_batches=4 --no-progress 2>&1 | tail -12
 cp /tmp/gpu_run/metrics.jsonl "$OUT/small_metrics.jsonl" 2>/dev/null
 grep tokens_per_s /tmp/gpu_run/metrics.jsonl | tail -2
 timeout 90 python3 bench/generate_speed.py --config small --batch 8 --prompt 256 --new 128 2>&1 | tee "$OUT/generate.txt" | tail -14

@@ -45,7 +45,9 @@ CASES = {
 def plan(repo: Path, preset: str, devices: int, overrides: list[str], target: str | None) -> dict:
     cmd = [sys.executable, "-m", "zaya_jax.cli", "train", "--config", preset, "--compile-only"]
     cmd += ["--devices", str(devices)]
-    if target and "--target" in (repo / "zaya_jax" / "cli.py").read_text():
+    cli = repo / "zaya_jax" / "cli"
+    sources = [cli.with_suffix(".py")] if cli.with_suffix(".py").is_file() else sorted(cli.glob("*.py"))
+    if target and any("--target" in path.read_text() for path in sources):
         cmd += ["--target", target]
     env = {**os.environ, "PYTHONPATH": str(repo), "JAX_PLATFORMS": "cpu"}
     start = time.perf_counter()

@@ -196,3 +196,26 @@ def test_config_reference_is_generated_and_describes_every_key():
     for section in dataclasses.fields(Config):
         for field in dataclasses.fields(section.default_factory):
             assert f"| `{section.name}.{field.name}` |" in text
+
+
+def test_moved_keys_still_load_at_their_new_place_with_a_warning(tmp_path):
+    """Cadence keys moved to their component's section (train.eval_every -> eval.every, ...): a
+    run saved before the move, an old YAML and an old override load the same config, each warning
+    with the new name; the usual precedence holds across the two spellings."""
+    new = load_config("tiny", ["eval.every=7", "log.every=3", "log.trackers=[]", "profile.steps=[2, 3]"])
+    saved = to_dict(new)
+    old = {**saved, "train": dict(saved["train"]), "run": dict(saved["run"])}
+    old["train"].update(eval_every=7, eval_batches=saved["eval"]["batches"], log_every=3)
+    old["run"].update(trackers=[], project=saved["log"]["project"], profile_steps=[2, 3])
+    old = {k: v for k, v in old.items() if k not in ("eval", "log", "profile")}
+    with pytest.warns(FutureWarning, match=r"train\.eval_every is now eval\.every"):
+        assert config_from_dict(old) == new
+    with pytest.warns(FutureWarning, match=r"override 'train\.log_every=3'.*log\.every"):
+        assert load_config("tiny", ["train.log_every=3"]).log.every == 3
+    yaml_file = tmp_path / "old.yaml"
+    yaml_file.write_text("inherits: tiny\ntrain:\n  eval_every: 9\n")
+    with pytest.warns(FutureWarning, match=r"old\.yaml: config key train\.eval_every"):
+        assert load_config(yaml_file).eval.every == 9
+        assert load_config(yaml_file, ["eval.every=11"]).eval.every == 11  # the override still wins
+    with pytest.raises(ConfigError, match=r"train\.eval_every and eval\.every are both set"):
+        config_from_dict({"train": {"eval_every": 5}, "eval": {"every": 6}})

@@ -192,7 +192,7 @@ def evaluate_path(
         train = lm.run_config.train
         result = evaluate_held_out(lm, lm.run_config, tokenizer=tok, progress=progress)
         what = (
-            f"the run's held-out evaluation (step {lm.step}): {train.eval_batches} batches of "
+            f"the run's held-out evaluation (step {lm.step}): {lm.run_config.eval.batches} batches of "
             f"{train.batch_size} x {train.seq_len} tokens, seed {train.seed}"
         )
         return {**result, "evaluated": what}

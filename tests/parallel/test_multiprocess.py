@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import jax
@@ -37,7 +36,9 @@ def _distributed(port: int, process_id: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
 
 
-def _start(run: Path, steps: int, *extra: str, clock_skew: float = 0.0) -> list[subprocess.Popen]:
+def _start(
+    run: Path, steps: int, *extra: str, clock_skew: float = 0.0, fault: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
     port = _free_port()
     env = {
         **os.environ,
@@ -49,8 +50,8 @@ def _start(run: Path, steps: int, *extra: str, clock_skew: float = 0.0) -> list[
         f"run.dir={run}",
         f"train.steps={steps}",
         "train.batch_size=8",
-        "train.eval_every=100",
-        "train.log_every=1",
+        "eval.every=100",
+        "log.every=1",
         "checkpoint.every_steps=2",
         "mesh.data=2",
         "mesh.fsdp=2",
@@ -59,7 +60,13 @@ def _start(run: Path, steps: int, *extra: str, clock_skew: float = 0.0) -> list[
     ]
     return [
         subprocess.Popen(
-            [*faults.command(clock_skew=clock_skew), "train", *args, "--no-progress", *_distributed(port, i)],
+            [
+                *faults.command(*fault, clock_skew=clock_skew),
+                "train",
+                *args,
+                "--no-progress",
+                *_distributed(port, i),
+            ],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -91,19 +98,14 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
-def _wait_for_step(run: Path, step: int, procs: list[subprocess.Popen]) -> None:
-    deadline = time.time() + 300
-    beat = run / "heartbeat.json"
-    while time.time() < deadline:
-        assert all(p.poll() is None for p in procs), "a process ended before the signal"
-        if beat.is_file():
-            try:
-                if json.loads(beat.read_text())["step"] >= step:
-                    return
-            except ValueError:
-                pass  # replaced while being read
-        time.sleep(0.1)
-    raise AssertionError(f"no heartbeat for step {step} in 300 s")
+def _signal_while_paused(run: Path, step: int, procs: list[subprocess.Popen], to: int, sig: int) -> None:
+    """Both processes wait after ``step`` (``pause_at_step``); ``sig`` goes to process ``to``, and
+    once it has been received both go on: the signal lands at that step, whatever the timing."""
+    for process in range(2):
+        faults.wait_for_file(faults.paused_marker(run, step, process), procs)
+    procs[to].send_signal(sig)
+    faults.wait_for_file(faults.signalled_marker(run, step, to), procs)
+    faults.release(run, step)
 
 
 def _saved(run: Path) -> list[int]:
@@ -121,9 +123,8 @@ def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exact
     run = tmp_path / "run"
     # process 1's save clock runs 10^5 s ahead: a time-based save is due by its clock after every
     # step and never by process 0's; SIGTERM goes to process 1 only
-    procs = _start(run, STEPS, "checkpoint.every_minutes=60", clock_skew=100000)
-    _wait_for_step(run, 3, procs)
-    procs[1].send_signal(signal.SIGTERM)
+    procs = _start(run, STEPS, "checkpoint.every_minutes=60", clock_skew=100000, fault=("pause_at_step=3",))
+    _signal_while_paused(run, 3, procs, to=1, sig=signal.SIGTERM)
     first = _finish(procs)  # both exit 0: no process waits in a barrier the other never reaches
     summaries = [_summary(r) for r in first]
     assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] < STEPS
@@ -155,11 +156,10 @@ def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exact
 
 def test_sigint_to_the_first_process_stops_both_at_the_same_step(tmp_path):
     run = tmp_path / "run"
-    procs = _start(run, 200)
-    _wait_for_step(run, 2, procs)
-    procs[0].send_signal(signal.SIGINT)
+    procs = _start(run, STEPS, fault=("pause_at_step=2",))
+    _signal_while_paused(run, 2, procs, to=0, sig=signal.SIGINT)
     summaries = [_summary(r) for r in _finish(procs)]
-    assert summaries[0]["steps"] == summaries[1]["steps"] < 200
+    assert summaries[0]["steps"] == summaries[1]["steps"] == 3  # the step after the signal
     stops = [e["detail"] for e in _events(run) if e["event"] == "stop"]
     assert stops == [{"signal": "SIGINT", "received_by": [0]}]
     assert _saved(run)[-1] == summaries[0]["steps"]  # the stop step was saved by both

@@ -17,8 +17,8 @@ from tests.train.test_loop import MINI
 COMMON = [
     *MINI,
     "train.batch_size=8",
-    "train.log_every=1",
-    "train.eval_every=100",
+    "log.every=1",
+    "eval.every=100",
     "checkpoint.every_steps=2",
 ]
 

@@ -20,7 +20,7 @@ which resumes), then rerun until it exits 0. Checked per trial:
 
 - the final variables (parameters and balancing state, every leaf ``np.array_equal``, dtype
   included) equal the reference's ("bit-identical");
-- ``metrics.jsonl`` logs every step exactly once (``train.log_every=1``);
+- ``metrics.jsonl`` logs every step exactly once (``log.every=1``);
 - **no committed step is lost**. Right after each kill (the process is dead, so the directory is
   frozen) the committed steps are the numeric directories in ``checkpoints/`` (Orbax commits a step
   by renaming ``<step>.orbax-checkpoint-tmp-*`` to ``<step>``; retention deletes old ones).
@@ -74,9 +74,9 @@ from tests.train import test_loop
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
 # tests/train/test_loop.py's miniature model, with every step logged and no periodic evaluation
 MINI = [
-    *(o for o in test_loop.MINI if not o.startswith(("train.log_every=", "train.eval_every="))),
-    "train.log_every=1",
-    "train.eval_every=100",
+    *(o for o in test_loop.MINI if not o.startswith(("log.every=", "eval.every="))),
+    "log.every=1",
+    "eval.every=100",
 ]
 POLL_S = 0.004
 CHILD_TIMEOUT_S = 600.0

@@ -9,7 +9,9 @@ Faults (``--fault NAME=STEP``): ``crash_at_step`` (SIGKILL right after the step)
 ``crash_during_save_at_step`` (SIGKILL while that step's checkpoint is being written),
 ``nan_at_step`` (the step's host batch gets a NaN loss mask: the loss guard must catch it),
 ``hang_at_step`` (no progress after the step: the hang watchdog must catch it),
-``corrupt_checkpoint_at_step`` (that step's committed checkpoint overwritten with garbage).
+``corrupt_checkpoint_at_step`` (that step's committed checkpoint overwritten with garbage),
+``pause_at_step`` (the process waits after the step until the test releases it: :func:`pause`,
+so that a signal or a file operation lands at a step the test chose, not at one a timer guessed).
 ``--clock-skew S`` runs the ``checkpoint.every_minutes`` clock of every process but process 0
 ``S`` seconds ahead. Every fault fires at most once per run directory (``faults_fired.json``
 records it), so a restarted run gets past it.
@@ -22,9 +24,11 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import jax
 import numpy as np
@@ -39,6 +43,7 @@ FAULTS = (
     "nan_at_step",
     "hang_at_step",
     "corrupt_checkpoint_at_step",
+    "pause_at_step",
 )
 
 
@@ -51,6 +56,57 @@ def corrupt_checkpoint(step_dir: Path) -> list[str]:
             path.write_bytes(b"\xa5" * path.stat().st_size)
             touched.append(str(path.relative_to(step_dir)))
     return touched
+
+
+def paused_marker(run: Path, step: int, process: int = 0) -> Path:
+    """Written by process ``process`` once it waits after ``step`` (``pause_at_step``)."""
+    return run / f"paused_{step}.{process}"
+
+
+def signalled_marker(run: Path, step: int, process: int = 0) -> Path:
+    """Written by a paused process once a SIGTERM/SIGINT reached it (and its trainer's handler)."""
+    return run / f"signalled_{step}.{process}"
+
+
+def release(run: Path, step: int) -> None:
+    """Let every process paused after ``step`` go on."""
+    write_atomic(run / f"release_{step}", "")
+
+
+def pause(run: Path, step: int) -> None:
+    """Wait after ``step`` until :func:`release`: write :func:`paused_marker`, then poll for the
+    release file. A SIGTERM/SIGINT that arrives meanwhile goes to the handler that was installed
+    (the trainer's) and is marked by :func:`signalled_marker`, so the test knows it was received
+    before it releases the run."""
+    me = jax.process_index()
+    previous: dict[int, Any] = {}
+
+    def handle(signum: int, frame: Any) -> None:
+        handler = previous[signum]
+        if callable(handler):
+            handler(signum, frame)
+        write_atomic(signalled_marker(run, step, me), signal.Signals(signum).name)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous[sig] = signal.signal(sig, handle)
+    try:
+        write_atomic(paused_marker(run, step, me), "")
+        while not (run / f"release_{step}").exists():
+            time.sleep(0.01)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def wait_for_file(path: Path, procs: list[subprocess.Popen] = (), timeout: float = 600.0) -> None:
+    """Wait until ``path`` exists; fail at once if one of ``procs`` ended first (the timeout only
+    bounds a broken run, it decides nothing)."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        ended = [p.args for p in procs if p.poll() is not None]
+        assert not ended, f"a process ended before {path.name} appeared: {ended}"
+        assert time.monotonic() < deadline, f"{path} did not appear in {timeout:.0f} s"
+        time.sleep(0.02)
 
 
 def hang() -> None:
@@ -98,6 +154,8 @@ class FaultHook(Hook):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.due("hang_at_step", step):
             hang()
+        if self.due("pause_at_step", step):
+            pause(self.run.path, step)
 
 
 class SkewedSaveClock(Hook):

@@ -12,7 +12,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -29,8 +28,8 @@ STEPS = 8
 COMMON = [
     *MINI,
     f"train.steps={STEPS}",
-    "train.log_every=1",
-    "train.eval_every=100",
+    "log.every=1",
+    "eval.every=100",
     "checkpoint.every_steps=2",
 ]
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
@@ -127,33 +126,21 @@ def test_crash_and_hang_under_supervise(tmp_path, reference):
 
 def test_sigterm_under_supervise_saves_and_resumes(tmp_path, reference):
     run = tmp_path / "run"
-    cmd = [
-        *CLI,
-        "supervise",
-        "--backoff",
-        "0.1",
-        "--",
-        "zaya",
-        "train",
-        *COMMON,
-        f"run.dir={run}",
-        "--no-progress",
-    ]
+    # the child pauses after step 3 (a fault that fires once per run directory): the preemption
+    # reaches it there, forwarded by the supervisor, whatever the machine's speed
+    child = [*fault_injection.command("pause_at_step=3"), "train", *COMMON, f"run.dir={run}", "--no-progress"]
+    cmd = [*CLI, "supervise", "--backoff", "0.1", "--", *child]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline:  # preempt once the trainer is past step 2
-        beat = run / "heartbeat.json"
-        if beat.is_file() and json.loads(beat.read_text())["step"] >= 3:
-            break
-        time.sleep(0.2)
+    fault_injection.wait_for_file(fault_injection.paused_marker(run, 3), [proc])
     proc.send_signal(signal.SIGTERM)
+    fault_injection.wait_for_file(fault_injection.signalled_marker(run, 3), [proc])
+    fault_injection.release(run, 3)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     events = _events(run)
     assert "restart" not in [e["event"] for e in events]  # a preempted child is not restarted
     stopped = [e for e in events if e["event"] == "stop"]
-    assert stopped and stopped[0]["detail"]["signal"] == "SIGTERM"
-    assert 3 <= stopped[0]["step"] < STEPS
+    assert [(e["step"], e["detail"]["signal"]) for e in stopped] == [(4, "SIGTERM")]  # the step after
     _run(cmd)  # the job is requeued: the same command finishes the run
     _metrics(run)
     _assert_same_params(run, reference)

@@ -42,7 +42,7 @@ def _train(run: Path, steps: int) -> subprocess.CompletedProcess:
         f"train.steps={steps}",
         "checkpoint.every_steps=1",
         "checkpoint.keep=100",
-        "train.log_every=1",
+        "log.every=1",
     ]
     cmd = [*CLI, "train", *args, f"run.dir={run}", "--no-progress"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)

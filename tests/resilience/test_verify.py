@@ -23,7 +23,7 @@ from zaya_jax.checkpoint import CheckpointCorruptError, restore_model
 from zaya_jax.checkpoint.fingerprint import fingerprints
 from zaya_jax.cli import main
 
-COMMON = [*MINI, "train.log_every=1", "train.eval_every=100", "checkpoint.every_steps=2", "--no-progress"]
+COMMON = [*MINI, "log.every=1", "eval.every=100", "checkpoint.every_steps=2", "--no-progress"]
 
 
 def _events(run: Path) -> list[dict]:
@@ -123,7 +123,7 @@ def test_keep_best_keeps_the_lowest_held_out_losses_across_a_resume(tmp_path, ca
     args = [
         "train",
         *MINI,
-        "train.eval_every=1",
+        "eval.every=1",
         "checkpoint.keep=1",
         "checkpoint.keep_best=2",
         f"run.dir={run}",

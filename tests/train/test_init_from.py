@@ -15,7 +15,7 @@ from zaya_jax.cli import main
 
 # The learning rate warms up from 0 at the first step: that one step leaves the loaded parameters
 # exactly as they were.
-FROZEN = ["optim.warmup_steps=5", "train.steps=1", "train.eval_batches=1", "--no-progress"]
+FROZEN = ["optim.warmup_steps=5", "train.steps=1", "eval.batches=1", "--no-progress"]
 # The run shape of MINI without its model.* entries (the model must come from the source).
 SHAPE = [o for o in MINI if not o.startswith("model.")]
 
@@ -37,7 +37,7 @@ def test_init_from_a_run_and_from_its_hf_export(tmp_path, capsys):
                 *MINI,
                 f"run.dir={source}",
                 "train.steps=2",
-                "run.profile_steps=[2, 2]",
+                "profile.steps=[2, 2]",
                 "--no-progress",
             ]
         )

@@ -26,9 +26,9 @@ MINI = [
     "model.router_hidden_size=8",
     "train.batch_size=2",
     "train.seq_len=32",
-    "train.log_every=2",
-    "train.eval_every=3",
-    "train.eval_batches=1",
+    "log.every=2",
+    "eval.every=3",
+    "eval.batches=1",
 ]
 
 
@@ -123,8 +123,8 @@ def test_ramp_and_stages_run_end_to_end(tmp_path):
         *MINI,
         f"run.dir={run}",
         "train.steps=6",
-        "train.log_every=1",
-        "train.eval_every=100",
+        "log.every=1",
+        "eval.every=100",
         "train.batch_ramp=[{tokens: 0, batch_size: 1}, {tokens: 64, batch_size: 2}]",
         "train.stages=[{tokens: 96, seq_len: 16}, {tokens: 10000, seq_len: 32}]",
     ]

@@ -97,7 +97,7 @@ def test_dashboard_trackers_get_flat_scalars_under_a_stable_run_id(tmp_path, mon
         finish=lambda: calls.append(("finish",)),
     )
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    cfg = load_config("tiny", ["run.trackers=[wandb]", "run.project=p", "run.name=r"])
+    cfg = load_config("tiny", ["log.trackers=[wandb]", "log.project=p", "run.name=r"])
     for _ in range(2):  # a resumed run opens the same dashboard run
         writer = MetricsWriter(tmp_path, enabled=True, cfg=cfg)
         writer.write({"step": 3, "loss": 2.0, "expert_load": [0.25, 0.75], "mfu": None})
@@ -108,7 +108,7 @@ def test_dashboard_trackers_get_flat_scalars_under_a_stable_run_id(tmp_path, mon
     assert not (tmp_path / "tb").exists()  # TensorBoard only when listed
     monkeypatch.setitem(sys.modules, "trackio", None)  # not installed
     with pytest.raises(ConfigError, match=r"pip install 'zaya-jax\[trackio\]'"):
-        MetricsWriter(tmp_path, cfg=load_config("tiny", ["run.trackers=[trackio]"]))
+        MetricsWriter(tmp_path, cfg=load_config("tiny", ["log.trackers=[trackio]"]))
 
 
 def test_tensorboard_purges_the_steps_a_rollback_repeats(tmp_path):

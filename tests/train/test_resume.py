@@ -21,8 +21,8 @@ STEPS = 8
 COMMON = [
     *MINI,
     f"train.steps={STEPS}",
-    "train.log_every=1",
-    "train.eval_every=100",
+    "log.every=1",
+    "eval.every=100",
     "checkpoint.every_steps=2",
 ]
 
@@ -68,7 +68,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *MINI, f"run.dir={run}", "train.steps=100000"]
     proc = subprocess.Popen(
-        [*cmd, "train.log_every=1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        [*cmd, "log.every=1", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     deadline = time.time() + 300
     while time.time() < deadline and not (

@@ -23,7 +23,13 @@ Modules: ``store`` (the manager, items, errors, verification, quarantine), ``tra
 checkpoints), ``model_files`` (model-only files), ``paths`` (which step a path names).
 """
 
-from zaya_jax.checkpoint.model_files import array_metadata, read_config, restore_model, save_model
+from zaya_jax.checkpoint.model_files import (
+    array_metadata,
+    read_config,
+    restore_model,
+    same_model_run,
+    save_model,
+)
 from zaya_jax.checkpoint.paths import resolve
 from zaya_jax.checkpoint.store import (
     CHECKPOINTS,
@@ -52,6 +58,7 @@ __all__ = [
     "resolve",
     "restore_model",
     "restore_training",
+    "same_model_run",
     "save_model",
     "save_training",
     "verify",

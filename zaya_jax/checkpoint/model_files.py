@@ -112,3 +112,29 @@ def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str,
     step_dir = checkpoints / str(step)
     verify(step_dir, saved_fingerprints(mgr, step_dir, step), variables)
     return config_from_dict(restored["config"]), variables, step
+
+
+def same_model_run(new: Path, existing: Path) -> bool:
+    """Whether a run directory written by ``zaya convert hf-to-zaya`` holds what ``new`` holds: the
+    same config.yaml bytes and one checkpoint (step 0) with the same config and arrays, bit for bit
+    (Orbax's files themselves differ between two writes: random file names and timestamps)."""
+    if (new / "config.yaml").read_bytes() != (existing / "config.yaml").read_bytes():
+        return False
+    names = {p.name for p in (existing / CHECKPOINTS).iterdir()}
+    if sorted(names) != ["0"] or sorted(p.name for p in existing.iterdir()) != [CHECKPOINTS, "config.yaml"]:
+        return False
+    try:
+        cfg_a, vars_a, _ = restore_model(new)
+        cfg_b, vars_b, _ = restore_model(existing)
+    except Exception:
+        return False
+    leaves_a, tree_a = jax.tree.flatten(vars_a)
+    leaves_b, tree_b = jax.tree.flatten(vars_b)
+    return (
+        cfg_a == cfg_b
+        and tree_a == tree_b
+        and all(
+            a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+            for a, b in zip(leaves_a, leaves_b, strict=True)
+        )
+    )

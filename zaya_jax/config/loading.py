@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import types
 import typing
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -68,7 +69,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
-    return data
+    return dict(_with_moved_keys(data, str(path)))
 
 
 def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
@@ -196,7 +197,7 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
 
 def config_from_dict(data: Mapping[str, Any]) -> Config:
     """Build and validate a :class:`Config` from a plain (YAML-like) mapping."""
-    cfg = _build(Config, _without_retired(data))
+    cfg = _build(Config, _with_moved_keys(_without_retired(data)))
     cfg.validate()
     return cfg
 
@@ -215,6 +216,61 @@ def _without_retired(data: Mapping[str, Any]) -> Mapping[str, Any]:
             "and goes through train(cfg, hooks=[...]) (tests/resilience/faults.py); remove it"
         )
     return {k: v for k, v in data.items() if k != "debug"}
+
+
+# Keys that moved to the section of the component that uses them: (old section, key) -> (new
+# section, key). Configs written before the move (a run's saved config.yaml, a user's YAML, an
+# override) still load, with a warning naming the new key.
+MOVED_KEYS: dict[tuple[str, str], tuple[str, str]] = {
+    ("train", "log_every"): ("log", "every"),
+    ("run", "trackers"): ("log", "trackers"),
+    ("run", "project"): ("log", "project"),
+    ("train", "eval_every"): ("eval", "every"),
+    ("train", "eval_batches"): ("eval", "batches"),
+    ("run", "profile_steps"): ("profile", "steps"),
+}
+
+
+def _warn_moved(old: tuple[str, str], where: str) -> None:
+    new = MOVED_KEYS[old]
+    warnings.warn(
+        f"{where}: config key {'.'.join(old)} is now {'.'.join(new)}; the old name still works",
+        FutureWarning,
+        stacklevel=4,
+    )
+
+
+def _moved(keys: list[str], where: str) -> list[str]:
+    """An override's dotted keys, at the new place of a moved key."""
+    old = tuple(keys)
+    if len(keys) == 2 and old in MOVED_KEYS:
+        _warn_moved(old, where)  # type: ignore[arg-type]
+        return list(MOVED_KEYS[old])  # type: ignore[index]
+    return keys
+
+
+def _with_moved_keys(data: Mapping[str, Any], where: str = "config") -> Mapping[str, Any]:
+    """``data`` with the keys of :data:`MOVED_KEYS` at their new places (each YAML file is moved
+    before files and overrides are merged, so the usual precedence holds); both spellings of one key
+    in one mapping is an error (which one was meant cannot be told)."""
+    found = [old for old in MOVED_KEYS if isinstance(data.get(old[0]), Mapping) and old[1] in data[old[0]]]
+    if not found:
+        return data
+    out = {section: dict(value) if isinstance(value, Mapping) else value for section, value in data.items()}
+    for old in found:
+        new = MOVED_KEYS[old]
+        value = out[old[0]].pop(old[1])
+        target = out.setdefault(new[0], {})
+        if not isinstance(target, dict):
+            continue  # the section itself has the wrong type; _build says so
+        if new[1] in target:
+            raise ConfigError(
+                f"{where}: {'.'.join(old)} and {'.'.join(new)} are both set; {'.'.join(old)} is the old "
+                "name, remove it"
+            )
+        target[new[1]] = value
+        _warn_moved(old, where)
+    return out
 
 
 def model_config_from_dict(data: Mapping[str, Any]) -> ModelConfig:
@@ -237,7 +293,7 @@ def load_config(
         data["model"] = dict(model)
     for text in overrides:
         keys, value = parse_override(text)
-        _apply_override(data, keys, value)
+        _apply_override(data, _moved(keys, f"override {text!r}"), value)
     return config_from_dict(data)
 
 

@@ -21,13 +21,6 @@ class RunConfig:
 
     name: str = "zaya"  # run directory name under runs/ (a plain name, no '/')
     dir: str | None = None  # explicit run directory (overrides runs/<name>)
-    # Where metrics go besides metrics.jsonl (always written): "tensorboard" (tb/), "wandb" and
-    # "trackio" (their extras; process 0 only; WANDB_MODE=offline / trackio's local store work
-    # without a network).
-    trackers: tuple[str, ...] = ("tensorboard",)
-    project: str = "zaya-jax"  # the wandb / trackio project
-    # Steps [first, last] to record a jax.profiler trace of, into <run>/profile/ (empty: none).
-    profile_steps: tuple[int, ...] = ()
 
     @property
     def path(self) -> Path:
@@ -46,14 +39,54 @@ class RunConfig:
                 f"run.name={self.name!r} must be a plain directory name (no '/', not '.' or '..'); "
                 "use run.dir to place a run elsewhere"
             )
+
+
+@dataclasses.dataclass(frozen=True)
+class LogConfig:
+    """The metrics record (the ``Logging`` hook): written to ``metrics.jsonl`` every ``every`` steps
+    and at every evaluated step, and to the ``trackers`` beside it."""
+
+    every: int = 10  # steps between metrics records
+    # Where metrics go besides metrics.jsonl (always written): "tensorboard" (tb/), "wandb" and
+    # "trackio" (their extras; process 0 only; WANDB_MODE=offline / trackio's local store work
+    # without a network).
+    trackers: tuple[str, ...] = ("tensorboard",)
+    project: str = "zaya-jax"  # the wandb / trackio project
+
+    def validate(self) -> None:
+        if self.every < 1:
+            raise ConfigError(f"log.every={self.every} must be a positive integer")
         unknown = sorted(set(self.trackers) - {"tensorboard", "wandb", "trackio"})
         if unknown:
-            raise ConfigError(f"run.trackers names {unknown}; use any of tensorboard, wandb, trackio")
-        if self.profile_steps and (
-            len(self.profile_steps) != 2 or not 1 <= self.profile_steps[0] <= self.profile_steps[1]
-        ):
+            raise ConfigError(f"log.trackers names {unknown}; use any of tensorboard, wandb, trackio")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """The held-out loss during training (the ``Evaluation`` hook): ``batches`` batches of
+    ``train.batch_size`` x ``train.seq_len`` tokens of the held-out split, every ``every`` steps and
+    after the final step."""
+
+    every: int = 100  # steps between held-out evaluations
+    batches: int = 4  # held-out batches per evaluation
+
+    def validate(self) -> None:
+        for name in ("every", "batches"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"eval.{name}={getattr(self, name)} must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileConfig:
+    """A ``jax.profiler`` trace (the ``Profiling`` hook) of the steps [first, last] into
+    ``<run>/profile/``."""
+
+    steps: tuple[int, ...] = ()  # [first, last] (empty: no trace)
+
+    def validate(self) -> None:
+        if self.steps and (len(self.steps) != 2 or not 1 <= self.steps[0] <= self.steps[1]):
             raise ConfigError(
-                f"run.profile_steps={list(self.profile_steps)} must be [first, last] with 1 <= first <= last"
+                f"profile.steps={list(self.steps)} must be [first, last] with 1 <= first <= last"
             )
 
 
@@ -417,9 +450,6 @@ class TrainConfig:
     # one chunk's float32 logits are rows per device x loss_chunk x vocab x 4 bytes); 0: automatic
     # (the largest multiple of 16 keeping one row's chunk under 2^25 logits: 112 at ZAYA1's vocabulary).
     loss_chunk: int = 0
-    log_every: int = 10  # steps between metrics lines
-    eval_every: int = 100  # steps between held-out evaluations
-    eval_batches: int = 4  # held-out batches per evaluation
     batch_ramp: tuple[RampPoint, ...] = ()  # batch-size schedule by tokens seen (see below)
     stages: tuple[Stage, ...] = ()  # curriculum stages: sequence length and mixture by tokens (see below)
 
@@ -429,9 +459,6 @@ class TrainConfig:
             "batch_size",
             "micro_batches",
             "seq_len",
-            "log_every",
-            "eval_every",
-            "eval_batches",
         ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name}={getattr(self, name)} must be a positive integer")
@@ -625,7 +652,7 @@ class ResilienceConfig:
 @dataclasses.dataclass(frozen=True)
 class Config:
     """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``,
-    ``checkpoint``, ``mesh``, ``runtime`` and ``resilience`` sections."""
+    ``checkpoint``, ``log``, ``eval``, ``profile``, ``mesh``, ``runtime`` and ``resilience`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
@@ -634,6 +661,9 @@ class Config:
     balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    log: LogConfig = dataclasses.field(default_factory=LogConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    profile: ProfileConfig = dataclasses.field(default_factory=ProfileConfig)
     mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
     runtime: RuntimeConfig = dataclasses.field(default_factory=RuntimeConfig)
     resilience: ResilienceConfig = dataclasses.field(default_factory=ResilienceConfig)
@@ -642,6 +672,9 @@ class Config:
         self.run.validate()
         self.resilience.validate()
         self.checkpoint.validate()
+        self.log.validate()
+        self.eval.validate()
+        self.profile.validate()
         self.mesh.validate()
         self.runtime.validate()
         self.model.validate()

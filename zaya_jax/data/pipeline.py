@@ -297,7 +297,7 @@ def eval_batches(
     if len(known) == len(sources) and sum(known) < wanted:
         warnings.warn(
             f"the held-out split has {sum(known)} tokens but {num_batches} eval batches of "
-            f"{batch_size}x{seq_len} need {wanted}; evaluation repeats rows (lower train.eval_batches or "
+            f"{batch_size}x{seq_len} need {wanted}; evaluation repeats rows (lower eval.batches or "
             "raise data.held_out_fraction)",
             stacklevel=2,
         )

@@ -88,7 +88,7 @@ def evaluate_held_out(
     lm: Evaluable, run_config: Config, *, tokenizer: Tokenizer | str | None = None, progress: bool = False
 ) -> dict[str, Any]:
     """The run's own held-out evaluation, as training computes its ``eval_loss``: the same held-out
-    batches (``train.seq_len``, ``train.batch_size``, ``train.eval_batches``, ``train.seed``) and the
+    batches (``train.seq_len``, ``train.batch_size``, ``eval.batches``, ``train.seed``) and the
     same loss code. Returns ``{"loss", "perplexity", "tokens"}``."""
     tok = _checked(tokenizer if tokenizer is not None else run_config.data.tokenizer, lm)
     cfg = dataclasses.replace(run_config, model=lm.config)

@@ -131,7 +131,7 @@ class Programs:
         return self.train_step.lower(self.abstract_state, self.abstract_batch(rows, seq), scalar, scalar)
 
     def held_out_batches(self, tokenizer: Any) -> list[dict[str, jax.Array]]:
-        """The run's held-out batches (``train.eval_batches`` of ``train.batch_size`` x
+        """The run's held-out batches (``eval.batches`` of ``train.batch_size`` x
         ``train.seq_len``, seed ``train.seed``), this process's rows placed on the mesh."""
         return [
             put_batch(local_rows(b), self.layout.batch) for b in held_out_host_batches(self.cfg, tokenizer)
@@ -146,7 +146,7 @@ def held_out_host_batches(cfg: Config, tokenizer: Any) -> list[dict[str, np.ndar
         tokenizer,
         seq_len=train.seq_len,
         batch_size=train.batch_size,
-        num_batches=train.eval_batches,
+        num_batches=cfg.eval.batches,
         seed=train.seed,
     )
 

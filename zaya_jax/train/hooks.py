@@ -1,8 +1,8 @@
 """What happens around each training step, behind one interface (:class:`Hook`). Each component
 owns its cadence, read from its own config keys: metrics records (:class:`Logging`,
-``train.log_every``), the held-out loss (:class:`Evaluation`, ``train.eval_every``), checkpoints
+``log.every``), the held-out loss (:class:`Evaluation`, ``eval.every``), checkpoints
 (:class:`Checkpointing`, ``checkpoint.*``) and profiler traces (:class:`Profiling`,
-``run.profile_steps``). The loop calls them in that order, then the hooks passed to
+``profile.steps``). The loop calls them in that order, then the hooks passed to
 ``train(cfg, hooks=[...])`` (tests inject faults this way; nothing test-only is built in a user's
 run). The jitted step itself stays pure: a hook changes the host batch or the process, never the
 compiled program."""
@@ -86,7 +86,7 @@ class Hook:
 
 
 class Logging(Hook):
-    """A metrics record every ``train.log_every`` steps and at every evaluated step; tokens/s and
+    """A metrics record every ``log.every`` steps and at every evaluated step; tokens/s and
     MFU over the steps since the previous record, evaluation time left out."""
 
     def __init__(self, cfg: Config, writer: MetricsWriter, meter: Throughput, also_at: Callable[[int], bool]):
@@ -96,7 +96,7 @@ class Logging(Hook):
     def after_step(self, end: StepEnd) -> None:
         plan = end.plan
         self.meter.add(plan.tokens, plan.tokens * flops_per_token(self.cfg.model, plan.seq_len))
-        if end.step % self.cfg.train.log_every == 0 or self.also_at(end.step):
+        if end.step % self.cfg.log.every == 0 or self.also_at(end.step):
             lrs = current_learning_rates(end.state.opt_state)
             self.last = metric_record(
                 end.step,
@@ -113,7 +113,7 @@ class Logging(Hook):
 
 
 class Evaluation(Hook):
-    """The held-out loss every ``train.eval_every`` steps and after the final step, written to
+    """The held-out loss every ``eval.every`` steps and after the final step, written to
     ``metrics.jsonl`` as ``{"step", "eval_loss"}`` and passed on to the hooks after it."""
 
     def __init__(self, held_out: HeldOut, cfg: Config, writer: MetricsWriter, meter: Throughput):
@@ -121,7 +121,7 @@ class Evaluation(Hook):
         self.last_loss: float | None = None
 
     def due(self, step: int) -> bool:
-        return step % self.cfg.train.eval_every == 0 or step == self.cfg.train.steps
+        return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
 
     def after_step(self, end: StepEnd) -> StepEnd | None:
         if not self.due(end.step):
@@ -200,12 +200,12 @@ class Checkpointing(Hook):
 
 
 class Profiling(Hook):
-    """A ``jax.profiler`` trace of the steps ``run.profile_steps`` = [first, last] into
+    """A ``jax.profiler`` trace of the steps ``profile.steps`` = [first, last] into
     ``<run>/profile/process_<i>/`` (open it with TensorBoard's profile plugin, or the
     ``*.trace.json.gz`` with Perfetto). A run resumed past ``first`` records nothing."""
 
     def __init__(self, cfg: Config, run: RunDir):
-        self.window = cfg.run.profile_steps
+        self.window = cfg.profile.steps
         self.directory = run.path / "profile" / f"process_{jax.process_index()}"
         self.active = False
 

@@ -53,7 +53,7 @@ class MetricsWriter:
         cfg: Config | None = None,
     ):
         """``resume_step``: the step a resumed run restarts after (its progress bar starts there and
-        TensorBoard drops points logged after it). ``cfg.run.trackers`` choose the trackers beside
+        TensorBoard drops points logged after it). ``cfg.log.trackers`` choose the trackers beside
         ``metrics.jsonl`` (default: TensorBoard)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
@@ -61,7 +61,7 @@ class MetricsWriter:
         if not enabled:
             return
         self.trackers: list[Tracker] = [JsonlTracker(self.run_dir / "metrics.jsonl")]
-        for name in cfg.run.trackers if cfg is not None else ("tensorboard",):
+        for name in cfg.log.trackers if cfg is not None else ("tensorboard",):
             if name == "tensorboard":
                 self.trackers.append(TensorBoardTracker(self.run_dir / "tb", resume_step))
             else:

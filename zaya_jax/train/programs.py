@@ -49,7 +49,7 @@ class TrainStep:
 
 
 class HeldOut:
-    """The run's held-out evaluation: ``train.eval_batches`` batches of the held-out split, placed
+    """The run's held-out evaluation: ``eval.batches`` batches of the held-out split, placed
     on the mesh once; calling it returns the mean cross-entropy per target token."""
 
     def __init__(self, programs: Programs, tokenizer: Any, watchdog: Watchdog):

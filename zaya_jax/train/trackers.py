@@ -1,12 +1,13 @@
 """Where metric records go besides the writer's bookkeeping: a tracker is anything with
 ``log(step, record)``, ``rewind(step)`` and ``close()`` (:class:`Tracker`): ``metrics.jsonl``
-(always), TensorBoard, and the wandb/trackio dashboards (``run.trackers``)."""
+(always), TensorBoard, and the wandb/trackio dashboards (``log.trackers``)."""
 
 from __future__ import annotations
 
 import hashlib
 import importlib
 import json
+import sys
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -57,6 +58,24 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def _summary_writer() -> type:
+    """``tensorboardX.SummaryWriter``, imported without PyTorch. tensorboardX imports ``torch``
+    whenever it is installed (only to accept its tensors, which a JAX run never logs): 3 s of every
+    run's start-up where PyTorch sits beside JAX. While tensorboardX loads, ``torch`` is marked
+    absent (unless already imported); the mark is removed right after, so ``import torch`` works
+    as before."""
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardTracker:
     """TensorBoard scalars under the record's names (:func:`scalars`)."""
 
@@ -67,8 +86,7 @@ class TensorBoardTracker:
     def _open(self, after_step: int) -> None:
         """Open the event files; points logged after ``after_step`` by an earlier attempt are
         purged (``purge_step``), so a resumed or rolled-back run shows each step once."""
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer()
         self._tb = SummaryWriter(str(self.directory), purge_step=after_step + 1 if after_step else None)
 
     def log(self, step: int, record: dict[str, Any]) -> None:
@@ -94,11 +112,11 @@ class DashboardTracker:
             self._lib = importlib.import_module(library)
         except ImportError:
             raise ConfigError(
-                f"run.trackers includes {library!r} but it is not installed: pip install 'zaya-jax[{library}]' "
-                f"or remove it from run.trackers"
+                f"log.trackers includes {library!r} but it is not installed: pip install 'zaya-jax[{library}]' "
+                f"or remove it from log.trackers"
             ) from None
         run_id = hashlib.sha256(str(run_dir.resolve()).encode()).hexdigest()[:16]
-        options: dict[str, Any] = {"project": cfg.run.project, "name": cfg.run.name, "config": to_dict(cfg)}
+        options: dict[str, Any] = {"project": cfg.log.project, "name": cfg.run.name, "config": to_dict(cfg)}
         if library == "wandb":
             options.update(dir=str(run_dir), id=run_id, resume="allow")
         else:

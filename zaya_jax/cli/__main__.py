@@ -1,0 +1,7 @@
+"""``python -m zaya_jax.cli``: the ``zaya`` command of this installation."""
+
+import sys
+
+from zaya_jax.cli import main
+
+sys.exit(main())

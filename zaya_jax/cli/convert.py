@@ -1,0 +1,137 @@
+"""``zaya convert`` and ``zaya inspect``: model files moved between the Hugging Face format and
+zaya-jax runs, and their contents (config, parameter counts, array shapes) shown without loading them."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from zaya_jax.cli.output import print_json
+from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
+
+
+def register(sub: Any) -> None:
+    _add_convert_command(sub)
+    _add_inspect_command(sub)
+
+
+def _add_convert_command(sub: Any) -> None:
+    convert = sub.add_parser(
+        "convert", help="convert between Hugging Face directories and zaya-jax checkpoints"
+    )
+    convert.add_argument("direction", choices=["hf-to-zaya", "zaya-to-hf"], help="conversion direction")
+    convert.add_argument(
+        "src", help="HF save_pretrained directory (new or legacy layout), or a zaya run/checkpoint"
+    )
+    convert.add_argument("dst", help="new directory: a zaya run (hf-to-zaya) or an HF save_pretrained dir")
+    convert.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="zaya-to-hf weight dtype"
+    )
+    convert.add_argument(
+        "--set", action="append", default=[], metavar="model.KEY=VALUE", help="override a model config value"
+    )
+    convert.set_defaults(func=_cmd_convert)
+
+
+def _add_inspect_command(sub: Any) -> None:
+    inspect = sub.add_parser("inspect", help="parameter counts, config, and checkpoint contents")
+    inspect.add_argument(
+        "path", nargs="?", help="run, checkpoint or HF save_pretrained directory (arrays are not loaded)"
+    )
+    inspect.add_argument("--config", help=f"preset name or YAML path ({', '.join(available_presets())})")
+    inspect.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.num_layers=4")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    inspect.add_argument(
+        "--optimizer",
+        action="store_true",
+        help="each parameter's optimizer group (muon/adamw) and matrix axes",
+    )
+    inspect.set_defaults(func=_cmd_inspect)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    """Both directions write their output beside ``dst`` and rename it into place when complete
+    (:mod:`zaya_jax.staging`): a killed conversion leaves no half-written ``dst``, and the same
+    command can be rerun; a rerun over a finished conversion checks that it holds the same result."""
+    from zaya_jax import checkpoint
+    from zaya_jax.config import RunConfig
+    from zaya_jax.interop.hf import load_hf_directory
+    from zaya_jax.staging import StagedDirectory, is_empty_dir
+
+    if args.direction == "zaya-to-hf":
+        from zaya_jax.lm import export_hf
+
+        _, step = export_hf(args.src, args.dst, dtype=args.dtype)
+        print(f"{args.dst}: step {step} of {args.src} in HF format ({args.dtype})")
+        return 0
+    dst = Path(args.dst)
+    converted_before = (dst / "config.yaml").is_file() and (dst / checkpoint.CHECKPOINTS).is_dir()
+    if dst.exists() and not is_empty_dir(dst) and not converted_before:
+        raise SystemExit(f"zaya convert: {dst} exists and is not empty; choose a new destination")
+    overrides = {}
+    for text in args.set:
+        keys, value = parse_override(text)
+        if len(keys) != 2 or keys[0] != "model":
+            raise ConfigError(f"--set {text!r} must look like model.KEY=VALUE")
+        overrides[keys[1]] = value
+    model_cfg, variables = load_hf_directory(args.src, **overrides)
+    cfg = Config(run=RunConfig(name=dst.name, dir=str(dst)), model=model_cfg)
+    cfg.validate()
+    with StagedDirectory(dst, "zaya convert hf-to-zaya") as staged:
+        checkpoint.save_model(staged.path, cfg, variables, step=0)
+        staged.publish_or_match(checkpoint.same_model_run)
+    print(
+        f"{dst / checkpoint.CHECKPOINTS / '0'}: {model_cfg.num_layers} layers, {model_cfg.num_experts} experts"
+    )
+    return 0
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from zaya_jax import checkpoint
+    from zaya_jax.model import param_counts
+
+    if (args.path is None) == (args.config is None):
+        raise SystemExit("zaya inspect: give a checkpoint PATH or --config NAME (not both)")
+    report: dict[str, Any]
+    if args.config is not None:
+        cfg = load_config(args.config, args.overrides)
+        report = {"config": to_dict(cfg), **param_counts(cfg.model)}
+        if args.optimizer:
+            from zaya_jax.optim import describe_groups
+
+            report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
+    elif (Path(args.path) / "config.json").is_file():  # an HF save_pretrained directory
+        from zaya_jax.interop.hf import hf_directory_model
+        from zaya_jax.interop.safetensors_io import tensor_shapes
+
+        model_cfg = hf_directory_model(args.path)
+        tensors = tensor_shapes(args.path)
+        report = {
+            "format": "hf",
+            "config": {"model": to_dict(model_cfg)},
+            **param_counts(model_cfg),
+            "arrays": {"tensors": tensors},
+        }
+    else:
+        cfg, step = checkpoint.read_config(args.path)
+        _, arrays = checkpoint.array_metadata(args.path)
+        report = {"step": step, "config": to_dict(cfg), **param_counts(cfg.model), "arrays": arrays}
+    if args.json:
+        print_json(report)
+        return 0
+    for key in ("step", "total_params", "non_embedding_params", "active_params"):
+        if key in report:
+            print(f"{key:>22}: {report[key]:,}")
+    if "optimizer" in report:
+        for path, info in report["optimizer"].items():
+            axes = f" matrix {info['matrix_axes']} batch {info['batch_axes']}" if info["matrix_axes"] else ""
+            print(f"  {info['group']:>5}  {path} {info['shape']}{axes}")
+    if "arrays" in report:
+        import jax
+
+        for item, tree in report["arrays"].items():
+            leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
+            for keypath, (shape, dtype) in leaves:
+                print(f"  {item}{jax.tree_util.keystr(keypath)}: {dtype}{list(shape)}")
+    return 0

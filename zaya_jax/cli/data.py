@@ -1,0 +1,53 @@
+"""``zaya data prepare``: documents tokenized into ArrayRecord shards and a manifest."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from zaya_jax.cli.output import print_json
+
+
+def register(sub: Any) -> None:
+    data = sub.add_parser("data", help="data preparation")
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
+    prepare.add_argument(
+        "inputs",
+        nargs="+",
+        help="text files, directories, globs, .jsonl or .parquet files (.gz/.zst compressed too)",
+    )
+    prepare.add_argument("--out", required=True, help="new output directory")
+    prepare.add_argument("--tokenizer", default="byte", help="'byte' or a path to an HF tokenizer.json")
+    prepare.add_argument("--shards", type=int, default=4, help="number of ArrayRecord shards")
+    prepare.add_argument(
+        "--text-field",
+        default="text",
+        help="the JSONL field / Parquet column holding the text (default: text)",
+    )
+    prepare.add_argument(
+        "--on-bad-document",
+        choices=["error", "skip"],
+        default="error",
+        help="a document that cannot be read: stop with its name (default) or skip and count it",
+    )
+    prepare.set_defaults(func=_cmd_data_prepare)
+
+
+def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    import time
+
+    from zaya_jax.data import prepare
+
+    started = time.perf_counter()
+    manifest = prepare(
+        args.inputs,
+        args.out,
+        tokenizer_spec=args.tokenizer,
+        num_shards=args.shards,
+        on_bad_document=args.on_bad_document,
+        text_field=args.text_field,
+    )
+    summary = {k: v for k, v in manifest.items() if k != "shards"}
+    print_json({**summary, "seconds": round(time.perf_counter() - started, 3)})
+    return 0

@@ -1,0 +1,169 @@
+"""``zaya eval`` and ``zaya generate``: the held-out loss of a model and its continuations of prompts,
+for a run, a checkpoint or a Hugging Face directory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from zaya_jax.cli.output import print_json
+
+
+def register(sub: Any) -> None:
+    _add_eval_command(sub)
+    _add_generate_command(sub)
+
+
+def _add_eval_command(sub: Any) -> None:
+    evaluate = sub.add_parser(
+        "eval", help="held-out loss and perplexity of a run, checkpoint or HF directory"
+    )
+    evaluate.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
+    evaluate.add_argument(
+        "--data",
+        nargs="*",
+        default=[],
+        help="text/.jsonl/.parquet inputs (default: the run's held-out split)",
+    )
+    evaluate.add_argument(
+        "--tokenizer",
+        help="'byte' or a tokenizer.json (default: the run's, or the HF directory's tokenizer.json)",
+    )
+    evaluate.add_argument(
+        "--seq-len",
+        type=int,
+        help="tokens per row (default: a run's train.seq_len and held-out batches, else 512)",
+    )
+    evaluate.add_argument(
+        "--batch-size", type=int, help="rows per batch (default: the run's train.batch_size, else 8)"
+    )
+    evaluate.add_argument(
+        "--batches",
+        type=int,
+        help="at most this many batches (default: the run's eval.batches, else 16)",
+    )
+    evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    evaluate.set_defaults(func=_cmd_eval)
+
+
+def _add_generate_command(sub: Any) -> None:
+    gen = sub.add_parser("generate", help="continue text prompts with the CCA decode cache")
+    gen.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
+    gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
+    gen.add_argument(
+        "--interactive",
+        action="store_true",
+        help="read prompts from stdin, one per line, compiling once (prompts padded to --max-prompt-tokens)",
+    )
+    gen.add_argument("--max-prompt-tokens", type=int, default=256, help="with --interactive: longest prompt")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    gen.add_argument("--stop", type=int, action="append", help="stop token id (default: the tokenizer's EOS)")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tokenizer", help="'byte' or a tokenizer.json (default: the run's)")
+    gen.add_argument("--json", action="store_true", help='print [{"prompt", "text", "tokens", "stopped"}]')
+    gen.set_defaults(func=_cmd_generate)
+
+
+def _default_compilation_cache() -> None:
+    """eval and generate use the default persistent compilation cache (runtime.compilation_cache_dir)."""
+    from zaya_jax.config import RuntimeConfig
+    from zaya_jax.parallel.distributed import enable_compilation_cache
+
+    enable_compilation_cache(RuntimeConfig().compilation_cache_dir)
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from zaya_jax.lm import evaluate_path
+
+    _default_compilation_cache()
+    result = evaluate_path(
+        args.path,
+        args.data,
+        tokenizer=args.tokenizer,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        max_batches=args.batches,
+        progress=sys.stderr.isatty(),
+    )
+    print(f"zaya eval: {result.pop('evaluated')}", file=sys.stderr)
+    if args.json:
+        print_json(result)
+    else:
+        print(
+            f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"
+        )
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from zaya_jax.data import load_tokenizer
+    from zaya_jax.lm import load
+
+    _default_compilation_cache()
+    lm = load(args.path)
+    if args.tokenizer:
+        lm.tokenizer = load_tokenizer(args.tokenizer)
+    if args.interactive:
+        return _interactive(lm, args)
+    if not args.prompt:
+        raise ValueError(
+            "give a prompt (--prompt TEXT, repeatable) or --interactive to read prompts from stdin"
+        )
+    out = lm.generate(args.prompt, **_sampling(args))
+    results = [
+        {"prompt": prompt, "text": text, "tokens": row, "stopped": bool(stopped)}
+        for prompt, text, row, stopped in zip(args.prompt, out.texts, out.rows(), out.stopped, strict=True)
+    ]
+    if args.json:
+        print_json(results)
+    else:
+        for result in results:
+            print(result["prompt"] + result["text"])
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The generation options of ``zaya generate``, as keyword arguments of ``LanguageModel.generate``."""
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "stop_tokens": args.stop,
+        "seed": args.seed,
+    }
+
+
+def _interactive(lm: Any, args: argparse.Namespace) -> int:
+    """Prompts from stdin, one per line, each left-padded to ``--max-prompt-tokens``: every prompt
+    has the same shape, so the program compiles once."""
+    import numpy as np
+
+    if lm.tokenizer is None:
+        raise ValueError("--interactive needs a tokenizer: pass --tokenizer PATH (or 'byte')")
+    width = args.max_prompt_tokens
+    for line in sys.stdin:
+        prompt = line.rstrip("\n")
+        if not prompt:
+            continue
+        ids = lm.tokenizer.encode(prompt)
+        if len(ids) > width:
+            print(
+                f"zaya generate: the prompt has {len(ids)} tokens, more than --max-prompt-tokens={width}",
+                file=sys.stderr,
+            )
+            continue
+        padded = np.full((1, width), lm.config.pad_token_id, np.int32)
+        padded[0, width - len(ids) :] = ids
+        mask = (np.arange(width) >= width - len(ids))[None].astype(np.int32)
+        out = lm.generate(padded, attention_mask=mask, **_sampling(args))
+        if args.json:
+            print(json.dumps({"prompt": prompt, "text": out.texts[0], "tokens": out.rows()[0]}), flush=True)
+        else:
+            print(prompt + out.texts[0], flush=True)
+    return 0

@@ -1,0 +1,107 @@
+"""``zaya supervise`` and ``zaya doctor``: a training command kept alive across crashes and hangs, and
+what this machine runs on."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from zaya_jax.config import load_config
+
+
+def register(sub: Any) -> None:
+    _add_supervise_command(sub)
+    _add_doctor_command(sub)
+
+
+def _add_supervise_command(sub: Any) -> None:
+    sup = sub.add_parser(
+        "supervise",
+        help="run a command (zaya train ...) and restart it on crash or hang, from its last checkpoint",
+    )
+    sup.add_argument(
+        "--max-restarts", type=int, default=5, help="give up after more failures than this in --window"
+    )
+    sup.add_argument("--window", type=float, default=3600.0, help="seconds over which failures are counted")
+    sup.add_argument("--backoff", type=float, default=5.0, help="first restart delay in seconds (doubles)")
+    sup.add_argument("--max-backoff", type=float, default=300.0, help="longest restart delay in seconds")
+    sup.add_argument(
+        "--heartbeat-timeout",
+        type=float,
+        default=0.0,
+        help="kill and restart the child when <run>/heartbeat.json is older than this (0: rely on the "
+        "trainer's own watchdog, resilience.hang_timeout_s)",
+    )
+    sup.add_argument(
+        "--run-dir", help="where events.jsonl goes (default: the run directory of the train command)"
+    )
+    sup.add_argument("command", nargs=argparse.REMAINDER, help="-- zaya train [options]")
+    sup.set_defaults(func=_cmd_supervise)
+
+
+def _add_doctor_command(sub: Any) -> None:
+    doctor = sub.add_parser(
+        "doctor", help="platform, devices, versions and the custom-call kernels per platform"
+    )
+    doctor.add_argument("--json", action="store_true", help="machine-readable output")
+    doctor.add_argument(
+        "--require-gpu",
+        action="store_true",
+        help="exit 1 if JAX runs on the CPU (a silent fallback from a GPU)",
+    )
+    doctor.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_supervise(args: argparse.Namespace) -> int:
+    from zaya_jax.resilience.supervise import supervise_command
+
+    child = list(args.command)
+    if child and child[0] == "--":
+        child = child[1:]
+    if not child:
+        raise ValueError(
+            "nothing to supervise: give the command after --, e.g. zaya supervise -- zaya train ..."
+        )
+    run_dir = Path(args.run_dir) if args.run_dir else _run_dir_of(child)
+    return supervise_command(
+        child,
+        run_dir,
+        max_restarts=args.max_restarts,
+        window_s=args.window,
+        backoff_s=args.backoff,
+        max_backoff_s=args.max_backoff,
+        heartbeat_timeout_s=args.heartbeat_timeout,
+    )
+
+
+def _run_dir_of(child: list[str]) -> Path:
+    """The run directory a ``zaya train`` command line writes to (its config resolved the way the
+    trainer resolves it)."""
+    if "train" not in child:
+        raise ValueError(f"cannot tell the run directory of {' '.join(child)!r}: pass --run-dir")
+    from zaya_jax.cli import build_parser
+
+    args = build_parser().parse_args(child[child.index("train") :])
+    return load_config(args.config, args.overrides).run.path
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from zaya_jax.parallel.platform import no_gpu_message, platform_report
+
+    report = platform_report()
+    if args.require_gpu and report["backend"] == "cpu":
+        print(f"zaya doctor: {no_gpu_message(report['plugins'])}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for key, value in report.items():
+        if key == "kernels":
+            for platform, status in value.items():
+                print(f"kernels[{platform}]: {status}")
+        else:
+            print(f"{key}: {value}")
+    return 0

@@ -1,0 +1,102 @@
+"""``zaya train``: a run from a preset or YAML config and dotted overrides, or (``--compile-only``) the
+memory plan of its step without running it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any
+
+from zaya_jax.cli.output import print_json
+from zaya_jax.config import Config, available_presets, load_config, to_dict
+
+
+def register(sub: Any) -> None:
+    train = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus)")
+    train.add_argument(
+        "--config", default="tiny", help=f"preset name or YAML path ({', '.join(available_presets())})"
+    )
+    train.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. train.steps=50")
+    train.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (logs still go to metrics.jsonl)"
+    )
+    train.add_argument(
+        "--help-config",
+        nargs="?",
+        const="",
+        metavar="SECTION",
+        help="list the config keys (of one SECTION: run, model, train, optim, ...) with their meaning",
+    )
+    train.add_argument(
+        "--init-from",
+        metavar="PATH",
+        help="start from existing weights: a run, step or HF directory (train.init_from); the model "
+        "config is taken from it",
+    )
+    train.add_argument(
+        "--compile-only",
+        action="store_true",
+        help="lower and compile the step for the configured mesh, print per-device memory; no arrays",
+    )
+    train.add_argument("--devices", type=int, help="with --compile-only: plan on this many fake CPU devices")
+    train.add_argument(
+        "--target",
+        choices=["gpu", "cpu"],
+        default="gpu",
+        help="with --compile-only: whose program to plan (default gpu: the GPU branch of every "
+        "platform-dependent op, compiled by XLA:CPU with memory twins where needed)",
+    )
+    dist = train.add_argument_group(
+        "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"
+    )
+    dist.add_argument("--coordinator", help="HOST:PORT of process 0's coordination service")
+    dist.add_argument("--num-processes", type=int, help="number of processes in the job")
+    dist.add_argument("--process-id", type=int, help="this process's index, 0 .. num-processes - 1")
+    train.set_defaults(func=_cmd_train)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from zaya_jax.parallel.distributed import Launch
+    from zaya_jax.train.loop import train
+
+    if args.help_config is not None:
+        from zaya_jax.config_reference import help_text
+
+        print(help_text(args.help_config or None))
+        return 0
+    cfg = _train_config(args)
+    if args.compile_only:
+        return _compile_only(cfg, args.devices, args.target)
+    launch = Launch(args.coordinator, args.num_processes, args.process_id)
+    summary = train(cfg, progress=not args.no_progress, hooks=args.hooks, launch=launch)
+    print_json(summary)
+    return 0
+
+
+def _train_config(args: argparse.Namespace) -> Config:
+    """The preset with the overrides; with ``train.init_from`` (or ``--init-from``) the model section
+    is the source's, and ``model.*`` overrides apply on top of it."""
+    overrides = [*args.overrides, *([f"train.init_from={args.init_from}"] if args.init_from else [])]
+    cfg = load_config(args.config, overrides)
+    if not cfg.train.init_from:
+        return cfg
+    from zaya_jax.train.init import source_model_config
+
+    return load_config(args.config, overrides, model=to_dict(source_model_config(cfg.train.init_from)))
+
+
+def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
+    """Plan ``target``'s program on ``devices`` fake CPU devices (set before JAX starts its backends)."""
+    if devices:
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
+        ).strip()
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    from zaya_jax.train.plan import compile_plan
+
+    report = compile_plan(cfg, target)
+    print_json(report)
+    for warning in report["gemm_tile_warnings"]:
+        print(f"zaya train --compile-only: warning: {warning}", file=sys.stderr)
+    return 0
