@@ -104,7 +104,7 @@ def test_an_export_scores_the_same_with_lm_eval_hf(tmp_path):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    from tests.data.corpora import train_bpe_tokenizer
+    from tests.data.corpora import small_corpus_override, train_bpe_tokenizer
     from zaya_jax.harness import ZayaLM
 
     bpe = train_bpe_tokenizer(tmp_path / "bpe.json")
@@ -114,6 +114,7 @@ def test_an_export_scores_the_same_with_lm_eval_hf(tmp_path):
         *MINI,
         "model.vocab_size=304",
         f"data.tokenizer={bpe}",
+        small_corpus_override(tmp_path),
         f"run.dir={run}",
         "train.steps=2",
     ]

@@ -34,6 +34,17 @@ def jsonl_config(*sources: tuple[str, Path, float], held_out_fraction: float = 0
     )
 
 
+def small_corpus_override(directory: Path, documents: int = 400) -> str:
+    """A ``data.sources=...`` override for a JSONL corpus of ``documents`` short texts (~60 KB):
+    the stdlib corpus would cost a test seconds of tokenization per tokenizer and split."""
+    texts = [
+        f"document {i}: the quick brown fox {i % 7} jumps over " + "héllo wörld " * (i % 5)
+        for i in range(documents)
+    ]
+    path = write_jsonl(directory / "small_corpus.jsonl", texts)
+    return f"data.sources=[{{name: small, kind: jsonl, path: {path}}}]"
+
+
 def train_bpe_tokenizer(path: Path) -> Path:
     """A byte-level BPE tokenizer.json (pad/eos/bos = <pad>, </s>, <s>) trained on a few strings."""
     tok = Tokenizer(models.BPE())

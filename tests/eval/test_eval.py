@@ -33,7 +33,7 @@ def test_eval_reproduces_the_runs_own_eval_loss(run, capsys):
 
 
 def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
-    from tests.data.corpora import train_bpe_tokenizer
+    from tests.data.corpora import small_corpus_override, train_bpe_tokenizer
 
     bpe = train_bpe_tokenizer(tmp_path / "bpe.json")
     source = tmp_path / "run"
@@ -42,6 +42,7 @@ def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
         *MINI,
         "model.vocab_size=304",
         f"data.tokenizer={bpe}",
+        small_corpus_override(tmp_path),
         f"run.dir={source}",
         "train.steps=1",
     ]
@@ -66,7 +67,8 @@ def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
         "explicit": ["--tokenizer", str(bpe)],
         "byte": ["--tokenizer", "byte"],
     }.items():
-        assert main(["eval", str(hf), "--batches", "2", "--seq-len", "32", "--json", *extra]) == 0
+        data = ["--data", str(tmp_path / "small_corpus.jsonl")]
+        assert main(["eval", str(hf), *data, "--batches", "2", "--seq-len", "32", "--json", *extra]) == 0
         losses[name] = json.loads(capsys.readouterr().out)
     assert losses["default"] == losses["explicit"]  # the directory's tokenizer.json, not the byte tokenizer
     assert losses["default"]["loss"] != losses["byte"]["loss"]

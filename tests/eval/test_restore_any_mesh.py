@@ -52,7 +52,8 @@ SAVE_SHARDED = textwrap.dedent(
 def test_a_checkpoint_sharded_over_8_devices_restores_on_one(tmp_path, capsys):
     run = tmp_path / "run"
     overrides = [o for o in MINI if o.startswith("model.")] + ["model.num_experts=4"]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
         [sys.executable, "-c", SAVE_SHARDED, str(run), *overrides],
         capture_output=True,

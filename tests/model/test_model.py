@@ -85,7 +85,8 @@ def test_router_intermediates_record_eda_states_probs_and_choices():
     np.testing.assert_array_equal(np.asarray(counted), np.asarray(aux["load"]))
     # Recording changes nothing, and without mutable=... nothing is recorded.
     plain, _ = jax.jit(Zaya(cfg).apply)(variables, tokens)
-    np.testing.assert_array_equal(np.asarray(plain), np.asarray(logits))
+    # two programs, which XLA may fuse differently: equal up to float32 rounding (~3e-7 seen)
+    np.testing.assert_allclose(np.asarray(plain), np.asarray(logits), rtol=0, atol=2e-6)
 
 
 def test_bfloat16_compute_keeps_float32_params_and_residual():
@@ -118,7 +119,8 @@ def test_scaled_input_skip_adds_p_skip_times_normed_input(moe_impl):
     logits_zero, aux, _ = _run_with_intermediates(zero, variables, tokens)
     logits_scaled, _, _ = _run_with_intermediates(scaled, variables, tokens)
     assert aux["load"][0, -1] == 0  # default skip bias -1: nobody skips, so both semantics agree
-    np.testing.assert_array_equal(logits_zero, logits_scaled)
+    # two programs, which XLA may fuse differently: equal up to float32 rounding (~5e-7 seen)
+    np.testing.assert_allclose(logits_zero, logits_scaled, rtol=0, atol=2e-6)
 
     forced = {**variables, BALANCING: jax.tree.map(lambda b: b.at[:, -1].set(2.0), variables[BALANCING])}
     _, aux, inter_zero = _run_with_intermediates(zero, forced, tokens)

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from tests.resilience import faults
 from tests.train.test_loop import MINI
 
 COMMON = [
@@ -23,15 +25,32 @@ COMMON = [
 ]
 
 
-def _train(run: Path, devices: int, *extra: str) -> None:
-    env = {
+def _env(devices: int) -> dict[str, str]:
+    return {
         **os.environ,
         "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
     }
+
+
+def _train(run: Path, devices: int, *extra: str) -> None:
     cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(devices), timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def _train_and_preempt_after_step_2(run: Path, devices: int, *extra: str) -> None:
+    """The reference's command (the same program: the schedule's train.steps is in it, so it
+    compiles from the session's cache), preempted by a SIGTERM that lands after step 1: it
+    saves step 2 and exits."""
+    cmd = [*faults.command("pause_at_step=1"), "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(devices))
+    faults.wait_for_file(faults.paused_marker(run, 1), [proc])
+    proc.send_signal(signal.SIGTERM)
+    faults.wait_for_file(faults.signalled_marker(run, 1), [proc])
+    faults.release(run, 1)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
 
 
 def _losses(run: Path) -> dict[int, float]:
@@ -49,7 +68,8 @@ def test_a_checkpoint_resumes_on_another_mesh_and_device_count(tmp_path):
     _train(reference, 8, "train.steps=4", "mesh.data=8")
 
     run = tmp_path / "run"
-    _train(run, 8, "train.steps=2", "mesh.data=8")
+    _train_and_preempt_after_step_2(run, 8, "train.steps=4", "mesh.data=8")
+    assert sorted(_losses(run)) == [1, 2]
     _train(run, 4, "train.steps=4", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2")
 
     assert _mesh(run) == [

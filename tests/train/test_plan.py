@@ -74,7 +74,7 @@ def test_the_planned_step_is_the_trained_step(tmp_path):
     run = tmp_path / "run"
     env = {
         **{k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"},
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
     }
     cmd = [sys.executable, "-m", "zaya_jax.cli", "train", *MINI, *layout, f"run.dir={run}"]
     result = subprocess.run([*cmd, "--no-progress"], capture_output=True, text=True, env=env, timeout=600)

@@ -6,6 +6,7 @@ state r is carried across blocks (EDA).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -175,15 +176,30 @@ def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> 
     }
 
 
+# Tracing the model's init is seconds of Python for a config; a config's variables are the same on
+# every call, so their shapes and the jitted init are kept per (frozen, hashable) config.
+
+
+@functools.lru_cache(maxsize=64)
+def boxed_abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
+    """Shapes and dtypes of the model's variables, each boxed with its logical axis names
+    (``nn.LogicallyPartitioned``); ``jax.eval_shape``, nothing allocated. Shared: do not mutate."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    return jax.eval_shape(lambda t: Zaya(cfg).init(jax.random.key(0), t), tokens)
+
+
 def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
     """Unboxed shapes and dtypes of the model's variables (``jax.eval_shape``: nothing is allocated)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    return nn.unbox(jax.eval_shape(lambda t: Zaya(cfg).init(jax.random.key(0), t), tokens))
+    return nn.unbox(boxed_abstract_variables(cfg))
+
+
+@functools.lru_cache(maxsize=64)
+def _jitted_init(cfg: ModelConfig) -> Any:
+    return jax.jit(lambda k: nn.unbox(Zaya(cfg).init(k, jnp.zeros((1, 1), jnp.int32))))
 
 
 def init_variables(cfg: ModelConfig, seed: int | jax.Array = 0) -> dict[str, Any]:
     """Freshly initialised, unboxed ``{"params", "balancing"}`` (HF init: N(0, initializer_range) weights,
     unit norms and scales, zero biases and ``temp``, balancing biases 0 / -1 for the skip class)."""
     key = jax.random.key(seed) if isinstance(seed, int) else seed
-    init = jax.jit(lambda k: nn.unbox(Zaya(cfg).init(k, jnp.zeros((1, 1), jnp.int32))))
-    return init(key)
+    return _jitted_init(cfg)(key)

@@ -19,8 +19,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
-from zaya_jax.model import Zaya
 from zaya_jax.model.axes import AXES, BATCH_AXES
+from zaya_jax.model.transformer import boxed_abstract_variables
 
 # The default table, from the registry (zaya_jax.model.axes): logical name -> mesh axes.
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple((axis.name, axis.mesh) for axis in AXES)
@@ -65,7 +65,7 @@ def variable_shardings(
 
     An axis whose size the mesh axes do not divide stays replicated rather than failing.
     """
-    boxed = jax.eval_shape(lambda: Zaya(model_cfg).init(jax.random.key(0), jax.numpy.zeros((1, 1), "int32")))
+    boxed = boxed_abstract_variables(model_cfg)
 
     def sharding(leaf: Any) -> NamedSharding:
         if isinstance(leaf, nn.LogicallyPartitioned):

@@ -26,7 +26,7 @@ import optax
 from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
 from zaya_jax.loss import make_eval_step
-from zaya_jax.model import init_variables
+from zaya_jax.model import abstract_variables, init_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
 from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
@@ -65,8 +65,10 @@ class Programs:
 
     @functools.cached_property
     def _shapes(self) -> TrainState:
-        """The train state's shapes and dtypes (one trace of the init, shared)."""
-        return jax.eval_shape(self._init, jax.random.key(0))
+        """The train state's shapes and dtypes: the model's variables' shapes (traced once per model
+        config, :func:`~zaya_jax.model.abstract_variables`) through the optimizer's init."""
+        variables = abstract_variables(self.cfg.model)
+        return jax.eval_shape(lambda v: init_train_state(v, self.tx), variables)
 
     @functools.cached_property
     def shardings(self) -> TrainState:
