@@ -125,7 +125,8 @@ def test_mixture_weights_set_the_token_share(tmp_path):
 def test_restored_iterator_continues_exactly(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", varied_texts(30, seed=1))
     b = write_jsonl(tmp_path / "b.jsonl", varied_texts(10, seed=2, alphabet="xyz"))
-    cfg = jsonl_config(("a", a, 2.0), ("b", b, 1.0))
+    # a window of 32 rows (the default 4096 packs 4096 rows before the first one comes out)
+    cfg = dataclasses.replace(jsonl_config(("a", a, 2.0), ("b", b, 1.0)), shuffle_window=32)
     original = make_row_iterator(cfg, TOK, seq_len=SEQ, seed=5)
     take(original, 37)  # past the first epoch of source b, mid-document
     state = json.loads(json.dumps(original.get_state()))  # checkpoints store it as JSON
@@ -162,6 +163,7 @@ def test_state_from_other_data_or_seed_is_refused(one_source, tmp_path):
 def test_processes_read_disjoint_shares_that_cover_the_data(tmp_path):
     texts = [f"document number {i:03d}" for i in range(25)]
     cfg = jsonl_config(("a", write_jsonl(tmp_path / "a.jsonl", texts), 1.0))
+    cfg = dataclasses.replace(cfg, shuffle_window=32)  # 32 rows to fill, not the default 4096
     seen = []
     for p in range(3):
         rows = make_row_iterator(
