@@ -98,16 +98,6 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
-def _signal_while_paused(run: Path, step: int, procs: list[subprocess.Popen], to: int, sig: int) -> None:
-    """Both processes wait after ``step`` (``pause_at_step``); ``sig`` goes to process ``to``, and
-    once it has been received both go on: the signal lands at that step, whatever the timing."""
-    for process in range(2):
-        faults.wait_for_file(faults.paused_marker(run, step, process), procs)
-    procs[to].send_signal(sig)
-    faults.wait_for_file(faults.signalled_marker(run, step, to), procs)
-    faults.release(run, step)
-
-
 def _saved(run: Path) -> list[int]:
     return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
 
@@ -124,7 +114,7 @@ def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exact
     # process 1's save clock runs 10^5 s ahead: a time-based save is due by its clock after every
     # step and never by process 0's; SIGTERM goes to process 1 only
     procs = _start(run, STEPS, "checkpoint.every_minutes=60", clock_skew=100000, fault=("pause_at_step=3",))
-    _signal_while_paused(run, 3, procs, to=1, sig=signal.SIGTERM)
+    faults.signal_while_paused(run, 3, procs, signal.SIGTERM, to=1, processes=2)
     first = _finish(procs)  # both exit 0: no process waits in a barrier the other never reaches
     summaries = [_summary(r) for r in first]
     assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] < STEPS
@@ -157,7 +147,7 @@ def test_one_process_signalled_and_one_clock_due_both_save_stop_and_resume_exact
 def test_sigint_to_the_first_process_stops_both_at_the_same_step(tmp_path):
     run = tmp_path / "run"
     procs = _start(run, STEPS, fault=("pause_at_step=2",))
-    _signal_while_paused(run, 2, procs, to=0, sig=signal.SIGINT)
+    faults.signal_while_paused(run, 2, procs, signal.SIGINT, to=0, processes=2)
     summaries = [_summary(r) for r in _finish(procs)]
     assert summaries[0]["steps"] == summaries[1]["steps"] == 3  # the step after the signal
     stops = [e["detail"] for e in _events(run) if e["event"] == "stop"]

@@ -45,10 +45,7 @@ def _train_and_preempt_after_step_2(run: Path, devices: int, *extra: str) -> Non
     saves step 2 and exits."""
     cmd = [*faults.command("pause_at_step=1"), "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(devices))
-    faults.wait_for_file(faults.paused_marker(run, 1), [proc])
-    proc.send_signal(signal.SIGTERM)
-    faults.wait_for_file(faults.signalled_marker(run, 1), [proc])
-    faults.release(run, 1)
+    faults.signal_while_paused(run, 1, [proc], signal.SIGTERM)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
 

@@ -109,6 +109,19 @@ def wait_for_file(path: Path, procs: list[subprocess.Popen] = (), timeout: float
         time.sleep(0.02)
 
 
+def signal_while_paused(
+    run: Path, step: int, procs: list[subprocess.Popen], sig: int, to: int = 0, processes: int = 1
+) -> None:
+    """Every one of ``processes`` waits after ``step`` (``pause_at_step``); ``sig`` goes to
+    ``procs[to]`` (a trainer, or a supervisor that forwards it), and once process ``to`` has
+    received it all go on: the signal lands at that step, whatever the timing."""
+    for process in range(processes):
+        wait_for_file(paused_marker(run, step, process), procs)
+    procs[to].send_signal(sig)
+    wait_for_file(signalled_marker(run, step, to), procs)
+    release(run, step)
+
+
 def hang() -> None:
     while True:  # the watchdog ends the process
         time.sleep(3600)

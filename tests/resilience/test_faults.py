@@ -131,10 +131,7 @@ def test_sigterm_under_supervise_saves_and_resumes(tmp_path, reference):
     child = [*fault_injection.command("pause_at_step=3"), "train", *COMMON, f"run.dir={run}", "--no-progress"]
     cmd = [*CLI, "supervise", "--backoff", "0.1", "--", *child]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    fault_injection.wait_for_file(fault_injection.paused_marker(run, 3), [proc])
-    proc.send_signal(signal.SIGTERM)
-    fault_injection.wait_for_file(fault_injection.signalled_marker(run, 3), [proc])
-    fault_injection.release(run, 3)
+    fault_injection.signal_while_paused(run, 3, [proc], signal.SIGTERM)
     _, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err[-3000:]
     events = _events(run)
