@@ -1,5 +1,6 @@
 """``zaya convert`` and ``zaya inspect``: model files moved between the Hugging Face format and
-zaya-jax runs, and their contents (config, parameter counts, array shapes) shown without loading them."""
+zaya-jax runs, and their contents (config, parameter counts, array shapes) shown without loading them;
+``zaya inspect DATA_DIR --rows N`` shows a prepared directory's packed rows."""
 
 from __future__ import annotations
 
@@ -35,10 +36,22 @@ def _add_convert_command(sub: Any) -> None:
 
 
 def _add_inspect_command(sub: Any) -> None:
-    inspect = sub.add_parser("inspect", help="parameter counts, config, and checkpoint contents")
-    inspect.add_argument(
-        "path", nargs="?", help="run, checkpoint or HF save_pretrained directory (arrays are not loaded)"
+    inspect = sub.add_parser(
+        "inspect", help="parameter counts, config, and checkpoint contents; packed rows of prepared data"
     )
+    inspect.add_argument(
+        "path",
+        nargs="?",
+        help="run, checkpoint or HF save_pretrained directory (arrays are not loaded), or a directory "
+        "written by zaya data prepare",
+    )
+    inspect.add_argument(
+        "--rows",
+        type=int,
+        default=0,
+        help="prepared data: show the first N packed rows as text, trained targets between « and »",
+    )
+    inspect.add_argument("--seq-len", type=int, default=256, help="prepared data: row length (default 256)")
     inspect.add_argument("--config", help=f"preset name or YAML path ({', '.join(available_presets())})")
     inspect.add_argument("overrides", nargs="*", default=[], help="dotted overrides, e.g. model.num_layers=4")
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
@@ -93,6 +106,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
     if (args.path is None) == (args.config is None):
         raise SystemExit("zaya inspect: give a checkpoint PATH or --config NAME (not both)")
+    if args.path is not None and (Path(args.path) / "manifest.json").is_file():
+        return _inspect_data(args)
+    if args.rows:
+        raise SystemExit(
+            f"zaya inspect: --rows is for directories written by zaya data prepare, not {args.path}"
+        )
     report: dict[str, Any]
     if args.config is not None:
         cfg = load_config(args.config, args.overrides)
@@ -134,4 +153,32 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, tuple))[0]
             for keypath, (shape, dtype) in leaves:
                 print(f"  {item}{jax.tree_util.keystr(keypath)}: {dtype}{list(shape)}")
+    return 0
+
+
+def _inspect_data(args: argparse.Namespace) -> int:
+    from zaya_jax.data import read_manifest
+    from zaya_jax.data.preview import preview_rows, row_summary, row_text
+
+    manifest = read_manifest(args.path)
+    summary = {k: v for k, v in manifest.items() if k not in ("shards", "inputs")}
+    rows, tokenizer = preview_rows(args.path, args.rows, args.seq_len) if args.rows else ([], None)
+    if args.json:
+        print_json({**summary, "seq_len": args.seq_len, "rows": [row_summary(r) for r in rows]})
+        return 0
+    for key in ("documents", "tokens", "skipped_documents", "content"):
+        if key in summary:
+            print(
+                f"{key:>18}: {summary[key]:,}"
+                if isinstance(summary[key], int)
+                else f"{key:>18}: {summary[key]}"
+            )
+    for i, row in enumerate(rows):
+        info = row_summary(row)
+        print(
+            f"--- row {i}: {info['segments']} segment(s), {info['trained']} of {args.seq_len} targets trained, "
+            f"{info['padding']} padding"
+        )
+        for j, text in enumerate(row_text(row, tokenizer), 1):
+            print(f"[segment {j}] {text}")
     return 0

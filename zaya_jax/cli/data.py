@@ -26,6 +26,18 @@ def register(sub: Any) -> None:
         help="the JSONL field / Parquet column holding the text (default: text)",
     )
     prepare.add_argument(
+        "--format",
+        choices=["auto", "text", "chat"],
+        default="auto",
+        dest="data_format",
+        help="chat: JSONL conversations ({'messages': [...]}) trained on the assistant turns; auto "
+        "(default): chat for JSONL whose first record has 'messages' and no text field, else text",
+    )
+    prepare.add_argument(
+        "--chat-template",
+        help="a Jinja chat-template file (default: the tokenizer's own; the byte tokenizer's built-in one)",
+    )
+    prepare.add_argument(
         "--on-bad-document",
         choices=["error", "skip"],
         default="error",
@@ -47,6 +59,8 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         num_shards=args.shards,
         on_bad_document=args.on_bad_document,
         text_field=args.text_field,
+        data_format=args.data_format,
+        chat_template=args.chat_template,
     )
     summary = {k: v for k, v in manifest.items() if k != "shards"}
     print_json({**summary, "seconds": round(time.perf_counter() - started, 3)})

@@ -277,15 +277,20 @@ class DataSource:
     ``kind``: ``stdlib`` (the built-in corpus: the running interpreter's standard-library source;
     ``path`` unused), ``text`` (a file, directory or glob of UTF-8 text files, one document per
     file), ``jsonl`` (one document per line, field ``text_field``), ``parquet`` (column
-    ``text_field``) or ``arrayrecord`` (a directory written by ``zaya data prepare``).
+    ``text_field``), ``chat`` (JSONL conversations, one ``{"messages": [...]}`` per line, rendered
+    with the tokenizer's chat template and trained on the assistant turns only; see
+    :mod:`zaya_jax.data.chat`) or ``arrayrecord`` (a directory written by ``zaya data prepare``).
     """
 
     name: str = "stdlib"  # unique name (events, mixture order)
-    # stdlib, text, jsonl, parquet or arrayrecord (see above).
-    kind: Literal["stdlib", "text", "jsonl", "parquet", "arrayrecord"] = "stdlib"
+    # stdlib, text, jsonl, parquet, chat or arrayrecord (see above).
+    kind: Literal["stdlib", "text", "jsonl", "parquet", "chat", "arrayrecord"] = "stdlib"
     path: str | None = None  # file, directory or glob (unused for stdlib)
     weight: float = 1.0  # sampling weight in the mixture
     text_field: str = "text"  # JSONL field / Parquet column holding the text
+    # chat: a Jinja chat-template file; unset: the tokenizer's own (chat_template.jinja beside
+    # tokenizer.json, or tokenizer_config.json's chat_template; the byte tokenizer's built-in one).
+    chat_template: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,6 +321,11 @@ class DataConfig:
                 raise ConfigError(f"data.sources[{i}] ({source.name}) of kind {source.kind!r} needs a path")
             if not source.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={source.weight} must be > 0")
+            if source.chat_template and source.kind != "chat":
+                raise ConfigError(
+                    f"data.sources[{i}] ({source.name}) sets chat_template but is of kind {source.kind!r}; "
+                    "chat templates apply to kind: chat (a prepared chat directory names its own)"
+                )
         if not 0.0 < self.held_out_fraction < 0.5:
             raise ConfigError(f"data.held_out_fraction={self.held_out_fraction} must be in (0, 0.5)")
         if self.prefetch < 0:

@@ -18,9 +18,10 @@ import numpy as np
 
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import corpus
+from zaya_jax.data.chat import read_chat_documents
 from zaya_jax.data.prepare import PreparedDocuments, open_prepared
 from zaya_jax.data.sources import DataError, file_signature, read_documents
-from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.data.tokenizers import Tokenizer, token_dtype
 
 Split = Literal["train", "held_out", "all"]
 _CACHE_ENTRIES = 8
@@ -35,16 +36,20 @@ class DocumentSequence(Protocol):
 
 
 class TokenizedDocuments:
-    """Documents in memory: document ``i`` is ``tokens[starts[i]:ends[i]]``; a selection of
-    documents shares the one ``tokens`` array."""
+    """Documents in memory: document ``i`` is ``tokens[starts[i]:ends[i]]``, or with a ``trained``
+    mask (chat) the (2, n) array of those tokens over ``trained[starts[i]:ends[i]]``; a selection
+    of documents shares the same arrays."""
 
-    def __init__(self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray):
+    def __init__(
+        self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, trained: np.ndarray | None = None
+    ):
         self.tokens = tokens
         self.starts = starts
         self.ends = ends
+        self.trained = trained
 
     def select(self, indices: np.ndarray) -> TokenizedDocuments:
-        return TokenizedDocuments(self.tokens, self.starts[indices], self.ends[indices])
+        return TokenizedDocuments(self.tokens, self.starts[indices], self.ends[indices], self.trained)
 
     @property
     def num_tokens(self) -> int:
@@ -54,7 +59,10 @@ class TokenizedDocuments:
         return len(self.starts)
 
     def __getitem__(self, index: int) -> np.ndarray:
-        return self.tokens[self.starts[index] : self.ends[index]]
+        piece = slice(self.starts[index], self.ends[index])
+        if self.trained is None:
+            return self.tokens[piece]
+        return np.stack([self.tokens[piece].astype(np.int32), self.trained[piece].astype(np.int32)])
 
 
 class DocumentSubset:
@@ -117,19 +125,30 @@ def _tokenize_source(source: DataSource, tokenizer: Tokenizer, on_bad_document: 
             tokenizer.spec,
             on_bad_document,
             file_signature(source),
+            source.chat_template,
         ]
     )
     with _CACHE_LOCK:
         if cache_key in _CACHE:
             _CACHE.move_to_end(cache_key)
             return _CACHE[cache_key]
-    docs = read_documents(source, on_bad_document)  # type: ignore[arg-type]
-    tokens, lengths = tokenizer.encode_concatenated(docs.texts)
-    ends = np.cumsum(lengths)
-    everything = TokenizedDocuments(tokens, ends - lengths, ends)
+    if source.kind == "chat":
+        chats = read_chat_documents(source, tokenizer, on_bad_document)
+        lengths = np.asarray([d.shape[1] for d in chats.documents], dtype=np.int64)
+        ends = np.cumsum(lengths)
+        flat = np.concatenate(chats.documents, axis=1)
+        dtype = token_dtype(tokenizer.vocab_size)
+        everything = TokenizedDocuments(flat[0].astype(dtype), ends - lengths, ends, flat[1].astype(np.uint8))
+        keys, skipped = chats.keys, chats.skipped
+    else:
+        docs = read_documents(source, on_bad_document)  # type: ignore[arg-type]
+        tokens, lengths = tokenizer.encode_concatenated(docs.texts)
+        ends = np.cumsum(lengths)
+        everything = TokenizedDocuments(tokens, ends - lengths, ends)
+        keys, skipped = docs.keys, docs.skipped
     # A document the tokenizer maps to nothing carries no pair to learn from.
     kept = np.flatnonzero(lengths)
-    entry = _Tokenized(everything.select(kept), [docs.keys[i] for i in kept], docs.skipped)
+    entry = _Tokenized(everything.select(kept), [keys[i] for i in kept], skipped)
     with _CACHE_LOCK:
         _CACHE[cache_key] = entry
         while len(_CACHE) > _CACHE_ENTRIES:
@@ -174,8 +193,15 @@ def tokenized_documents(data_cfg: DataConfig, split: Split, tokenizer: Tokenizer
             entry = _tokenize_source(source, tokenizer, data_cfg.on_bad_document)
             selected = entry.documents.select(_split_indices(entry.mask(fraction), split))
             documents, num_tokens, skipped = selected, selected.num_tokens, entry.skipped
-            fingerprint = _digest(
-                source.kind, len(entry.documents), entry.documents.num_tokens, split, fraction
-            )
+            parts: list[Any] = [
+                source.kind,
+                len(entry.documents),
+                entry.documents.num_tokens,
+                split,
+                fraction,
+            ]
+            if entry.documents.trained is not None:  # chat: which tokens are trained is content too
+                parts.append(int(entry.documents.trained.sum()))
+            fingerprint = _digest(*parts)
         out.append(SourceDocuments(source.name, source.weight, documents, fingerprint, num_tokens, skipped))
     return out

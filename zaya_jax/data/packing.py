@@ -13,7 +13,14 @@ Row format (every array has length ``seq_len``; field dtypes in :mod:`zaya_jax.d
   a continued document: equal to ``zaya_jax.model.positions_in_document(segment_ids)``, the model's
   default, and RoPE only sees relative positions, which are the same either way.
 - ``loss_mask`` float32: 1 on every real pair, 0 on padding. Rows of an infinite (training) stream
-  are always full; only the last row of a finite stream is padded.
+  of text are always full; only the last row of a finite stream is padded.
+
+Chat documents ((2, n) arrays: ids over a trained mask, :mod:`zaya_jax.data.chat`) are packed whole:
+``loss_mask`` is 1 on the pairs whose target is a trained token (and on the final pair into EOS when
+the conversation ends in a trained token), a conversation that does not fit in what is left of a
+row starts the next one (the rest of the row is padding), and one longer than a row is cut into
+row-sized pieces after an assistant turn (where a trained span ends) when one falls inside the row,
+else at the row's end. Each piece is its own segment: a piece never attends to another.
 
 Why not Grain's ``grain.experimental.ConcatThenSplitIterDataset``: it packs tokens of named
 features, not (input, target) pairs, so a document split across rows either loses the pair at the
@@ -56,10 +63,30 @@ class _PackDatasetIterator(grain.DatasetIterator):
         self._doc: np.ndarray | None = None  # the current document + EOS, int32
         self._doc_state: dict[str, Any] = self._parent.get_state()
         self._offset = 0  # pairs of the current document already placed
+        self._trained: np.ndarray | None = None  # chat: per token (EOS included), 1 = trained
+        self._cuts = np.zeros(0, np.int64)  # chat: pairs where a piece may start (after a turn)
 
     def _load(self, document: np.ndarray) -> None:
-        self._doc = np.concatenate([np.asarray(document, np.int32), self._eos]) if len(document) else None
         self._offset = 0
+        self._trained = None
+        if document.ndim == 2:  # chat: (ids, trained)
+            tokens, trained = np.asarray(document[0], np.int32), np.asarray(document[1], np.float32)
+            if len(tokens):
+                self._trained = np.concatenate([trained, trained[-1:]])
+                self._cuts = np.flatnonzero((trained[:-1] == 1) & (trained[1:] == 0)) + 1
+            document = tokens
+        self._doc = np.concatenate([np.asarray(document, np.int32), self._eos]) if len(document) else None
+
+    def _take(self, filled: int) -> int:
+        """How many pairs of the current document go into a row filled up to ``filled`` (0: none,
+        end the row here)."""
+        remaining, space = len(self._doc) - 1 - self._offset, self._seq_len - filled
+        if self._trained is None or remaining <= space:
+            return min(remaining, space)
+        if filled:
+            return 0  # a conversation starts a fresh row rather than continue in another
+        cuts = self._cuts[(self._cuts > self._offset) & (self._cuts <= self._offset + space)]
+        return int(cuts[-1]) - self._offset if len(cuts) else space
 
     def __next__(self) -> dict[str, np.ndarray]:
         row = empty_row(self._seq_len, self._pad_id)
@@ -79,14 +106,19 @@ class _PackDatasetIterator(grain.DatasetIterator):
                 self._load(document)
                 continue
             doc, start = self._doc, self._offset
-            take = min(len(doc) - 1 - start, self._seq_len - filled)
+            take = self._take(filled)
+            if take == 0:
+                return row  # padded: the next conversation starts the next row
             end = filled + take
             segment += 1
             row["inputs"][filled:end] = doc[start : start + take]
             row["targets"][filled:end] = doc[start + 1 : start + take + 1]
             row["segment_ids"][filled:end] = segment
             row["positions"][filled:end] = np.arange(take, dtype=np.int32)
-            row["loss_mask"][filled:end] = 1.0
+            if self._trained is None:
+                row["loss_mask"][filled:end] = 1.0
+            else:
+                row["loss_mask"][filled:end] = self._trained[start + 1 : start + take + 1]
             self._offset += take
             filled = end
         return row

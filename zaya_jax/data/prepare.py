@@ -4,7 +4,10 @@ A prepared directory holds ``num_shards`` files ``shard-SSSSS-of-NNNNN.array_rec
 ``manifest.json``. Each record is one document's token ids (no EOS: the pipeline appends it) as
 little-endian ``uint16`` (every id < 2**16) or ``uint32``. Documents are dealt round-robin: document
 ``i`` is record ``i // num_shards`` of shard ``i % num_shards``, so reading the shards back gives
-the documents in input order and shards differ in size by at most one document.
+the documents in input order and shards differ in size by at most one document. Chat data
+(``"content": "chat"`` in the manifest, :mod:`zaya_jax.data.chat`) stores each conversation as its
+ids followed by as many 0/1 trained flags, read back as a (2, n) array; the manifest names the chat
+template (origin, sha256).
 
 The whole directory is written beside the destination and renamed into place when complete
 (:mod:`zaya_jax.staging`): a killed preparation leaves no output directory (only a hidden
@@ -20,16 +23,19 @@ document.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
+from zaya_jax.config import DataSource
+from zaya_jax.data.chat import ChatEncoder, find_chat_template_for, iter_chat_documents
 from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 from zaya_jax.files import sha256_file, write_atomic
@@ -71,13 +77,17 @@ def prepare(
     num_shards: int = 4,
     on_bad_document: OnBadDocument = "error",
     text_field: str = "text",
+    data_format: str = "auto",
+    chat_template: str | None = None,
 ) -> dict[str, Any]:
     """Tokenize the documents of ``inputs`` into ``num_shards`` ArrayRecord shards in ``out_dir``.
 
     ``inputs``: text files, directories (every file a document) or globs, ``*.jsonl`` files (field
     ``text_field``) and ``*.parquet`` files (column ``text_field``); the kind follows the extension,
-    and text and JSONL files may be ``.gz`` or ``.zst`` compressed. Returns the manifest (also
-    written to ``out_dir/manifest.json``).
+    and text and JSONL files may be ``.gz`` or ``.zst`` compressed. ``data_format="chat"`` (or
+    ``"auto"`` with JSONL records holding ``messages``) reads conversations instead, rendered with
+    ``chat_template`` (a file) or the tokenizer's template; one preparation holds text or chats, not
+    both. Returns the manifest (also written to ``out_dir/manifest.json``).
 
     ``out_dir`` appears complete or not at all (see the module doc): on any error, or when the
     process is killed, no output directory is left, and the same command can be rerun. When
@@ -94,9 +104,11 @@ def prepare(
     _check_out_dir(out)
     try:
         with StagedDirectory(out, "zaya data prepare") as staged:
-            manifest = _write_shards(
-                inputs, staged.path, tokenizer, dtype, num_shards, on_bad_document, text_field
-            )
+            sources = [
+                source_for_path(item, text_field=text_field, data_format=data_format) for item in inputs
+            ]
+            sources = [dataclasses.replace(s, chat_template=chat_template) for s in sources]
+            manifest = _write_shards(sources, staged.path, tokenizer, dtype, num_shards, on_bad_document)
             if not staged.publish_or_match(same_files):
                 verify_shards(out, read_manifest(out))
     except StagingError as err:
@@ -104,16 +116,34 @@ def prepare(
     return manifest
 
 
+def _chat_encoder(sources: Sequence[DataSource], tokenizer: Tokenizer) -> ChatEncoder | None:
+    """The encoder of a chat preparation, None for text; refuses a mix of the two."""
+    kinds = {s.kind == "chat" for s in sources}
+    if len(kinds) > 1:
+        chats = [s.path for s in sources if s.kind == "chat"]
+        raise DataError(
+            f"the inputs mix chat conversations ({', '.join(map(str, chats))}) with text; prepare them into "
+            "separate directories and list both as data.sources"
+        )
+    if kinds != {True}:
+        if sources and sources[0].chat_template:
+            raise DataError(
+                "a chat template was given but the inputs are text; give --format chat for chat data"
+            )
+        return None
+    return ChatEncoder(tokenizer, find_chat_template_for(sources[0], tokenizer))
+
+
 def _write_shards(
-    inputs: Sequence[str | Path],
+    sources: Sequence[DataSource],
     directory: Path,
     tokenizer: Tokenizer,
     dtype: np.dtype,
     num_shards: int,
     on_bad_document: OnBadDocument,
-    text_field: str,
 ) -> dict[str, Any]:
     """Write the shards and then the manifest into the (new, empty) ``directory``."""
+    encoder = _chat_encoder(sources, tokenizer)
     paths = [directory / shard_name(i, num_shards) for i in range(num_shards)]
     writers: list[ArrayRecordWriter] = []
     try:
@@ -123,31 +153,33 @@ def _write_shards(
         input_stats = []
         document = 0
 
-        def write(texts: list[str]) -> None:
+        def write(arrays: Iterable[np.ndarray]) -> None:
             nonlocal document
-            for ids in tokenizer.encode_batch(texts):
+            for ids in arrays:  # (n,) ids, or a chat's (2, n) ids and trained flags
                 if ids.size == 0:
                     continue
                 shard = document % num_shards
                 writers[shard].write(ids.astype(dtype).tobytes())
                 records[shard] += 1
-                tokens[shard] += int(ids.size)
+                tokens[shard] += int(ids.shape[-1])
                 document += 1
 
-        for item in inputs:
-            source = source_for_path(item, text_field=text_field)
+        for source in sources:
             bad = BadDocuments(on_bad_document)
             first = document
-            batch: list[str] = []
-            for _, text in iter_documents(source, bad):
-                batch.append(text)
-                if len(batch) == _ENCODE_BATCH:
-                    write(batch)
-                    batch = []
-            write(batch)
+            if encoder is not None:
+                write(doc for _, doc in iter_chat_documents(source, encoder, bad))
+            else:
+                batch: list[str] = []
+                for _, text in iter_documents(source, bad):
+                    batch.append(text)
+                    if len(batch) == _ENCODE_BATCH:
+                        write(tokenizer.encode_batch(batch))
+                        batch = []
+                write(tokenizer.encode_batch(batch))
             input_stats.append(
                 {
-                    "path": str(item),
+                    "path": str(source.path),
                     "kind": source.kind,
                     "documents": document - first,
                     "skipped_documents": bad.count,
@@ -182,6 +214,9 @@ def _write_shards(
         "skipped_documents": sum(s["skipped_documents"] for s in input_stats),
         "inputs": input_stats,
     }
+    if encoder is not None:
+        manifest["content"] = "chat"
+        manifest["chat_template"] = {"origin": encoder.template.origin, "sha256": encoder.template.sha256}
     write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
 
@@ -253,7 +288,8 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
 class PreparedDocuments:
     """Random access to the documents of a prepared directory, verified on open.
 
-    ``docs[i]`` is document ``i`` (in input order) as a (num_tokens,) array of the manifest's dtype.
+    ``docs[i]`` is document ``i`` (in input order) as a (num_tokens,) array of the manifest's dtype
+    (chat data: a (2, num_tokens) array, ids over trained flags).
     """
 
     def __init__(self, directory: str | Path, tokenizer: Tokenizer | None = None):
@@ -271,6 +307,7 @@ class PreparedDocuments:
         self._dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self._num_shards = len(shards)
         self._len = int(self.manifest["documents"])
+        self.is_chat = self.manifest.get("content", "text") == "chat"
         for s, shard in enumerate(shards):
             expected = (self._len - s + self._num_shards - 1) // self._num_shards
             if shard["records"] != expected:
@@ -321,7 +358,8 @@ class PreparedDocuments:
                 f"shard {path} returned an empty record for document {index}: the file was truncated or "
                 f"overwritten after it was verified; {_SHARD_FIX}"
             )
-        return np.frombuffer(record, dtype=self._dtype)
+        values = np.frombuffer(record, dtype=self._dtype)
+        return values.reshape(2, -1) if self.is_chat else values
 
     def _check_unchanged(self, path: Path, identity: tuple[int, int, int, int]) -> None:
         try:

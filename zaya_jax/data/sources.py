@@ -50,7 +50,7 @@ _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".parquet": "parquet"}
 # Text and JSONL files may be compressed: gzip (standard library) or zstandard (``zstandard``).
 _COMPRESSED = (".gz", ".zst")
 # Files a directory of a given kind contributes (text: every non-hidden file).
-_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl*", "parquet": "*.parquet"}
+_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl*", "chat": "*.jsonl*", "parquet": "*.parquet"}
 # What reading a (possibly compressed) file raises when the file is unreadable, truncated or corrupt.
 _READ_ERRORS = (OSError, EOFError, ZstdError)
 _PROBLEMS_KEPT = 20
@@ -94,14 +94,42 @@ class Documents:
     problems: list[str]
 
 
-def source_for_path(path: str | Path, name: str | None = None, text_field: str = "text") -> DataSource:
-    """A :class:`DataSource` for one input of ``zaya data prepare``: ``*.jsonl`` (also ``.jsonl.gz``,
-    ``.jsonl.zst``) -> jsonl with the field ``text_field``, ``*.parquet`` -> parquet (also as the
-    last part of a glob), anything else (files, directories, globs) -> text."""
+def source_for_path(
+    path: str | Path, name: str | None = None, text_field: str = "text", data_format: str = "auto"
+) -> DataSource:
+    """A :class:`DataSource` for one input of ``zaya data prepare`` or ``zaya eval --data``:
+    ``*.jsonl`` (also ``.jsonl.gz``, ``.jsonl.zst``) -> jsonl with the field ``text_field``, or chat
+    when its first record has a ``messages`` field and no ``text_field`` (``data_format="auto"``) or
+    when ``data_format="chat"``; ``*.parquet`` -> parquet (also as the last part of a glob); anything
+    else (files, directories, globs) -> text."""
+    if data_format not in ("auto", "text", "chat"):
+        raise DataError(f"format {data_format!r} is unknown; use 'auto', 'text' or 'chat'")
     text = str(path)
     stem = Path(text.removesuffix(".gz").removesuffix(".zst"))
     kind = _KIND_BY_SUFFIX.get(stem.suffix.lower(), "text")
-    return DataSource(name=name or text, kind=kind, path=text, text_field=text_field)  # type: ignore[arg-type]
+    if data_format == "chat" or (
+        data_format == "auto" and kind == "jsonl" and _holds_chats(text, text_field)
+    ):
+        kind = "chat"
+    source = DataSource(name=name or text, kind=kind, path=text, text_field=text_field)  # type: ignore[arg-type]
+    if kind == "chat":
+        resolve_files(source)  # a chat source is JSONL: name the problem now, not at the first read
+    return source
+
+
+def _holds_chats(path: str, text_field: str) -> bool:
+    """Whether the first record of the first JSONL file of ``path`` is a chat (``messages``, no
+    ``text_field``)."""
+    try:
+        files = resolve_files(DataSource(name=path, kind="jsonl", path=path))
+        with _open_bytes(files[0][1]) as f:
+            for raw in f:
+                if raw.strip():
+                    record = json.loads(raw)
+                    return isinstance(record, dict) and "messages" in record and text_field not in record
+    except (DataError, ValueError, *_READ_ERRORS):
+        return False  # not JSONL, or unreadable: reading it as text reports the problem
+    return False
 
 
 def _open_bytes(path: Path) -> IO[bytes]:
@@ -213,9 +241,9 @@ def _text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterato
             yield key, text
 
 
-def _jsonl_documents(
-    files: list[tuple[str, Path]], field: str, bad: BadDocuments
-) -> Iterator[tuple[str, str]]:
+def iter_records(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[tuple[str, str, dict]]:
+    """(key ``file:line``, where ``path:line``, object) for every JSON-object line of the JSONL
+    ``files``; blank lines are skipped, anything else that is not a JSON object goes to ``bad``."""
     for key, path in files:
         line_no = 0
         try:
@@ -235,30 +263,37 @@ def _jsonl_documents(
                     if not isinstance(record, dict):
                         bad.report(
                             f"{where}: a JSON {type(record).__name__}, not an object",
-                            f'write one object per line, e.g. {{"{field}": "..."}}',
+                            "write one JSON object per line",
                         )
                         continue
-                    if field not in record:
-                        bad.report(
-                            f"{where}: no field {field!r} (fields: {', '.join(map(repr, record)) or 'none'})",
-                            "set the source's text_field to the field holding the text",
-                        )
-                        continue
-                    value = record[field]
-                    if not isinstance(value, str):
-                        bad.report(
-                            f"{where}: field {field!r} is a {type(value).__name__}, not a string",
-                            "store the document text as a JSON string",
-                        )
-                        continue
-                    if value:
-                        yield f"{key}:{line_no}", value
+                    yield f"{key}:{line_no}", where, record
         except _READ_ERRORS as err:
             at = f" after line {line_no}" if line_no else ""
             bad.report(
                 f"cannot read {path}{at} ({getattr(err, 'strerror', None) or err})",
                 "fix its permissions or remove it",
             )
+
+
+def _jsonl_documents(
+    files: list[tuple[str, Path]], field: str, bad: BadDocuments
+) -> Iterator[tuple[str, str]]:
+    for key, where, record in iter_records(files, bad):
+        if field not in record:
+            bad.report(
+                f"{where}: no field {field!r} (fields: {', '.join(map(repr, record)) or 'none'})",
+                "set the source's text_field to the field holding the text",
+            )
+            continue
+        value = record[field]
+        if not isinstance(value, str):
+            bad.report(
+                f"{where}: field {field!r} is a {type(value).__name__}, not a string",
+                "store the document text as a JSON string",
+            )
+            continue
+        if value:
+            yield key, value
 
 
 def _parquet_documents(

@@ -8,6 +8,7 @@ different tokenizer than the one that wrote them.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -28,6 +29,16 @@ BYTE_VOCAB_SIZE = 256 + BYTE_OFFSET
 _EOS_CANDIDATES = ("<eos>", "</s>", "<|endoftext|>", "<|end_of_text|>", "<|end|>", "[SEP]", "<EOS>")
 _PAD_CANDIDATES = ("<pad>", "[PAD]", "<|pad|>", "<PAD>", "<|padding|>")
 _BOS_CANDIDATES = ("<bos>", "<s>", "<|begin_of_text|>", "<|startoftext|>", "[CLS]", "<BOS>")
+# The special tokens transformers passes to chat templates (its ``special_tokens_map``).
+_TEMPLATE_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
 # Texts per call into the Rust tokenizer: large enough to use its threads, small enough to bound memory.
 _HF_ENCODE_BATCH = 1024
 
@@ -48,6 +59,10 @@ class Tokenizer(Protocol):
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
     def encode_concatenated(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def template_variables(self) -> dict[str, str]: ...
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str: ...
 
@@ -82,6 +97,16 @@ class ByteTokenizer:
         ids = np.frombuffer(b"".join(encoded), dtype=np.uint8).astype(token_dtype(self.vocab_size))
         ids += BYTE_OFFSET
         return ids, np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text`` -> ((n,) int32 ids, (n, 2) character spans): byte ``j`` spans its character."""
+        lengths = np.fromiter((len(c.encode("utf-8")) for c in text), dtype=np.int64, count=len(text))
+        chars = np.repeat(np.arange(len(text), dtype=np.int64), lengths)
+        return self.encode(text), np.stack([chars, chars + 1], axis=1)
+
+    def template_variables(self) -> dict[str, str]:
+        """No special-token strings: the byte vocabulary's special ids have no text."""
+        return {}
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Ids -> text; special ids and ids past the byte range (padded model vocabularies) are
@@ -196,6 +221,41 @@ class HFTokenizer:
                 lengths.append(ids.size)
         ids = np.concatenate(chunks) if chunks else np.zeros(0, dtype)
         return ids, np.asarray(lengths, dtype=np.int64)
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text`` -> ((n,) int32 ids, (n, 2) character spans of ``text``), no special tokens added."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int32), offsets
+
+    def template_variables(self) -> dict[str, str]:
+        """The special-token strings a chat template sees (``bos_token``, ``eos_token`` ...), as
+        ``transformers`` passes them: from ``special_tokens_map.json`` and ``tokenizer_config.json``
+        beside the file (the latter wins), else, with neither file there, this tokenizer's own EOS
+        and BOS tokens."""
+        found: dict[str, str] = {}
+        described = False
+        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # transformers' precedence
+            config = self.path.parent / name
+            if not config.is_file():
+                continue
+            described = True
+            try:
+                settings = json.loads(config.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                raise DataError(f"cannot read {config} ({err}); fix or remove it") from None
+            for key in _TEMPLATE_TOKEN_KEYS:
+                value = settings.get(key)
+                if isinstance(value, dict):  # a serialized AddedToken
+                    value = value.get("content")
+                if isinstance(value, str):
+                    found[key] = value
+        if not described:
+            for key, token_id in (("eos_token", self.eos_id), ("bos_token", self.bos_id)):
+                token = self.id_to_token(token_id)
+                if token is not None:
+                    found[key] = token
+        return found
 
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Ids -> text, special tokens skipped."""
