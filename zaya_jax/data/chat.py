@@ -190,6 +190,10 @@ class ChatEncoder:
             return texts[0], [tuple(span) for span in spans[0]]
         return self._render_by_prefixes(messages, tools)
 
+    def prompt(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> str:
+        """``messages`` rendered with the generation prompt: the text a model continues to reply."""
+        return self._text(messages, tools, prompt=True)
+
     def _text(self, messages: list[dict[str, Any]], tools: Any, prompt: bool = False) -> str:
         texts, _ = self._render(
             [messages],
