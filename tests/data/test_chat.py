@@ -121,7 +121,7 @@ def test_template_lookup_order_and_a_missing_template(tmp_path, hf_dir):
     given.write_text(CHATML)
     assert find_chat_template(str(beside / "tokenizer.json"), str(given)).source == CHATML
     bare = chat_tokenizer_dir(tmp_path / "bare", template=None)
-    with pytest.raises(DataError, match="has no chat template.*--chat-template FILE"):
+    with pytest.raises(DataError, match=r"has no chat template.*--chat-template FILE"):
         find_chat_template(str(bare / "tokenizer.json"))
     with pytest.raises(DataError, match="does not compile"):
         ChatEncoder(load_tokenizer("byte"), ChatTemplate("{% for %}", "broken"))
