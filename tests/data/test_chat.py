@@ -244,3 +244,17 @@ def test_the_reverse_task_scores_exact_matches():
     prompt, answer = (m["content"] for m in record["messages"])
     assert answer == prompt.removeprefix("reverse: ")[::-1]
     assert exact_match(prompt, f" {answer}<|end|>\n") == 1.0 and exact_match(prompt, answer + "x") == 0.0
+
+
+def test_example_chat_writes_the_task_and_never_overwrites(tmp_path):
+    from zaya_jax.cli import main
+    from zaya_jax.data.chat import check_record
+
+    out = tmp_path / "chat.jsonl"
+    assert main(["data", "example-chat", str(out), "--records", "50", "--seed", "3"]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert records == reverse_chats(50, seed=3)
+    assert all(check_record(r) is None for r in records)
+    before = out.read_bytes()
+    assert main(["data", "example-chat", str(out)]) != 0
+    assert out.read_bytes() == before

@@ -44,6 +44,13 @@ def register(sub: Any) -> None:
         help="a document that cannot be read: stop with its name (default) or skip and count it",
     )
     prepare.set_defaults(func=_cmd_data_prepare)
+    example = data_sub.add_parser(
+        "example-chat", help="write the built-in reverse-a-word chat task as JSONL (for SFT on tiny)"
+    )
+    example.add_argument("out", help="the JSONL file to write")
+    example.add_argument("--records", type=int, default=4000, help="number of conversations (default 4000)")
+    example.add_argument("--seed", type=int, default=0, help="random seed (another seed: other words)")
+    example.set_defaults(func=_cmd_example_chat)
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
@@ -64,4 +71,18 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     )
     summary = {k: v for k, v in manifest.items() if k != "shards"}
     print_json({**summary, "seconds": round(time.perf_counter() - started, 3)})
+    return 0
+
+
+def _cmd_example_chat(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from zaya_jax.data.tasks import reverse_chats, write_jsonl
+
+    if args.records < 1:
+        raise ValueError(f"--records {args.records} must be >= 1")
+    if Path(args.out).exists():
+        raise FileExistsError(f"{args.out} exists; choose a new file (nothing is overwritten)")
+    path = write_jsonl(args.out, reverse_chats(args.records, seed=args.seed))
+    print_json({"path": str(path), "records": args.records, "task": "reverse", "seed": args.seed})
     return 0
