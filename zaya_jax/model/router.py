@@ -34,12 +34,18 @@ class Router(nn.Module):
     """m: (batch, seq, embed) normed MoE input; prev_state: (batch, seq, R); eda_scale: (R,).
 
     Block 0 gets prev_state = 0 and eda_scale = 0, which adds an exact zero: it has no EDA.
+
+    ``forced`` (batch, seq) int32, optional: router replay. Where it is >= 0 the class it names is
+    selected instead of the biased argmax (a route captured by a sampler); the probabilities, and so
+    the chosen class's weight and the router's gradient, are computed as always. -1: route normally.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, m: jax.Array, prev_state: jax.Array, eda_scale: jax.Array) -> Routing:
+    def __call__(
+        self, m: jax.Array, prev_state: jax.Array, eda_scale: jax.Array, forced: jax.Array | None = None
+    ) -> Routing:
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         width, classes, std = cfg.router_hidden_size, cfg.num_experts + 1, cfg.initializer_range
@@ -65,5 +71,7 @@ class Router(nn.Module):
         choice = jnp.argmax(jax.lax.stop_gradient(probs).astype(jnp.float32) + biases, axis=-1).astype(
             jnp.int32
         )
+        if forced is not None:
+            choice = jnp.where(forced >= 0, forced.astype(jnp.int32), choice)
         weight = jnp.take_along_axis(probs, choice[..., None], axis=-1)[..., 0]
         return Routing(probs, choice, weight, state)

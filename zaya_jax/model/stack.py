@@ -48,7 +48,8 @@ def positions_in_document(segment_ids: jax.Array) -> jax.Array:
 class Block(nn.Module):
     """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R)).
 
-    ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window),
+    ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window, and
+    with router replay the (batch, seq) classes to select, ``routes``),
     ``ctx`` the inputs shared by every layer (positions, masks). Returns the new carry and this
     layer's routing statistics.
     """
@@ -89,7 +90,7 @@ class Block(nn.Module):
         else:
             h = merge(o, h)
             m = norm(h.astype(dtype))
-        routing = Router(cfg, name="router")(m, r, layer["eda_scale"])
+        routing = Router(cfg, name="router")(m, r, layer["eda_scale"], layer.get("routes"))
         # Recorded only when applied with mutable=["intermediates"] (notebooks, diagnostics).
         self.sow("intermediates", "router_state", routing.state)
         self.sow("intermediates", "router_probs", routing.probs)

@@ -57,6 +57,12 @@ class Zaya(nn.Module):
     padding) and ``positions`` default to the slot indices. ``aux["cache"]`` is then the updated cache.
     ``segment_ids`` cannot be combined with a cache.
 
+    Router replay: ``routes`` (batch, seq, layers) int32 forces each layer's selection to the class
+    given for each token (an expert index, or E for the skip class; -1 routes that token normally),
+    as captured by a sampler (:func:`zaya_jax.generate.generate` with ``return_routes=True``). The
+    router's probabilities stay in the graph, so the chosen class's weight and the router's gradient
+    are those of normal training.
+
     Applied with ``mutable=["intermediates"]``, each layer also records its router's post-EDA state
     (``router_state``, (layers, batch, seq, R)), probabilities (``router_probs``) and chosen class
     (``router_choice``) under ``intermediates["layers"]``, each wrapped in a 1-tuple by ``sow``.
@@ -80,6 +86,7 @@ class Zaya(nn.Module):
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
         cache: dict[str, jax.Array] | None = None,
+        routes: jax.Array | None = None,
         return_hidden: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
@@ -110,6 +117,8 @@ class Zaya(nn.Module):
         key_mask = ctx.pop("key_mask", None)
         if cache is not None:
             per_layer["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
+        if routes is not None:  # scanned with the blocks: (layers, batch, seq)
+            per_layer["routes"] = jnp.moveaxis(jnp.asarray(routes, jnp.int32), -1, 0)
 
         e = jnp.take(embedding, tokens, axis=0).astype(dtype)
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
