@@ -50,7 +50,15 @@ def register(sub: Any) -> None:
     example.add_argument("out", help="the JSONL file to write")
     example.add_argument("--records", type=int, default=4000, help="number of conversations (default 4000)")
     example.add_argument("--seed", type=int, default=0, help="random seed (another seed: other words)")
-    example.set_defaults(func=_cmd_example_chat)
+    example.set_defaults(func=_cmd_example, kind="chat")
+    pairs = data_sub.add_parser(
+        "example-preference",
+        help="write the built-in reverse task's preference pairs as JSONL (reversed word chosen over a copy)",
+    )
+    pairs.add_argument("out", help="the JSONL file to write")
+    pairs.add_argument("--records", type=int, default=4000, help="number of pairs (default 4000)")
+    pairs.add_argument("--seed", type=int, default=0, help="random seed (another seed: other words)")
+    pairs.set_defaults(func=_cmd_example, kind="preference")
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
@@ -74,15 +82,18 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_example_chat(args: argparse.Namespace) -> int:
+def _cmd_example(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from zaya_jax.data.tasks import reverse_chats, write_jsonl
+    from zaya_jax.data.tasks import reverse_chats, reverse_pairs, write_jsonl
 
     if args.records < 1:
         raise ValueError(f"--records {args.records} must be >= 1")
     if Path(args.out).exists():
         raise FileExistsError(f"{args.out} exists; choose a new file (nothing is overwritten)")
-    path = write_jsonl(args.out, reverse_chats(args.records, seed=args.seed))
-    print_json({"path": str(path), "records": args.records, "task": "reverse", "seed": args.seed})
+    make = reverse_chats if args.kind == "chat" else reverse_pairs
+    path = write_jsonl(args.out, make(args.records, seed=args.seed))
+    print_json(
+        {"path": str(path), "records": args.records, "task": "reverse", "kind": args.kind, "seed": args.seed}
+    )
     return 0

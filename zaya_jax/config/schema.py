@@ -279,16 +279,18 @@ class DataSource:
     file), ``jsonl`` (one document per line, field ``text_field``), ``parquet`` (column
     ``text_field``), ``chat`` (JSONL conversations, one ``{"messages": [...]}`` per line, rendered
     with the tokenizer's chat template and trained on the assistant turns only; see
-    :mod:`zaya_jax.data.chat`) or ``arrayrecord`` (a directory written by ``zaya data prepare``).
+    :mod:`zaya_jax.data.chat`), ``preference`` (JSONL pairs ``{"prompt" or "messages", "chosen",
+    "rejected"}`` for ``train.objective`` dpo, ipo or simpo; see :mod:`zaya_jax.data.preference`) or
+    ``arrayrecord`` (a directory written by ``zaya data prepare``).
     """
 
     name: str = "stdlib"  # unique name (events, mixture order)
-    # stdlib, text, jsonl, parquet, chat or arrayrecord (see above).
-    kind: Literal["stdlib", "text", "jsonl", "parquet", "chat", "arrayrecord"] = "stdlib"
+    # stdlib, text, jsonl, parquet, chat, preference or arrayrecord (see above).
+    kind: Literal["stdlib", "text", "jsonl", "parquet", "chat", "preference", "arrayrecord"] = "stdlib"
     path: str | None = None  # file, directory or glob (unused for stdlib)
     weight: float = 1.0  # sampling weight in the mixture
     text_field: str = "text"  # JSONL field / Parquet column holding the text
-    # chat: a Jinja chat-template file; unset: the tokenizer's own (chat_template.jinja beside
+    # chat, preference: a Jinja chat-template file; unset: the tokenizer's own (chat_template.jinja beside
     # tokenizer.json, or tokenizer_config.json's chat_template; the byte tokenizer's built-in one).
     chat_template: str | None = None
 
@@ -321,10 +323,10 @@ class DataConfig:
                 raise ConfigError(f"data.sources[{i}] ({source.name}) of kind {source.kind!r} needs a path")
             if not source.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={source.weight} must be > 0")
-            if source.chat_template and source.kind != "chat":
+            if source.chat_template and source.kind not in ("chat", "preference"):
                 raise ConfigError(
                     f"data.sources[{i}] ({source.name}) sets chat_template but is of kind {source.kind!r}; "
-                    "chat templates apply to kind: chat (a prepared chat directory names its own)"
+                    "chat templates apply to kinds chat and preference (a prepared chat directory names its own)"
                 )
         if not 0.0 < self.held_out_fraction < 0.5:
             raise ConfigError(f"data.held_out_fraction={self.held_out_fraction} must be in (0, 0.5)")
@@ -446,6 +448,10 @@ class TrainConfig:
     batch size and sequence length/mixture as tokens are seen."""
 
     seed: int = 0  # parameter init and data order
+    # What the step minimises: "lm" next-token loss on the trained tokens (pretraining; chat SFT
+    # trains the assistant turns only); "dpo", "ipo" or "simpo" on preference pairs (the preference
+    # section, sources of kind preference); "grpo" on sampled rollouts (the rl section).
+    objective: Literal["lm", "dpo", "ipo", "simpo", "grpo"] = "lm"
     # Start from existing weights: a run directory, a step directory (runs/x/checkpoints/N) or an HF
     # save_pretrained directory (converted on the fly). Parameters and balancing biases are loaded
     # into a fresh run (optimizer, step and data start fresh); on the command line the model config
@@ -493,6 +499,81 @@ class TrainConfig:
     @property
     def max_seq_len(self) -> int:
         return max([self.seq_len, *(s.seq_len for s in self.stages)])
+
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning (``train.objective`` dpo, ipo or simpo) on pairs of a chosen and a rejected
+    completion of one prompt. With h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log
+    ref(rejected)), summed over each completion's tokens: dpo minimises -log sigmoid(beta h), ipo
+    (h - 1 / (2 beta))^2; simpo uses no reference and the completions' mean log-probabilities:
+    -log sigmoid(beta (mean log pi(chosen) - mean log pi(rejected)) - simpo_gamma). The reference
+    log-probabilities come from the starting weights, computed once before step 1 and stored in
+    the run directory (``reference/``); see :mod:`zaya_jax.train.reference`."""
+
+    beta: float = 0.1  # inverse temperature of the implicit reward (SimPO papers use 2.0-2.5)
+    simpo_gamma: float = 0.5  # simpo: the target margin between chosen and rejected rewards
+
+    def validate(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"preference.beta={self.beta} must be > 0")
+        if self.simpo_gamma < 0:
+            raise ConfigError(f"preference.simpo_gamma={self.simpo_gamma} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reinforcement learning with GRPO (``train.objective: grpo``; :mod:`zaya_jax.train.rollouts`).
+
+    Every ``steps_per_rollout`` steps the current policy samples ``group_size`` completions of each of
+    ``steps_per_rollout * train.batch_size / group_size`` prompts with zaya's own sampler and decode
+    cache, capturing each token's log-probability and the class every layer's router chose; the
+    reward function scores them, and each completion's advantage is its reward minus its group's
+    mean, over the group's standard deviation. The step then minimises the clipped surrogate
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per completion token, r = pi / pi_sampler, plus
+    ``kl`` times the k3 estimate of KL(pi || reference), averaged over completion tokens; with
+    ``replay_routes`` every layer selects the class the sampler chose (router replay). One sequence
+    per row: ``train.seq_len`` must hold the longest prompt plus ``max_new_tokens``."""
+
+    # The prompts: "reverse" (the built-in reverse-a-word task, zaya_jax.data.tasks) or a JSONL file of
+    # chat records ({"messages": [...]}, more fields allowed); a final assistant message is left out
+    # of the prompt (the reward function still sees the whole record).
+    prompts: str = "reverse"
+    # The reward: "module:function" called as function(record, completion_text) -> float.
+    reward: str = "zaya_jax.data.tasks:reverse_reward"
+    # Rollouts read from JSONL files (a file, directory or glob) instead of sampled (see
+    # zaya_jax.train.rollouts for the record format; routes captured by another engine replay here).
+    rollouts: str = ""
+    group_size: int = 8  # completions sampled per prompt (the group of the advantage)
+    max_new_tokens: int = 32  # longest completion
+    temperature: float = 1.0  # sampling temperature (log-probabilities are at temperature 1 either way)
+    steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
+    replay_routes: bool = True  # force the sampler's routes in the training forward
+    clip_low: float = 0.2  # the ratio's lower clip 1 - clip_low
+    clip_high: float = 0.2  # the ratio's upper clip 1 + clip_high (DAPO's clip-higher: 0.28)
+    # Weight of KL(pi || reference) per token (0: off). > 0 keeps a copy of the starting weights on
+    # the device to score every rollout.
+    kl: float = 0.0
+    eval_prompts: int = 64  # held-out prompts whose mean greedy reward is eval_reward
+    prompt_seed: int = 0  # seed of the built-in task's prompts (held-out ones come from seed + 1)
+
+    def validate(self) -> None:
+        for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name}={getattr(self, name)} must be a positive integer")
+        if self.group_size < 2 and not self.rollouts:
+            raise ConfigError(
+                f"rl.group_size={self.group_size}: a group needs >= 2 completions for an advantage"
+            )
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError("rl.clip_low must be in [0, 1) and rl.clip_high >= 0")
+        if self.kl < 0 or self.temperature <= 0:
+            raise ConfigError("rl.kl must be >= 0 and rl.temperature > 0")
+        if ":" not in self.reward:
+            raise ConfigError(f"rl.reward={self.reward!r} must be 'module:function'")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -661,7 +742,7 @@ class ResilienceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``data``,
+    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``preference``, ``rl``, ``data``,
     ``checkpoint``, ``log``, ``eval``, ``profile``, ``mesh``, ``runtime`` and ``resilience`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
@@ -669,6 +750,8 @@ class Config:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
+    preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
+    rl: RLConfig = dataclasses.field(default_factory=RLConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -691,7 +774,10 @@ class Config:
         self.train.validate()
         self.optim.validate()
         self.balancing.validate()
+        self.preference.validate()
+        self.rl.validate()
         self.data.validate()
+        self._validate_objective()
         if self.train.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="
@@ -704,6 +790,33 @@ class Config:
                     f"{len(self.data.sources)} data.sources; give one weight per source"
                 )
         self.validate_layout(self.mesh.sizes())
+
+    def _validate_objective(self) -> None:
+        """The data an objective trains on: preference pairs for dpo/ipo/simpo, and only for them."""
+        pairs = [s.name for s in self.data.sources if s.kind == "preference"]
+        others = [s.name for s in self.data.sources if s.kind != "preference"]
+        objective = self.train.objective
+        if objective in PREFERENCE_OBJECTIVES and others:
+            raise ConfigError(
+                f"train.objective={objective} trains on preference pairs, but data.sources {others} are not "
+                "of kind preference; give only {kind: preference, path: PAIRS.jsonl} sources"
+            )
+        if objective not in PREFERENCE_OBJECTIVES and pairs:
+            raise ConfigError(
+                f"data.sources {pairs} hold preference pairs, which train.objective={objective} cannot use; "
+                "set train.objective to dpo, ipo or simpo"
+            )
+        if objective == "grpo":
+            rl, train = self.rl, self.train
+            if (rl.steps_per_rollout * train.batch_size) % rl.group_size and not rl.rollouts:
+                raise ConfigError(
+                    f"a rollout of rl.steps_per_rollout x train.batch_size = {rl.steps_per_rollout * train.batch_size} "
+                    f"sequences is not a whole number of groups of rl.group_size={rl.group_size}; make it a multiple"
+                )
+            if train.stages or train.batch_ramp:
+                raise ConfigError(
+                    "train.objective=grpo takes a fixed batch: remove train.stages and train.batch_ramp"
+                )
 
     def validate_layout(self, sizes: Mapping[str, int]) -> None:
         """The parallel layout's divisibility rules for mesh axis ``sizes`` (-1 entries are skipped:

@@ -4,7 +4,7 @@
 (token documents per source and split) -> ``packing`` (rows) -> ``pipeline`` (mixture, batches)
 -> ``prefetch`` (a thread ahead of training); ``batch`` names the fields of a batch."""
 
-from zaya_jax.data.batch import BATCH_FIELDS, BATCH_KEYS
+from zaya_jax.data.batch import BATCH_FIELDS, BATCH_KEYS, batch_fields
 from zaya_jax.data.documents import tokenized_documents
 from zaya_jax.data.pipeline import RowIterator, eval_batches, make_row_iterator, next_batch
 from zaya_jax.data.prefetch import Prefetcher
@@ -20,6 +20,7 @@ __all__ = [
     "HFTokenizer",
     "Prefetcher",
     "RowIterator",
+    "batch_fields",
     "eval_batches",
     "load_tokenizer",
     "make_row_iterator",

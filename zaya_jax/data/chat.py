@@ -223,13 +223,16 @@ class ChatEncoder:
             spans.append((len(before), len(through)))
         return text, spans
 
-    def encode(self, record: dict[str, Any]) -> np.ndarray:
-        """A checked record (see :func:`check_record`) -> (2, n) int32 [ids; trained]. Raises
+    def encode(self, record: dict[str, Any], last_turns: int | None = None) -> np.ndarray:
+        """A checked record (see :func:`check_record`) -> (2, n) int32 [ids; trained]: every
+        assistant turn trained, or only the last ``last_turns`` (a preference completion). Raises
         ValueError when the template rejects it or trains none of its tokens."""
         try:
             text, spans = self.render(record["messages"], record.get("tools"))
         except self._template_errors as err:
             raise ValueError(f"the chat template {self.template.origin} rejects it: {err}") from None
+        if last_turns is not None:
+            spans = spans[len(spans) - last_turns :]
         ids, offsets = self.tokenizer.encode_offsets(text)
         trained = np.zeros(len(ids), dtype=np.int32)
         for start, end in spans:  # every token overlapping a span, as return_assistant_tokens_mask

@@ -12,13 +12,15 @@ import dataclasses
 import hashlib
 import json
 import threading
-from typing import Any, Literal, Protocol
+from collections.abc import Mapping
+from typing import Any, Literal, NamedTuple, Protocol
 
 import numpy as np
 
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import corpus
 from zaya_jax.data.chat import read_chat_documents
+from zaya_jax.data.preference import read_preference_documents
 from zaya_jax.data.prepare import PreparedDocuments, open_prepared
 from zaya_jax.data.sources import DataError, file_signature, read_documents
 from zaya_jax.data.tokenizers import Tokenizer, token_dtype
@@ -37,19 +39,28 @@ class DocumentSequence(Protocol):
 
 class TokenizedDocuments:
     """Documents in memory: document ``i`` is ``tokens[starts[i]:ends[i]]``, or with a ``trained``
-    mask (chat) the (2, n) array of those tokens over ``trained[starts[i]:ends[i]]``; a selection
-    of documents shares the same arrays."""
+    mask (chat) the (2, n) array of those tokens over ``trained[starts[i]:ends[i]]``, and with a
+    ``part`` too (preference pairs) the (3, n) array of tokens, scored mask and 1 chosen / 2 rejected;
+    a selection of documents shares the same arrays."""
 
     def __init__(
-        self, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray, trained: np.ndarray | None = None
+        self,
+        tokens: np.ndarray,
+        starts: np.ndarray,
+        ends: np.ndarray,
+        trained: np.ndarray | None = None,
+        part: np.ndarray | None = None,
     ):
         self.tokens = tokens
         self.starts = starts
         self.ends = ends
         self.trained = trained
+        self.part = part
 
     def select(self, indices: np.ndarray) -> TokenizedDocuments:
-        return TokenizedDocuments(self.tokens, self.starts[indices], self.ends[indices], self.trained)
+        return TokenizedDocuments(
+            self.tokens, self.starts[indices], self.ends[indices], self.trained, self.part
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -62,7 +73,36 @@ class TokenizedDocuments:
         piece = slice(self.starts[index], self.ends[index])
         if self.trained is None:
             return self.tokens[piece]
-        return np.stack([self.tokens[piece].astype(np.int32), self.trained[piece].astype(np.int32)])
+        rows = [self.tokens[piece], self.trained[piece]]
+        if self.part is not None:
+            rows.append(self.part[piece])
+        return np.stack([row.astype(np.int32) for row in rows])
+
+
+class ScoredPair(NamedTuple):
+    """A preference pair document ((3, n), :mod:`zaya_jax.data.preference`) with the reference
+    model's log-probabilities of its chosen and rejected completions."""
+
+    document: np.ndarray
+    reference: np.ndarray  # (2,) float32: chosen, rejected
+
+
+class ScoredDocuments:
+    """Pair documents with their reference log-probabilities (``reference[i]`` of document ``i``)."""
+
+    def __init__(self, base: DocumentSequence, reference: np.ndarray):
+        if len(reference) != len(base):
+            raise DataError(
+                f"{len(reference)} reference log-probabilities for {len(base)} pairs: the run's reference/ "
+                "does not belong to this data"
+            )
+        self.base, self.reference = base, reference
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getitem__(self, index: int) -> ScoredPair:
+        return ScoredPair(self.base[index], self.reference[index])
 
 
 class DocumentSubset:
@@ -132,13 +172,17 @@ def _tokenize_source(source: DataSource, tokenizer: Tokenizer, on_bad_document: 
         if cache_key in _CACHE:
             _CACHE.move_to_end(cache_key)
             return _CACHE[cache_key]
-    if source.kind == "chat":
-        chats = read_chat_documents(source, tokenizer, on_bad_document)
+    if source.kind in ("chat", "preference"):
+        read = read_chat_documents if source.kind == "chat" else read_preference_documents
+        chats = read(source, tokenizer, on_bad_document)
         lengths = np.asarray([d.shape[1] for d in chats.documents], dtype=np.int64)
         ends = np.cumsum(lengths)
         flat = np.concatenate(chats.documents, axis=1)
         dtype = token_dtype(tokenizer.vocab_size)
-        everything = TokenizedDocuments(flat[0].astype(dtype), ends - lengths, ends, flat[1].astype(np.uint8))
+        part = flat[2].astype(np.uint8) if source.kind == "preference" else None
+        everything = TokenizedDocuments(
+            flat[0].astype(dtype), ends - lengths, ends, flat[1].astype(np.uint8), part
+        )
         keys, skipped = chats.keys, chats.skipped
     else:
         docs = read_documents(source, on_bad_document)  # type: ignore[arg-type]
@@ -170,12 +214,19 @@ def _digest(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
 
-def tokenized_documents(data_cfg: DataConfig, split: Split, tokenizer: Tokenizer) -> list[SourceDocuments]:
+def tokenized_documents(
+    data_cfg: DataConfig,
+    split: Split,
+    tokenizer: Tokenizer,
+    references: Mapping[str, np.ndarray] | None = None,
+) -> list[SourceDocuments]:
     """Every source of ``data_cfg`` as the token documents of ``split``, in config order.
 
-    Text sources (stdlib, text, JSONL, Parquet) are read and tokenized once per process and cached;
-    prepared ArrayRecord sources are opened (verified) and read lazily. The held-out split hashes
-    each document's key (:mod:`zaya_jax.data.corpus`), so the splits never share a document.
+    Text sources (stdlib, text, JSONL, Parquet, chat, preference) are read and tokenized once per
+    process and cached; prepared ArrayRecord sources are opened (verified) and read lazily. The
+    held-out split hashes each document's key (:mod:`zaya_jax.data.corpus`), so the splits never
+    share a document. ``references``: per preference source, (pairs, 2) reference log-probabilities
+    of all its pairs in ``split="all"`` order; its documents are then :class:`ScoredPair` s.
     """
     fraction = data_cfg.held_out_fraction
     out = []
@@ -191,8 +242,18 @@ def tokenized_documents(data_cfg: DataConfig, split: Split, tokenizer: Tokenizer
             skipped = int(prepared.manifest.get("skipped_documents", 0))
         else:
             entry = _tokenize_source(source, tokenizer, data_cfg.on_bad_document)
-            selected = entry.documents.select(_split_indices(entry.mask(fraction), split))
+            indices = _split_indices(entry.mask(fraction), split)
+            selected = entry.documents.select(indices)
             documents, num_tokens, skipped = selected, selected.num_tokens, entry.skipped
+            if references is not None and source.name in references:
+                reference = np.asarray(references[source.name], np.float32)
+                if len(reference) != len(entry.documents):
+                    raise DataError(
+                        f"the reference log-probabilities cover {len(reference)} pairs but source "
+                        f"{source.name!r} has {len(entry.documents)}: the data changed since they were "
+                        "computed; train on the original data or start a new run"
+                    )
+                documents = ScoredDocuments(selected, reference[indices])
             parts: list[Any] = [
                 source.kind,
                 len(entry.documents),

@@ -22,6 +22,14 @@ row starts the next one (the rest of the row is padding), and one longer than a 
 row-sized pieces after an assistant turn (where a trained span ends) when one falls inside the row,
 else at the row's end. Each piece is its own segment: a piece never attends to another.
 
+Preference pairs ((3, n) arrays, :mod:`zaya_jax.data.preference`, or :class:`ScoredPair` s with
+their reference log-probabilities) are placed whole in one row, the chosen sequence (+ EOS) as one
+segment and the rejected one (+ EOS) as the next, so in a row of pairs segment ``2k + 1`` is the
+k-th pair's chosen and ``2k + 2`` its rejected; ``loss_mask`` marks the completion's targets. A
+pair that does not fit in what is left of a row starts the next one, and a pair longer than a whole
+row is left out (:func:`pair_fits`). A scored pair also fills ``reference_logps`` with each
+sequence's reference log-probability on its segment's first position.
+
 Why not Grain's ``grain.experimental.ConcatThenSplitIterDataset``: it packs tokens of named
 features, not (input, target) pairs, so a document split across rows either loses the pair at the
 split or needs a second, shifted feature; it passes elements that are already full through ahead
@@ -41,11 +49,17 @@ import grain
 import numpy as np
 
 from zaya_jax.data.batch import empty_row
-from zaya_jax.data.documents import DocumentSequence
+from zaya_jax.data.documents import DocumentSequence, ScoredPair
+from zaya_jax.data.preference import CHOSEN, REJECTED
 
 # Synchronous reads: documents are in memory or a local ArrayRecord read of ~10 us, and the
 # Prefetcher thread already overlaps the whole pipeline with the training step.
 _READ_OPTIONS = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)
+
+
+def pair_fits(document: np.ndarray, seq_len: int) -> bool:
+    """Whether a (3, n) pair document fits in one row: n tokens (+ one EOS per sequence) give n pairs."""
+    return document.shape[1] <= seq_len
 
 
 class _PackDatasetIterator(grain.DatasetIterator):
@@ -65,10 +79,16 @@ class _PackDatasetIterator(grain.DatasetIterator):
         self._offset = 0  # pairs of the current document already placed
         self._trained: np.ndarray | None = None  # chat: per token (EOS included), 1 = trained
         self._cuts = np.zeros(0, np.int64)  # chat: pairs where a piece may start (after a turn)
+        self._pair: ScoredPair | None = None  # a preference pair, placed whole
 
-    def _load(self, document: np.ndarray) -> None:
+    def _load(self, document: np.ndarray | ScoredPair) -> None:
         self._offset = 0
         self._trained = None
+        self._pair = None
+        if isinstance(document, ScoredPair) or (document.ndim == 2 and document.shape[0] == 3):  # a pair
+            self._pair = document if isinstance(document, ScoredPair) else ScoredPair(document, None)
+            self._doc = np.zeros(self._pair.document.shape[1] + 1, np.int32)  # its length in pairs + 1
+            return
         if document.ndim == 2:  # chat: (ids, trained)
             tokens, trained = np.asarray(document[0], np.int32), np.asarray(document[1], np.float32)
             if len(tokens):
@@ -105,6 +125,15 @@ class _PackDatasetIterator(grain.DatasetIterator):
                 self._doc_state = state
                 self._load(document)
                 continue
+            if self._pair is not None:
+                if not pair_fits(self._pair.document, self._seq_len):
+                    self._offset = len(self._doc) - 1  # longer than a row: left out
+                    continue
+                if len(self._doc) - 1 > self._seq_len - filled:
+                    return row  # padded: the pair starts the next row
+                filled, segment = self._place_pair(row, filled, segment)
+                self._offset = len(self._doc) - 1
+                continue
             doc, start = self._doc, self._offset
             take = self._take(filled)
             if take == 0:
@@ -122,6 +151,27 @@ class _PackDatasetIterator(grain.DatasetIterator):
             self._offset += take
             filled = end
         return row
+
+    def _place_pair(self, row: dict[str, np.ndarray], filled: int, segment: int) -> tuple[int, int]:
+        """The current pair's chosen and rejected sequences as the row's next two segments."""
+        document, reference = self._pair
+        for side, which in enumerate((CHOSEN, REJECTED)):
+            part = document[:, document[2] == which]
+            tokens = np.concatenate([part[0], self._eos])
+            scored = np.concatenate([part[1], part[1][-1:]]).astype(np.float32)
+            end = filled + len(tokens) - 1
+            segment += 1
+            row["inputs"][filled:end] = tokens[:-1]
+            row["targets"][filled:end] = tokens[1:]
+            row["segment_ids"][filled:end] = segment
+            row["positions"][filled:end] = np.arange(end - filled, dtype=np.int32)
+            row["loss_mask"][filled:end] = scored[1:]
+            if reference is not None:
+                row.setdefault("reference_logps", np.zeros(self._seq_len, np.float32))[filled] = reference[
+                    side
+                ]
+            filled = end
+        return filled, segment
 
     def get_state(self) -> dict[str, Any]:
         if self._doc is None:

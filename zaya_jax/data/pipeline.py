@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -199,9 +199,11 @@ def make_row_iterator(
     process_count: int = 1,
     shuffle: bool = True,
     repeat: bool = True,
+    references: Mapping[str, np.ndarray] | None = None,
 ) -> RowIterator:
     """Packed rows of ``seq_len`` from the sources of ``data_cfg`` (see :class:`RowIterator`);
-    training rows are shuffled within windows of ``data_cfg.shuffle_window`` rows.
+    training rows are shuffled within windows of ``data_cfg.shuffle_window`` rows. ``references``:
+    the reference log-probabilities of preference sources (:func:`~zaya_jax.data.documents.tokenized_documents`).
 
     ``mixture``: one weight per source (default: each source's ``weight``). Process ``p`` of
     ``process_count`` reads documents ``p, p + P, ...`` of every source, disjoint from the others.
@@ -210,7 +212,7 @@ def make_row_iterator(
     have none); for training every source must have documents.
     """
     return _rows(
-        tokenized_documents(data_cfg, split, tokenizer),
+        tokenized_documents(data_cfg, split, tokenizer, references),
         tokenizer,
         seq_len=seq_len,
         seed=seed,
@@ -277,11 +279,12 @@ def eval_batches(
     batch_size: int,
     num_batches: int,
     seed: int = 0,
+    references: Mapping[str, np.ndarray] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """``num_batches`` fixed batches of held-out rows (the same on every call with the same
     arguments), each key (batch_size, seq_len). When the held-out documents hold fewer pairs than
     requested, rows repeat (with a warning)."""
-    sources = tokenized_documents(data_cfg, "held_out", tokenizer)
+    sources = tokenized_documents(data_cfg, "held_out", tokenizer, references)
     rows = _rows(
         sources,
         tokenizer,

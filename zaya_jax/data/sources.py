@@ -50,7 +50,13 @@ _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".parquet": "parquet"}
 # Text and JSONL files may be compressed: gzip (standard library) or zstandard (``zstandard``).
 _COMPRESSED = (".gz", ".zst")
 # Files a directory of a given kind contributes (text: every non-hidden file).
-_PATTERN_BY_KIND = {"text": "*", "jsonl": "*.jsonl*", "chat": "*.jsonl*", "parquet": "*.parquet"}
+_PATTERN_BY_KIND = {
+    "text": "*",
+    "jsonl": "*.jsonl*",
+    "chat": "*.jsonl*",
+    "preference": "*.jsonl*",
+    "parquet": "*.parquet",
+}
 # What reading a (possibly compressed) file raises when the file is unreadable, truncated or corrupt.
 _READ_ERRORS = (OSError, EOFError, ZstdError)
 _PROBLEMS_KEPT = 20

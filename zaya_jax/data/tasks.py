@@ -1,11 +1,13 @@
 """A built-in synthetic chat task with a deterministic, checkable answer, for post-training on the
-``tiny`` model without downloads (``zaya data example-chat``), for its tests and benches, and as a
-verifiable reward: the user asks to reverse a word of random lowercase letters and the answer is
-that word reversed.
+``tiny`` model without downloads (``zaya data example-chat``, ``example-preference``), for its tests
+and benches, and as a verifiable reward: the user asks to reverse a word of random lowercase letters
+and the answer is that word reversed.
 
 ``reverse_chats(n, seed)`` gives the conversations, ``reverse_answer(prompt)`` the correct reply to
 one, and ``exact_match(prompt, reply)`` scores a model's reply (1.0 or 0.0, surrounding whitespace
-and the template's ``<|end|>`` marker ignored).
+and the template's ``<|end|>`` marker ignored). ``reverse_pairs(n, seed)`` gives preference pairs
+(chosen: the reversed word; rejected: the word copied unchanged), and :func:`reverse_reward` is the
+GRPO reward function (``rl.reward``) of the task.
 """
 
 from __future__ import annotations
@@ -36,6 +38,26 @@ def reverse_chats(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> 
             }
         )
     return records
+
+
+def reverse_pairs(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, Any]]:
+    """``n`` preference records ``{"prompt", "chosen", "rejected"}``: the reversed word is preferred
+    to the word copied unchanged (palindromes, which would make both the same, are not drawn)."""
+    pairs = []
+    for record in reverse_chats(2 * n + 16, seed, min_len, max_len):
+        prompt, answer = (m["content"] for m in record["messages"])
+        if answer != prompt[len(_PREFIX) :]:
+            pairs.append({"prompt": prompt, "chosen": answer, "rejected": prompt[len(_PREFIX) :]})
+        if len(pairs) == n:
+            return pairs
+    raise ValueError(f"could not draw {n} non-palindromes; raise max_len")
+
+
+def reverse_reward(record: dict[str, Any], completion: str) -> float:
+    """The reverse task's reward for ``completion`` of ``record``'s prompt (its first user message):
+    1.0 for the exact reversed word (:func:`exact_match`), else 0.0."""
+    prompt = next(m["content"] for m in record["messages"] if m["role"] == "user")
+    return exact_match(prompt, completion)
 
 
 def reverse_answer(prompt: str) -> str:

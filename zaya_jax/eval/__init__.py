@@ -45,10 +45,8 @@ def _loss_over(
     eval_step = single_device_programs(cfg).eval_step
     total, tokens = 0.0, 0.0
     for batch in tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False):
-        ce, count = eval_step(
-            lm.variables["params"], lm.variables["balancing"], jax.tree.map(jnp.asarray, batch)
-        )
-        total, tokens = total + float(ce), tokens + float(count)
+        sums = eval_step(lm.variables["params"], lm.variables["balancing"], jax.tree.map(jnp.asarray, batch))
+        total, tokens = total + float(sums["loss"]), tokens + float(sums["weight"])
     if tokens == 0:
         raise ValueError("no evaluation tokens: the split of the data is empty")
     loss = total / tokens

@@ -24,9 +24,9 @@ import numpy as np
 import optax
 
 from zaya_jax.config import Config, MeshConfig
-from zaya_jax.data import BATCH_FIELDS, eval_batches
-from zaya_jax.loss import make_eval_step
-from zaya_jax.model import abstract_variables, init_variables
+from zaya_jax.data import batch_fields, eval_batches
+from zaya_jax.loss import make_eval_step, sequence_logps, under_axis_rules
+from zaya_jax.model import Zaya, abstract_variables, init_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
 from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
@@ -46,7 +46,8 @@ class Programs:
       holds the whole model);
     - ``train_step``: ``(state, batch, lr_scale, loss_limit) -> (state, metrics)``, the state
       donated; ``loss_limit`` (``inf`` for none) makes the step keep the old state on a bad step;
-    - ``eval_step``: ``(params, balancing, batch) -> (summed cross-entropy, target tokens)``.
+    - ``eval_step``: ``(params, balancing, batch) -> {"weight", **sums}``, the objective's summed
+      held-out metrics (:func:`zaya_jax.loss.make_eval_step`).
     """
 
     cfg: Config
@@ -112,12 +113,30 @@ class Programs:
             out_shardings=layout.replicated,
         )
 
+    @functools.cached_property
+    def sequence_logps_step(self) -> Any:
+        """``(params, balancing, batch) -> (batch, seq + 2)`` log-probabilities of each row's
+        segments over their trained targets (column s: segment s), replicated: the preference
+        objectives' reference pass (:mod:`zaya_jax.train.reference`)."""
+        layout = self.layout
+        model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
+        chunk = self.cfg.train.loss_chunk
+
+        def logps(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
+            return sequence_logps(model, params, balancing, batch, chunk)[0]
+
+        return jax.jit(
+            under_axis_rules(logps, layout.step_hooks["axis_rules"]),
+            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
+            out_shardings=layout.replicated,
+        )
+
     def abstract_batch(self, rows: int | None = None, seq: int | None = None) -> dict[str, Any]:
         """A batch of ``rows`` x ``seq`` tokens (default: the run's final batch) as abstract arrays."""
         rows, seq = rows or self.cfg.train.batch_size, seq or self.cfg.train.seq_len
         return {
-            key: jax.ShapeDtypeStruct((rows, seq), dtype, sharding=self.layout.batch)
-            for key, dtype in BATCH_FIELDS.items()
+            key: jax.ShapeDtypeStruct((rows, seq, *trailing), dtype, sharding=self.layout.batch)
+            for key, (dtype, trailing) in batch_fields(self.cfg).items()
         }
 
     def step_arguments(
@@ -132,15 +151,15 @@ class Programs:
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.layout.replicated)
         return self.train_step.lower(self.abstract_state, self.abstract_batch(rows, seq), scalar, scalar)
 
-    def held_out_batches(self, tokenizer: Any) -> list[dict[str, jax.Array]]:
+    def held_out_batches(self, tokenizer: Any, references: Any = None) -> list[dict[str, jax.Array]]:
         """The run's held-out batches (``eval.batches`` of ``train.batch_size`` x
-        ``train.seq_len``, seed ``train.seed``), this process's rows placed on the mesh."""
-        return [
-            put_batch(local_rows(b), self.layout.batch) for b in held_out_host_batches(self.cfg, tokenizer)
-        ]
+        ``train.seq_len``, seed ``train.seed``), this process's rows placed on the mesh.
+        ``references``: the preference run's reference log-probabilities (dpo, ipo)."""
+        batches = held_out_host_batches(self.cfg, tokenizer, references)
+        return [put_batch(local_rows(b), self.layout.batch) for b in batches]
 
 
-def held_out_host_batches(cfg: Config, tokenizer: Any) -> list[dict[str, np.ndarray]]:
+def held_out_host_batches(cfg: Config, tokenizer: Any, references: Any = None) -> list[dict[str, np.ndarray]]:
     """The run's held-out evaluation data as global host batches (the same on every call)."""
     train = cfg.train
     return eval_batches(
@@ -150,6 +169,7 @@ def held_out_host_batches(cfg: Config, tokenizer: Any) -> list[dict[str, np.ndar
         batch_size=train.batch_size,
         num_batches=cfg.eval.batches,
         seed=train.seed,
+        references=references,
     )
 
 

@@ -1,11 +1,12 @@
 """The pure training step ``(state, batch, lr_scale, loss_limit) -> (state, metrics)`` and the
 state it updates. Jitted with its shardings in one place, :func:`zaya_jax.programs.build_programs`.
 
-The step splits a batch (:data:`zaya_jax.data.BATCH_KEYS`) into ``micro_batches`` accumulated by a
-``lax.scan``; the loss (:mod:`zaya_jax.loss`) is the token-weighted mean next-token cross-entropy
-over the whole batch (plus the optional z-loss), so accumulation gives the same gradient as one big
-batch. Every metric the step returns is a scalar or a vector and goes to ``metrics.jsonl`` under its
-own name (:func:`zaya_jax.train.metrics.metric_record`).
+The step splits a batch (:func:`zaya_jax.data.batch_fields`) into ``micro_batches`` accumulated by a
+``lax.scan``; the objective (``train.objective``, :mod:`zaya_jax.loss.objectives`) is a sum over the
+batch divided by its weight (trained tokens, pairs or completion tokens) over the whole batch, so
+accumulation gives the same gradient as one big batch. Every metric the step returns is a scalar or
+a vector and goes to ``metrics.jsonl`` under its own name
+(:func:`zaya_jax.train.metrics.metric_record`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from zaya_jax.config import Config
-from zaya_jax.loss import Batch, loss_and_stats, under_axis_rules
+from zaya_jax.loss import Batch, objective_for, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
@@ -60,10 +61,8 @@ def make_train_step(
     activations' sharding constraints (``Layout.step_hooks``)."""
     model = Zaya(cfg.model, hooks)
     micro = cfg.train.micro_batches
-    grad_fn = jax.grad(
-        lambda p, b, batch: loss_and_stats(model, p, b, batch, cfg.train.z_loss, cfg.train.loss_chunk),
-        has_aux=True,
-    )
+    objective = objective_for(cfg)
+    grad_fn = jax.grad(lambda p, b, batch: objective.loss_and_stats(model, p, b, batch), has_aux=True)
 
     def step(
         state: TrainState, batch: Batch, lr_scale: jax.Array, loss_limit: jax.Array | None = None
@@ -72,8 +71,8 @@ def make_train_step(
         parameters, optimizer and balancing state when the loss or gradient norm is not finite or
         the loss exceeds the limit (metrics ``skipped``, ``nonfinite``)."""
         grads, stats = _accumulated_grads(grad_fn, state, batch, micro)
-        tokens = jnp.maximum(stats["tokens"], 1.0)
-        grads = jax.tree.map(lambda g: g / tokens, grads)
+        weight = jnp.maximum(stats["weight"], 1.0)
+        grads = jax.tree.map(lambda g: g / weight, grads)
         grad_norm = optax.tree.norm(grads)
         opt_state = set_lr_scale(state.opt_state, lr_scale)
         updates, opt_state = tx.update(grads, opt_state, state.params)
@@ -88,7 +87,7 @@ def make_train_step(
             )
             balancing = {"layers": {"router": {"biases": biases}}}
 
-        metrics = _step_metrics(stats, tokens, grad_norm, biases, spread)
+        metrics = _step_metrics(stats, weight, grad_norm, biases, spread)
         new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
         if loss_limit is not None:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -122,14 +121,15 @@ def _accumulated_grads(
 
 
 def _step_metrics(
-    stats: dict[str, jax.Array], tokens: jax.Array, grad_norm: jax.Array, biases: jax.Array, spread: jax.Array
+    stats: dict[str, jax.Array], weight: jax.Array, grad_norm: jax.Array, biases: jax.Array, spread: jax.Array
 ) -> dict[str, jax.Array]:
-    """The step's scalars and vectors, each under its name in ``metrics.jsonl``."""
+    """The step's scalars and vectors, each under its name in ``metrics.jsonl``: the objective's
+    sums per unit of its weight (``loss`` first; for ``lm`` also ``log_z_squared``, the z-loss term
+    before its weight ``train.z_loss``), then the optimizer's and the router's."""
     load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
     experts = load_fraction[:, :-1]
     return {
-        "loss": stats["ce_sum"] / tokens,
-        "log_z_squared": stats["z_sum"] / tokens,  # the z-loss term before its weight train.z_loss
+        **{name: total / weight for name, total in stats["sums"].items()},
         "grad_norm": grad_norm,
         "expert_load": load_fraction.mean(0),  # (E+1,) averaged over layers
         # inf (null in metrics.jsonl) while some expert receives no token at all

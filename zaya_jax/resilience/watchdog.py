@@ -20,12 +20,12 @@ HANG_STACKS = "hang_stacks.txt"
 
 class Watchdog:
     """``beat(step, phase)`` after every step (and around long phases: compiling, evaluating,
-    saving, which get ``slow_timeout_s``); the heartbeat file ``<run>/heartbeat.json`` holds the last beat. With a timeout, a
+    saving, scoring preference pairs, which get ``slow_timeout_s``); the heartbeat file ``<run>/heartbeat.json`` holds the last beat. With a timeout, a
     daemon thread checks the time since the last beat and on expiry writes the stacks of every
     thread to ``<run>/hang_stacks.txt`` (and stderr), records a ``hang`` event and ends the
     process with exit code 75: a hung collective or a stuck input cannot be unblocked from inside."""
 
-    SLOW_PHASES = ("init", "restore", "compile", "save")
+    SLOW_PHASES = ("init", "restore", "compile", "save", "reference")
 
     def __init__(
         self, run_dir: Path | None, timeout_s: float, slow_timeout_s: float = 0.0, *, enabled: bool = True

@@ -114,7 +114,8 @@ class Logging(Hook):
 
 class Evaluation(Hook):
     """The held-out loss every ``eval.every`` steps and after the final step, written to
-    ``metrics.jsonl`` as ``{"step", "eval_loss"}`` and passed on to the hooks after it."""
+    ``metrics.jsonl`` as ``{"step", "eval_loss"}`` (plus the objective's other held-out metrics,
+    ``eval_pair_accuracy`` ...) and passed on to the hooks after it."""
 
     def __init__(self, held_out: HeldOut, cfg: Config, writer: MetricsWriter, meter: Throughput):
         self.held_out, self.cfg, self.writer, self.meter = held_out, cfg, writer, meter
@@ -127,9 +128,10 @@ class Evaluation(Hook):
         if not self.due(end.step):
             return None
         started = time.perf_counter()
-        self.last_loss = self.held_out(end.step, end.state)
+        metrics = self.held_out(end.step, end.state)
+        self.last_loss = metrics["loss"]
         self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
-        self.writer.write({"step": end.step, "eval_loss": self.last_loss})
+        self.writer.write({"step": end.step, **{f"eval_{name}": value for name, value in metrics.items()}})
         return dataclasses.replace(end, eval_loss=self.last_loss)
 
 

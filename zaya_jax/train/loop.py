@@ -41,6 +41,7 @@ from zaya_jax.train.init import initialize_from
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.policy import Action, Outcome, decide
 from zaya_jax.train.programs import HeldOut, TrainStep
+from zaya_jax.train.reference import preference_references
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.schedule import BatchProducer, check_run, final_batch_size
 from zaya_jax.train.startup import start_event
@@ -55,6 +56,7 @@ class _Resumed:
     first_step: int
     unreadable: list[dict[str, Any]]
     initialized: dict[str, Any] | None
+    data_state: dict[str, Any] | None = None  # the data position of the restored checkpoint
 
 
 @dataclasses.dataclass
@@ -123,8 +125,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
     watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
-    producer = BatchProducer(cfg, tokenizer)
-    resumed = _resume(cfg, run, resuming, programs.init_state(), checkpoints, producer, primary)
+    resumed = _resume(cfg, run, resuming, programs.init_state(), checkpoints, primary)
 
     after = resumed.first_step - 1
     writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
@@ -136,9 +137,16 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
         writer.event("init_from", **resumed.initialized)
     peak, peak_source = peak_flops(cfg.model.dtype)
     start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized)
+    references = preference_references(
+        cfg, run.path, programs, resumed.state, tokenizer, fresh_start=resumed.first_step == 1,
+        event=writer.event, on_batch=lambda: watchdog.beat(0, "reference"),
+    )  # fmt: skip
+    producer = BatchProducer(cfg, tokenizer, references)
+    if resumed.data_state is not None:
+        producer.set_state(resumed.data_state)
 
     meter = Throughput(peak)
-    evaluation = Evaluation(HeldOut(programs, tokenizer, watchdog), cfg, writer, meter)
+    evaluation = Evaluation(HeldOut(programs, tokenizer, watchdog, references), cfg, writer, meter)
     logging = Logging(cfg, writer, meter, also_at=evaluation.due)
     every = [logging, evaluation, checkpoints, Profiling(cfg, run), *hooks]
     for hook in every:
@@ -209,18 +217,16 @@ def _resume(
     resuming: bool,
     fresh: TrainState,
     checkpoints: Checkpointing,
-    producer: BatchProducer,
     primary: bool,
 ) -> _Resumed:
-    """The latest readable checkpoint of a resumed run (its data position given to ``producer``),
-    or, for a new run with ``train.init_from``, existing weights; else the fresh state."""
+    """The latest readable checkpoint of a resumed run (with its data position), or, for a new run
+    with ``train.init_from``, existing weights; else the fresh state."""
     restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
     if restored is not None:
         state, data_state, restored_step = restored
-        producer.set_state(data_state)
         if primary:
             run.truncate_metrics(restored_step)  # before the writer opens the file
-        return _Resumed(state, restored_step + 1, unreadable, None)
+        return _Resumed(state, restored_step + 1, unreadable, None, data_state)
     if cfg.train.init_from:
         state, initialized = initialize_from(cfg.train.init_from, fresh)
         return _Resumed(state, 1, unreadable, initialized)

@@ -50,21 +50,24 @@ class TrainStep:
 
 class HeldOut:
     """The run's held-out evaluation: ``eval.batches`` batches of the held-out split, placed
-    on the mesh once; calling it returns the mean cross-entropy per target token."""
+    on the mesh once; calling it returns the objective's held-out metrics (``loss``: the mean
+    cross-entropy per target token for ``lm``; per pair, with ``pair_accuracy`` and the rewards,
+    for the preference objectives)."""
 
-    def __init__(self, programs: Programs, tokenizer: Any, watchdog: Watchdog):
+    def __init__(self, programs: Programs, tokenizer: Any, watchdog: Watchdog, references: Any = None):
         self.programs, self.watchdog = programs, watchdog
         self._compiled: Any = None
-        self.batches = programs.held_out_batches(tokenizer)
+        self.batches = programs.held_out_batches(tokenizer, references)
 
-    def __call__(self, step: int, state: TrainState) -> float:
+    def __call__(self, step: int, state: TrainState) -> dict[str, float]:
         self.watchdog.beat(step, "eval" if self._compiled else "compile")
         if self._compiled is None:
             lowered = self.programs.eval_step.lower(state.params, state.balancing, self.batches[0])
             self._compiled = lowered.compile()
             barrier("eval", self.programs.cfg.runtime.barrier_timeout_s)
-        total, count = 0.0, 0.0
+        totals: dict[str, float] = {}
         for batch in self.batches:
-            ce, n = self._compiled(state.params, state.balancing, batch)
-            total, count = total + float(ce), count + float(n)
-        return total / max(count, 1.0)
+            for name, value in self._compiled(state.params, state.balancing, batch).items():
+                totals[name] = totals.get(name, 0.0) + float(value)
+        weight = max(totals.pop("weight"), 1.0)
+        return {name: total / weight for name, total in totals.items()}

@@ -83,8 +83,8 @@ class BatchProducer:
     curriculum. The plan depends only on tokens already produced, so it is the same whether or not
     batches are prefetched; the data state is the position after the batch (JSON-able)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any):
-        self.cfg, self.tokenizer = cfg, tokenizer
+    def __init__(self, cfg: Config, tokenizer: Any, references: dict[str, np.ndarray] | None = None):
+        self.cfg, self.tokenizer, self.references = cfg, tokenizer, references
         self.tokens_seen = 0
         self.rows, self.stage = None, -1
 
@@ -97,6 +97,7 @@ class BatchProducer:
             mixture=plan.mixture,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
+            references=self.references,
         )
         self.stage = plan.stage
 

@@ -1,9 +1,11 @@
-"""The training objective: next-token cross-entropy (plus the optional z-loss) summed over a batch's
-real targets, with the statistics that training accumulates across micro-batches.
+"""The model's forward pass as every objective reads it: the per-token negative log-likelihood of a
+batch's targets and the log-partition (the LM head applied chunk by chunk, so the full float32
+logits never exist), the routing statistics the balancing controller accumulates, and per-sequence
+sums over packed segments.
 
-A batch is a dict of (batch, seq) arrays (:data:`zaya_jax.data.BATCH_KEYS`): ``inputs``,
-``targets``, ``segment_ids`` (0 = padding), ``positions`` and ``loss_mask``. Training and evaluation
-both call :func:`loss_and_stats`, so the held-out number is the training number without the z-loss.
+A batch is a dict of (batch, seq) arrays (:mod:`zaya_jax.data.batch`): ``inputs``, ``targets``,
+``segment_ids`` (0 = padding), ``positions``, ``loss_mask``, and what an objective adds (``routes``,
+(batch, seq, layers), replays a sampler's routing: :class:`zaya_jax.model.Zaya`).
 """
 
 from __future__ import annotations
@@ -16,9 +18,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.config import Config
 from zaya_jax.model import BALANCING, Zaya
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.transformer import lm_head_weights
 from zaya_jax.ops.cross_entropy import chunked_cross_entropy
 
@@ -41,24 +41,23 @@ def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
     return nn.with_logical_constraint(x, tuple(names))
 
 
-def loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float, loss_chunk: int = 0
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed (not averaged) loss over the batch's real targets, and the statistics to accumulate.
-
-    The LM head is applied by :func:`~zaya_jax.ops.cross_entropy.chunked_cross_entropy`,
-    ``loss_chunk`` sequence positions at a time (0: automatic), so the full float32 logits never
-    exist; the result equals :func:`token_losses` of the model's logits."""
+def token_nll(
+    model: Zaya, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 0
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """(cross-entropy, log-partition, routing statistics): the first two (batch, seq) float32 for
+    every target (masked or not), equal to :func:`token_losses` of the model's logits; the LM head
+    applied ``loss_chunk`` positions at a time (0: automatic). With ``batch["routes"]`` each layer
+    selects the given classes (router replay)."""
     hidden, aux = model.apply(
         {"params": params, BALANCING: balancing},
         batch["inputs"],
         token_mask=batch["segment_ids"] > 0,
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
+        routes=batch.get("routes"),
         return_hidden=True,
     )
     weight, bias, vocab_axis = lm_head_weights(model.cfg, params)
-    mask = batch["loss_mask"].astype(jnp.float32)
     ce, log_z = chunked_cross_entropy(
         hidden,
         weight,
@@ -68,19 +67,28 @@ def loss_and_stats(
         chunk=loss_chunk,
         shard_vocab=_shard_vocab,
     )
-    ce_sum = jnp.sum(ce * mask)
-    z_sum = jnp.sum(jnp.square(log_z) * mask)
-    stats = {
-        "ce_sum": ce_sum,
-        "z_sum": z_sum,
-        "tokens": mask.sum(),
+    return ce, log_z, routing_stats(batch, aux)
+
+
+def routing_stats(batch: Batch, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """What the balancing controller and the routing metrics accumulate over micro-batches."""
+    return {
         "routed": (batch["segment_ids"] > 0).sum().astype(jnp.float32),
         "load": aux["load"],
         "dropped": aux["dropped"],
         "prob_dev_sum": aux["prob_dev_sum"],
         "prob_dev_sq_sum": aux["prob_dev_sq_sum"],
     }
-    return ce_sum + z_loss * z_sum, stats
+
+
+def segment_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """(batch, seq + 2) sums of (batch, seq) ``values`` over each row's segments: column ``s`` sums
+    segment ``s`` (column 0 the padding); columns past a row's last segment are 0."""
+    rows, seq = values.shape
+    width = seq + 2
+    ids = (jnp.arange(rows)[:, None] * width + segment_ids).reshape(-1)
+    sums = jax.ops.segment_sum(values.reshape(-1), ids, num_segments=rows * width)
+    return sums.reshape(rows, width)
 
 
 def under_axis_rules(fn: Callable, axis_rules: tuple[Any, Any] | None) -> Callable:
@@ -96,19 +104,3 @@ def under_axis_rules(fn: Callable, axis_rules: tuple[Any, Any] | None) -> Callab
             return fn(*args, **kwargs)
 
     return traced
-
-
-def make_eval_step(
-    cfg: Config,
-    hooks: ModelHooks = SINGLE_DEVICE,
-    axis_rules: tuple[Any, Any] | None = None,
-) -> Callable[[Any, Any, Batch], tuple[jax.Array, jax.Array]]:
-    """(params, balancing, batch) -> (summed cross-entropy, number of target tokens); arguments
-    as :func:`zaya_jax.train.step.make_train_step`'s."""
-    model = Zaya(cfg.model, hooks)
-
-    def evaluate(params: Any, balancing: Any, batch: Batch) -> tuple[jax.Array, jax.Array]:
-        _, stats = loss_and_stats(model, params, balancing, batch, 0.0, cfg.train.loss_chunk)
-        return stats["ce_sum"], stats["tokens"]
-
-    return under_axis_rules(evaluate, axis_rules)

@@ -1,0 +1,142 @@
+"""Preference tuning: pairs are read, named when bad, and packed whole (chosen and rejected as
+adjacent segments, completions scored); a DPO run scores every pair once with its starting weights,
+equal to HF ``ZayaForCausalLM`` on the completion tokens, starts at loss ln 2, keeps the reference
+across a resume and refuses one whose data changed."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from tests.hf_reference import make_hf_model, torch
+from zaya_jax.cli import main
+from zaya_jax.config import ConfigError, DataConfig, DataSource, load_config
+from zaya_jax.data import DataError, load_tokenizer, make_row_iterator, tokenized_documents
+from zaya_jax.data.chat import ChatEncoder, find_chat_template
+from zaya_jax.data.preference import PreferenceEncoder
+from zaya_jax.data.tasks import reverse_pairs
+from zaya_jax.data.tasks import write_jsonl as write_records
+
+BYTE = load_tokenizer("byte")
+ENCODER = PreferenceEncoder(ChatEncoder(BYTE, find_chat_template("byte")))
+
+
+def _data(path, **kwargs) -> DataConfig:
+    return DataConfig(sources=(DataSource(name="pairs", kind="preference", path=str(path)),), **kwargs)
+
+
+def test_pairs_are_packed_whole_with_only_the_completions_scored(tmp_path):
+    pairs = reverse_pairs(6, seed=1)
+    pairs[1] = {  # a conversation prompt with an earlier assistant turn: context, never scored
+        "messages": [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello"},
+            {"role": "user", "content": "reverse: abc"},
+        ],
+        "chosen": {"role": "assistant", "content": "cba"},
+        "rejected": [{"role": "assistant", "content": "abc"}],
+    }
+    pairs[4] = {"prompt": "reverse: " + "x" * 200, "chosen": "y" * 40, "rejected": "z"}  # longer than a row
+    path = write_records(tmp_path / "pairs.jsonl", pairs)
+    data = _data(path)
+    rows = list(make_row_iterator(data, BYTE, seq_len=256, seed=0, split="all", shuffle=False, repeat=False))
+    placed = []
+    for row in rows:
+        segments = row["segment_ids"]
+        assert segments.max() % 2 == 0  # pairs only, whole
+        for k in range(1, segments.max() + 1, 2):
+            chosen, rejected = (row["targets"][(segments == s) & (row["loss_mask"] > 0)] for s in (k, k + 1))
+            placed.append((BYTE.decode(chosen[:-1]), BYTE.decode(rejected[:-1])))  # the EOS target last
+            assert row["targets"][segments == k][-1] == BYTE.eos_id
+    expected = [(p["chosen"], p["rejected"]) for i, p in enumerate(pairs) if i not in (1, 4)]
+    assert [c for c, _ in placed if c != "cba<|end|>\n"] == [c + "<|end|>\n" for c, _ in expected]
+    assert ("cba<|end|>\n", "abc<|end|>\n") in placed  # "hello" (the prompt's reply) is not scored
+    assert len(placed) == 5  # the pair longer than a row is left out
+    with pytest.raises(ConfigError, match=r"train\.objective=lm cannot use"):
+        load_config("tiny", [f"data.sources=[{{name: p, kind: preference, path: {path}}}]"])
+
+    documents = tokenized_documents(data, "all", BYTE)[0].documents
+    np.testing.assert_array_equal(documents[0], ENCODER.encode(pairs[0]))
+    # With reference log-probabilities, each sequence's sits on its segment's first position.
+    reference = {"pairs": np.arange(1, 13, dtype=np.float32).reshape(6, 2)}
+    scored = make_row_iterator(
+        data, BYTE, seq_len=256, seed=0, split="all", shuffle=False, repeat=False, references=reference
+    )
+    row = next(scored)
+    firsts = np.flatnonzero((row["positions"] == 0) & (row["segment_ids"] > 0))
+    np.testing.assert_array_equal(row["reference_logps"][firsts], np.arange(1, len(firsts) + 1))
+    assert row["reference_logps"].sum() == np.arange(1, len(firsts) + 1).sum()
+
+
+@pytest.mark.parametrize(
+    ("record", "problem"),
+    [
+        ({"chosen": "a", "rejected": "b"}, "no prompt"),
+        ({"prompt": "p", "rejected": "b"}, "'chosen' is missing"),
+        (
+            {"prompt": "p", "chosen": "a", "rejected": [{"role": "user", "content": "b"}]},
+            "no assistant message",
+        ),
+        ({"prompt": [{"role": "robot", "content": "p"}], "chosen": "a", "rejected": "b"}, "role 'robot'"),
+    ],
+)
+def test_a_bad_pair_is_named_with_its_line_or_skipped(tmp_path, record, problem):
+    path = write_records(tmp_path / "pairs.jsonl", [*reverse_pairs(2), record])
+    with pytest.raises(DataError, match=rf"pairs.jsonl:3: .*{problem}"):
+        tokenized_documents(_data(path), "all", BYTE)
+    kept = tokenized_documents(_data(path, on_bad_document="skip"), "all", BYTE)[0]
+    assert len(kept.documents) == 2 and kept.skipped == 1
+
+
+def _hf_completion_logps(hf, pair) -> tuple[float, float]:
+    """Summed log-probabilities of the chosen and rejected completion tokens (and their EOS) in HF."""
+    document = ENCODER.encode(pair)
+    out = []
+    for side in (1, 2):
+        ids, scored = document[:2, document[2] == side]
+        ids, scored = np.append(ids, BYTE.eos_id), np.append(scored, scored[-1])
+        with torch.no_grad():
+            logits = hf(input_ids=torch.as_tensor(ids[None]), use_cache=False).logits[0].double()
+        logp = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.as_tensor(ids[1:, None])).numpy()[:, 0]
+        out.append(float((logp * scored[1:]).sum()))
+    return out[0], out[1]
+
+
+def _events(run, name):
+    lines = (run / "events.jsonl").read_text().splitlines()
+    return [json.loads(line)["detail"] for line in lines if json.loads(line)["event"] == name]
+
+
+def test_dpo_scores_pairs_like_hf_starts_at_ln2_and_keeps_its_reference(tmp_path, capsys):
+    hf = make_hf_model(seed=3, vocab_size=264)
+    hf_dir = tmp_path / "hf"
+    hf.save_pretrained(hf_dir)
+    pairs = reverse_pairs(12, seed=2)
+    path = write_records(tmp_path / "pairs.jsonl", pairs)
+    run = tmp_path / "run"
+    args = [
+        "train", "dpo", "--init-from", str(hf_dir), f"run.dir={run}", "--no-progress",
+        f"data.sources=[{{name: pairs, kind: preference, path: {path}}}]", "data.held_out_fraction=0.2",
+        "train.batch_size=2", "train.seq_len=128", "optim.warmup_steps=5", "log.every=1", "eval.every=1",
+        "eval.batches=1",
+    ]  # fmt: skip
+    assert main([*args, "train.steps=1"]) == 0
+    with np.load(run / "reference" / "logps.npz") as saved:
+        reference = saved["0"]
+    expected = np.asarray([_hf_completion_logps(hf, pair) for pair in pairs])
+    np.testing.assert_allclose(reference, expected, atol=2e-3, rtol=0)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if "loss" in r)
+    assert abs(first["loss"] - math.log(2)) < 1e-5 and abs(first["reward_margin"]) < 1e-5
+    assert abs(next(r for r in records if "eval_loss" in r)["eval_loss"] - math.log(2)) < 1e-5
+    assert first["pair_accuracy"] == 0.0  # no margin yet: no pair is "right"
+
+    assert main([*args, "train.steps=2"]) == 0  # resumed: the stored reference, not a new pass
+    assert len(_events(run, "reference")) == 1 and _events(run, "resume") == [{"from_step": 1}]
+    write_records(path, reverse_pairs(13, seed=2))
+    capsys.readouterr()
+    assert main([*args, "train.steps=3"]) == 2
+    assert "the preference data, tokenizer or train.seq_len changed" in capsys.readouterr().err
