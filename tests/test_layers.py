@@ -17,7 +17,8 @@ LAYERS: list[set[str]] = [
     {"model"},
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
     {"programs"},
-    {"train", "eval", "generate"},
+    {"generate"},
+    {"train", "eval"},
     {"lm", "config_reference"},
     {"cli", "harness", "__main__", "__init__"},
 ]

@@ -7,7 +7,8 @@ row; 0 = padding), ``positions`` (index within the segment) and ``loss_mask`` (1
 Post-training objectives add fields (:func:`batch_fields`): ``reference_logps`` (dpo, ipo: each
 sequence's reference log-probability on its segment's first position), and for grpo
 ``sampler_logprobs``, ``advantages``, ``reference_logprobs`` (with ``rl.kl > 0``) per target, and
-``routes`` (rows, seq, layers), the classes to replay (with ``rl.replay_routes``).
+``routes`` (rows, seq, layers), the sampler's classes (replayed with ``rl.replay_routes``, else
+compared: ``route_flips``).
 """
 
 from __future__ import annotations
@@ -39,8 +40,7 @@ def batch_fields(cfg: Any) -> dict[str, tuple[type[np.generic], tuple[int, ...]]
         fields["advantages"] = (np.float32, ())
         if cfg.rl.kl > 0:
             fields["reference_logprobs"] = (np.float32, ())
-        if cfg.rl.replay_routes:
-            fields["routes"] = (np.int32, (cfg.model.num_layers,))
+        fields["routes"] = (np.int32, (cfg.model.num_layers,))
     return fields
 
 

@@ -13,6 +13,7 @@ GRPO reward function (``rl.reward``) of the task.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,11 @@ _PREFIX = "reverse: "
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
 
 
-def reverse_chats(n: int, seed: int = 0, min_len: int = 3, max_len: int = 6) -> list[dict[str, Any]]:
-    """``n`` chat records ``{"messages": [user, assistant]}`` of the reverse task."""
+def reverse_chats(
+    n: int, seed: int | Sequence[int] = 0, min_len: int = 3, max_len: int = 6
+) -> list[dict[str, Any]]:
+    """``n`` chat records ``{"messages": [user, assistant]}`` of the reverse task (``seed``: any
+    ``numpy.random.default_rng`` seed)."""
     rng = np.random.default_rng(seed)
     records = []
     for _ in range(n):

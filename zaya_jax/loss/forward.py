@@ -42,12 +42,13 @@ def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
 
 
 def token_nll(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 0
+    model: Zaya, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 0, replay_routes: bool = True
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(cross-entropy, log-partition, routing statistics): the first two (batch, seq) float32 for
     every target (masked or not), equal to :func:`token_losses` of the model's logits; the LM head
     applied ``loss_chunk`` positions at a time (0: automatic). With ``batch["routes"]`` each layer
-    selects the given classes (router replay)."""
+    selects the given classes (router replay), or with ``replay_routes=False`` only counts how
+    often its own choice differs from them."""
     hidden, aux = model.apply(
         {"params": params, BALANCING: balancing},
         batch["inputs"],
@@ -55,6 +56,7 @@ def token_nll(
         segment_ids=batch["segment_ids"],
         positions=batch["positions"],
         routes=batch.get("routes"),
+        replay_routes=replay_routes,
         return_hidden=True,
     )
     weight, bias, vocab_axis = lm_head_weights(model.cfg, params)
@@ -71,14 +73,19 @@ def token_nll(
 
 
 def routing_stats(batch: Batch, aux: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """What the balancing controller and the routing metrics accumulate over micro-batches."""
-    return {
+    """What the balancing controller and the routing metrics accumulate over micro-batches (with
+    captured routes also ``routes_captured`` and ``route_flips``, summed over layers)."""
+    stats = {
         "routed": (batch["segment_ids"] > 0).sum().astype(jnp.float32),
         "load": aux["load"],
         "dropped": aux["dropped"],
         "prob_dev_sum": aux["prob_dev_sum"],
         "prob_dev_sq_sum": aux["prob_dev_sq_sum"],
     }
+    for name in ("routes_captured", "route_flips"):
+        if name in aux:
+            stats[name] = aux[name].sum()
+    return stats
 
 
 def segment_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:

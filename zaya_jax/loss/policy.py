@@ -6,7 +6,8 @@ estimator exp(d) - d - 1, d = log ref - log pi), divided by the completion token
 The batch adds per-token fields (:mod:`zaya_jax.train.rollouts` builds them): ``sampler_logprobs``
 (the sampler's log-probability of each target), ``advantages`` (the target's completion's
 group-normalised advantage), ``reference_logprobs`` when ``rl.kl > 0``, and ``routes`` when the
-sampler's routes are replayed (:class:`zaya_jax.model.Zaya`). ``loss_mask`` marks completion tokens.
+sampler's routes were captured (replayed with ``rl.replay_routes``, else only compared:
+:class:`zaya_jax.model.Zaya`). ``loss_mask`` marks completion tokens.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def grpo_loss_and_stats(
     sampler_gap (|log pi - log pi_sampler|: nonzero on the first step means the trainer does not
     reproduce the sampler))."""
     rl = cfg.rl
-    ce, _, routing = token_nll(model, params, balancing, batch, cfg.train.loss_chunk)
+    ce, _, routing = token_nll(model, params, balancing, batch, cfg.train.loss_chunk, rl.replay_routes)
     logp = -ce
     mask = batch["loss_mask"].astype(jnp.float32)
     advantages = batch["advantages"]

@@ -28,6 +28,7 @@ class Routing(NamedTuple):
     choice: jax.Array  # (batch, seq) int32 in [0, E]; E is the MOD skip class
     weight: jax.Array  # (batch, seq) unbiased, un-renormalised prob of the chosen class
     state: jax.Array  # (batch, seq, R) post-EDA, pre-norm router state passed to the next block
+    natural: jax.Array  # (batch, seq) int32: the biased argmax, the class chosen without replay
 
 
 class Router(nn.Module):
@@ -68,10 +69,9 @@ class Router(nn.Module):
             nn.with_logical_partitioning(lambda: init_balancing_biases(classes), ("router_classes",)),
         ).value
         # Biases shift *probabilities* for top-1 selection only; no gradient flows through the choice.
-        choice = jnp.argmax(jax.lax.stop_gradient(probs).astype(jnp.float32) + biases, axis=-1).astype(
+        natural = jnp.argmax(jax.lax.stop_gradient(probs).astype(jnp.float32) + biases, axis=-1).astype(
             jnp.int32
         )
-        if forced is not None:
-            choice = jnp.where(forced >= 0, forced.astype(jnp.int32), choice)
+        choice = natural if forced is None else jnp.where(forced >= 0, forced.astype(jnp.int32), natural)
         weight = jnp.take_along_axis(probs, choice[..., None], axis=-1)[..., 0]
-        return Routing(probs, choice, weight, state)
+        return Routing(probs, choice, weight, state, natural)

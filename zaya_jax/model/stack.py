@@ -114,6 +114,11 @@ class Block(nn.Module):
             "prob_dev_sum": prob_dev_sum,
             "prob_dev_sq_sum": prob_dev_sq_sum,
         }
+        captured = layer.get("routes", layer.get("observed_routes"))
+        if captured is not None:  # how often the router's own choice differs from the captured one
+            known = valid * (captured >= 0)
+            stats["routes_captured"] = jnp.sum(known)
+            stats["route_flips"] = jnp.sum(known * (captured != routing.natural))
         return (h, routing.state), (stats, cache)
 
 

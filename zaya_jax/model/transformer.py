@@ -61,7 +61,9 @@ class Zaya(nn.Module):
     given for each token (an expert index, or E for the skip class; -1 routes that token normally),
     as captured by a sampler (:func:`zaya_jax.generate.generate` with ``return_routes=True``). The
     router's probabilities stay in the graph, so the chosen class's weight and the router's gradient
-    are those of normal training.
+    are those of normal training. With ``replay_routes=False`` the routes are only compared, not
+    forced. Either way aux adds per layer ``routes_captured`` (tokens with a route given) and
+    ``route_flips`` (those whose router, unforced, would choose another class).
 
     Applied with ``mutable=["intermediates"]``, each layer also records its router's post-EDA state
     (``router_state``, (layers, batch, seq, R)), probabilities (``router_probs``) and chosen class
@@ -87,6 +89,7 @@ class Zaya(nn.Module):
         positions: jax.Array | None = None,
         cache: dict[str, jax.Array] | None = None,
         routes: jax.Array | None = None,
+        replay_routes: bool = True,
         return_hidden: bool = False,
     ) -> tuple[jax.Array, dict[str, jax.Array]]:
         cfg = self.cfg
@@ -118,7 +121,9 @@ class Zaya(nn.Module):
         if cache is not None:
             per_layer["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
         if routes is not None:  # scanned with the blocks: (layers, batch, seq)
-            per_layer["routes"] = jnp.moveaxis(jnp.asarray(routes, jnp.int32), -1, 0)
+            per_layer["routes" if replay_routes else "observed_routes"] = jnp.moveaxis(
+                jnp.asarray(routes, jnp.int32), -1, 0
+            )
 
         e = jnp.take(embedding, tokens, axis=0).astype(dtype)
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)

@@ -25,7 +25,7 @@ import optax
 
 from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import batch_fields, eval_batches
-from zaya_jax.loss import make_eval_step, sequence_logps, under_axis_rules
+from zaya_jax.loss import make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
@@ -127,6 +127,23 @@ class Programs:
 
         return jax.jit(
             under_axis_rules(logps, layout.step_hooks["axis_rules"]),
+            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
+            out_shardings=layout.replicated,
+        )
+
+    @functools.cached_property
+    def token_logprobs_step(self) -> Any:
+        """``(params, balancing, batch) -> (batch, seq)`` log-probability of every target, replicated
+        (GRPO's reference scores, ``rl.kl > 0``; no router replay: the reference routes as it does)."""
+        layout = self.layout
+        model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
+        chunk = self.cfg.train.loss_chunk
+
+        def logprobs(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
+            return -token_nll(model, params, balancing, batch, chunk)[0]
+
+        return jax.jit(
+            under_axis_rules(logprobs, layout.step_hooks["axis_rules"]),
             in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
             out_shardings=layout.replicated,
         )

@@ -142,4 +142,8 @@ def _step_metrics(
         "bias_std": biases[:, :-1].std(),
         "bias_skip": biases[:, -1].mean(),
         "router_prob_spread": spread.mean(),
-    }
+        # with captured routes (grpo): the fraction of (token, layer) whose router, unforced,
+        # would choose another class than the sampler did (what router replay prevents)
+        **({"route_flips": stats["route_flips"] / jnp.maximum(stats["routes_captured"], 1.0)}
+           if "route_flips" in stats else {}),
+    }  # fmt: skip

@@ -42,6 +42,8 @@ from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.policy import Action, Outcome, decide
 from zaya_jax.train.programs import HeldOut, TrainStep
 from zaya_jax.train.reference import preference_references
+from zaya_jax.train.rewards import HeldOutReward
+from zaya_jax.train.rollouts import Rollouts, kl_reference
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.schedule import BatchProducer, check_run, final_batch_size
 from zaya_jax.train.startup import start_event
@@ -68,7 +70,7 @@ class _Run:
     programs: Programs
     watchdog: Watchdog
     checkpoints: Checkpointing
-    producer: BatchProducer
+    producer: BatchProducer | Rollouts
     writer: MetricsWriter
     resumed: _Resumed
     train_step: TrainStep
@@ -89,7 +91,7 @@ def train(
     start_time = time.perf_counter()
     setup_runtime(cfg.runtime, launch)
     r = _open_run(cfg, progress, hooks)
-    batches = Prefetcher(r.producer, cfg.data.prefetch)
+    batches = Prefetcher(r.producer, 0 if isinstance(r.producer, Rollouts) else cfg.data.prefetch)
     stop = StopRequest()
     try:
         step, data_state = _loop(r, batches, stop)
@@ -125,7 +127,8 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
     watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
-    resumed = _resume(cfg, run, resuming, programs.init_state(), checkpoints, primary)
+    fresh = programs.init_state()
+    resumed = _resume(cfg, run, resuming, fresh, checkpoints, primary)
 
     after = resumed.first_step - 1
     writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
@@ -141,12 +144,16 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
         cfg, run.path, programs, resumed.state, tokenizer, fresh_start=resumed.first_step == 1,
         event=writer.event, on_batch=lambda: watchdog.beat(0, "reference"),
     )  # fmt: skip
-    producer = BatchProducer(cfg, tokenizer, references)
+    meter = Throughput(peak)
+    if cfg.train.objective == "grpo":
+        producer: BatchProducer | Rollouts = Rollouts(cfg, tokenizer, kl_reference(cfg, programs, fresh))
+        held_out: Any = HeldOutReward(cfg, tokenizer, producer.prompts, watchdog)
+    else:
+        producer = BatchProducer(cfg, tokenizer, references)
+        held_out = HeldOut(programs, tokenizer, watchdog, references)
     if resumed.data_state is not None:
         producer.set_state(resumed.data_state)
-
-    meter = Throughput(peak)
-    evaluation = Evaluation(HeldOut(programs, tokenizer, watchdog, references), cfg, writer, meter)
+    evaluation = Evaluation(held_out, cfg, writer, meter)
     logging = Logging(cfg, writer, meter, also_at=evaluation.due)
     every = [logging, evaluation, checkpoints, Profiling(cfg, run), *hooks]
     for hook in every:
@@ -168,6 +175,7 @@ def _loop(r: _Run, batches: Prefetcher, stop: StopRequest) -> tuple[int, dict[st
     counts = {"skipped_steps": 0, "rollbacks": 0}
     while step <= cfg.train.steps:
         wait_start = time.perf_counter()
+        r.producer.observe(state)  # GRPO samples its rollouts from the current weights
         plan, host_batch, data_state = next(batches)
         r.meter.data_wait += time.perf_counter() - wait_start
         for hook in every:

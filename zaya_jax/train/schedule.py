@@ -101,6 +101,10 @@ class BatchProducer:
         )
         self.stage = plan.stage
 
+    def observe(self, state: Any) -> None:
+        """The state the next batch is for: unused, text does not depend on the model (GRPO's
+        producer, :class:`zaya_jax.train.rollouts.Rollouts`, samples from it)."""
+
     def get_state(self) -> dict[str, Any]:
         """The data position after the last batch produced."""
         rows = self.rows.get_state() if self.rows is not None else None

@@ -1,0 +1,154 @@
+"""GRPO: group-normalised advantages, rows that line up each completion token with its sampler
+log-probability, advantage and replayed routes; a run whose training forward reproduces the
+sampler's log-probabilities (router replay) and moves the policy; rollouts (with routes) read from
+files; held-out reward evaluation."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.train.test_loop import MINI
+from zaya_jax.cli import main
+from zaya_jax.config import load_config
+from zaya_jax.data import load_tokenizer
+from zaya_jax.generate import generate
+from zaya_jax.model import init_variables
+from zaya_jax.train.rollouts import Completion, completion_row, group_advantages
+
+GRPO = [
+    *MINI,
+    "train.objective=grpo",
+    "train.batch_size=8",
+    "train.seq_len=64",
+    "rl.group_size=4",
+    "rl.max_new_tokens=8",
+    "rl.eval_prompts=4",
+    "rl.reward=tests.train.test_rl:ascii_reward",
+    "optim.warmup_steps=1",
+    "balancing.enabled=false",
+    "log.every=1",
+]
+
+
+def ascii_reward(record, completion: str) -> float:
+    """A reward an untrained byte model's random completions already vary in."""
+    return float(sum(c.isascii() for c in completion))
+
+
+def _records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_advantages_and_rows_line_up_with_the_completion():
+    advantages = group_advantages(["a", "a", "b", "b", "a"], np.asarray([1.0, 0.0, 2.0, 2.0, 2.0]))
+    np.testing.assert_allclose(
+        advantages[[0, 1, 4]], (np.asarray([1, 0, 2]) - 1) / np.std([1, 0, 2]), rtol=1e-6
+    )
+    assert advantages[2] == advantages[3] == 0.0  # no signal in a group of equal rewards
+
+    cfg = load_config("tiny", [*GRPO, "train.seq_len=16", "rl.max_new_tokens=4"])
+    routes = np.arange(7 * cfg.model.num_layers).reshape(7, -1) % (cfg.model.num_experts + 1)
+    completion = Completion(
+        "g", np.asarray([5, 6, 7, 8]), np.asarray([9, 10, 1]), np.asarray([-0.5, -1.0, -2.0]), 1.0, routes[:6]
+    )
+    row = completion_row(cfg, completion, 0.75, pad_id=0)
+    assert row["inputs"][:6].tolist() == [5, 6, 7, 8, 9, 10] and row["targets"][:6].tolist() == [
+        6,
+        7,
+        8,
+        9,
+        10,
+        1,
+    ]
+    assert row["loss_mask"].tolist() == [0, 0, 0, 1, 1, 1] + [0] * 10  # the targets 9, 10 and EOS
+    assert (
+        row["sampler_logprobs"][3:6].tolist() == [-0.5, -1.0, -2.0] and row["sampler_logprobs"].sum() == -3.5
+    )
+    assert (row["advantages"][3:6] == 0.75).all() and row["advantages"].sum() == 0.75 * 3
+    np.testing.assert_array_equal(row["routes"][:6], routes[:6])
+    assert (row["routes"][6:] == -1).all() and row["segment_ids"].tolist() == [1] * 6 + [0] * 10
+    with pytest.raises(ValueError, match=r"does not fit train\.seq_len=16"):
+        completion_row(cfg, Completion("g", np.arange(12), np.arange(8), np.zeros(8), 0.0, None), 0.0, 0)
+
+
+def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path):
+    run = tmp_path / "run"
+    assert main(["train", *GRPO, f"run.dir={run}", "train.steps=2", "eval.every=2", "--no-progress"]) == 0
+    records = _records(run)
+    steps = [r for r in records if "loss" in r]
+    first = steps[0]
+    # On the first step the trained weights are the sampler's: with the routes replayed the training
+    # forward reproduces every sampled token's log-probability, so the importance ratio is 1.
+    assert first["sampler_gap"] < 1e-5 and abs(first["ratio"] - 1) < 1e-5 and first["clip_fraction"] == 0
+    assert first["reward"] > 0 and first["reward_group_std"] > 0 and first["zero_advantage"] < 1
+    assert first["grad_norm"] > 0  # advantages that vary move the policy
+    evaluated = [r for r in records if "eval_reward" in r]
+    assert len(evaluated) == 1 and evaluated[0]["eval_loss"] == -evaluated[0]["eval_reward"]
+
+    # Resumed: the rollout position continues (another rollout, other prompts).
+    assert main(["train", *GRPO, f"run.dir={run}", "train.steps=3", "eval.every=3", "--no-progress"]) == 0
+    state = json.loads((run / "events.jsonl").read_text().splitlines()[-1])["detail"]
+    assert state["steps"] == 3
+
+
+def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
+    cfg = load_config("tiny", GRPO)
+    tokenizer = load_tokenizer("byte")
+    variables = init_variables(cfg.model, cfg.train.seed)
+    prompts = [tokenizer.encode(f"<|user|>\nsay {w}<|end|>\n<|assistant|>\n").tolist() for w in ("a", "bb")]
+    out = generate(
+        cfg.model,
+        variables,
+        prompts * 4,
+        max_new_tokens=6,
+        temperature=1.0,
+        stop_tokens=[],
+        return_routes=True,
+    )
+    path = tmp_path / "rollouts.jsonl"
+    with path.open("w") as f:
+        for i, row in enumerate(out.rows()):
+            record = {
+                "group": i % 2,
+                "prompt_ids": prompts[i % 2],
+                "completion_ids": row,
+                "logprobs": out.logprobs[i, : len(row)].tolist(),
+                "reward": float(i % 3),
+                "routes": out.row_routes(i)[:-1].tolist(),
+            }
+            f.write(json.dumps(record) + "\n")
+    run = tmp_path / "run"
+    args = [
+        "train",
+        *GRPO,
+        f"rl.rollouts={path}",
+        f"run.dir={run}",
+        "train.steps=1",
+        "eval.every=5",
+        "--no-progress",
+    ]
+    assert main(args) == 0
+    first = _records(run)[0]
+    assert first["sampler_gap"] < 1e-5 and first["reward"] == np.mean([i % 3 for i in range(8)])
+
+    bad = tmp_path / "bad.jsonl"
+    record["routes"] = record["routes"][:-1]
+    bad.write_text(path.read_text() + json.dumps(record) + "\n")
+    capsys.readouterr()
+    assert (
+        main(
+            [
+                *args[:-4],
+                f"rl.rollouts={bad}",
+                f"run.dir={tmp_path / 'bad'}",
+                "train.steps=1",
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
+    err = capsys.readouterr().err
+    assert "bad.jsonl:9" in err and "routes have shape" in err

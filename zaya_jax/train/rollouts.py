@@ -1,0 +1,291 @@
+"""GRPO's batches: rollouts sampled by the policy being trained (or read from files), scored, and
+turned into training rows with each token's sampler log-probability, its completion's advantage
+and, for router replay, the class every layer chose for it.
+
+Every ``rl.steps_per_rollout`` steps, :class:`Rollouts` takes the next prompts of the stream
+(:class:`~zaya_jax.train.rewards.PromptSet`), samples ``rl.group_size`` completions of each with
+zaya's sampler and decode cache (:func:`zaya_jax.generate.generate`, ``return_routes``) from the
+current parameters (handed over by :meth:`Rollouts.observe` before each step), scores them with the
+reward function, normalises the rewards within each group (reward minus the group mean, over the
+group's standard deviation; 0 when all are equal) and builds one row per completion. The rollout's
+rows are then trained ``train.batch_size`` at a time.
+
+Rollouts from files (``rl.rollouts``): JSONL records, one completion each, ``{"group": any JSON
+value naming the prompt's group, "prompt_ids": [...], "completion_ids": [...], "logprobs": [...]
+(one per completion token), "reward": float, "routes": [[class per layer] per token read]}``
+(``routes`` optional: ``len(prompt_ids) + len(completion_ids) - 1`` entries, the classes of
+every token but the last; an engine such as vLLM that records routed experts can supply them).
+They are read in order, ``steps_per_rollout * train.batch_size`` at a time, advantages normalised
+within the groups of each read, and the files repeat.
+
+The data position in a checkpoint is the number of rollouts taken, of prompts (or file records)
+consumed and of tokens trained; a run resumed in the middle of a rollout starts the next one (the rest of the
+interrupted rollout is not trained).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from zaya_jax.config import Config, ConfigError, DataSource
+from zaya_jax.data import DataError, batch_fields
+from zaya_jax.data.batch import empty_row
+from zaya_jax.data.sources import BadDocuments, iter_records, resolve_files
+from zaya_jax.generate import generate
+from zaya_jax.train.rewards import PromptEncoder, PromptSet, completion_texts, load_reward
+from zaya_jax.train.schedule import StepPlan
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutPlan(StepPlan):
+    """A step's plan with the statistics of the rollout its batch comes from (``metrics.jsonl``)."""
+
+    rollout: tuple[tuple[str, float], ...] = ()
+
+    def fields(self) -> dict[str, Any]:
+        return {**super().fields(), **dict(self.rollout)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled (or read) completion of a prompt, ready to become a row."""
+
+    group: Any
+    prompt: np.ndarray  # prompt ids
+    tokens: np.ndarray  # completion ids (the stop token included)
+    logprobs: np.ndarray  # the sampler's log-probability of each completion token
+    reward: float
+    routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
+
+
+def group_advantages(groups: list[Any], rewards: np.ndarray) -> np.ndarray:
+    """(reward - group mean) / group std per completion; 0 for a group whose rewards are all equal."""
+    advantages = np.zeros(len(rewards), np.float32)
+    keys = [json.dumps(g, sort_keys=True) for g in groups]
+    for key in set(keys):
+        members = np.asarray([i for i, k in enumerate(keys) if k == key])
+        values = rewards[members]
+        std = values.std()
+        advantages[members] = 0.0 if std < 1e-6 else (values - values.mean()) / std
+    return advantages
+
+
+def completion_row(
+    cfg: Config, completion: Completion, advantage: float, pad_id: int
+) -> dict[str, np.ndarray]:
+    """One training row: prompt + completion as one segment, the completion's targets trained."""
+    seq_len, fields = cfg.train.seq_len, batch_fields(cfg)
+    sequence = np.concatenate([completion.prompt, completion.tokens]).astype(np.int32)
+    n, first = len(sequence) - 1, len(completion.prompt) - 1
+    if n > seq_len:
+        raise ConfigError(
+            f"a rollout of {len(completion.prompt)} prompt + {len(completion.tokens)} completion tokens does not "
+            f"fit train.seq_len={seq_len}; raise train.seq_len or lower rl.max_new_tokens"
+        )
+    row = empty_row(seq_len, pad_id)
+    row["inputs"][:n], row["targets"][:n] = sequence[:-1], sequence[1:]
+    row["segment_ids"][:n], row["positions"][:n] = 1, np.arange(n)
+    row["loss_mask"][first:n] = 1.0
+    for name in ("sampler_logprobs", "advantages", "reference_logprobs"):
+        if name in fields:
+            row[name] = np.zeros(seq_len, np.float32)
+    row["sampler_logprobs"][first:n] = completion.logprobs
+    row["advantages"][first:n] = advantage
+    if "routes" in fields:
+        row["routes"] = np.full((seq_len, cfg.model.num_layers), -1, np.int32)
+        if completion.routes is not None:
+            row["routes"][:n] = completion.routes[:n]
+    return row
+
+
+class Rollouts:
+    """The batch producer of a ``grpo`` run (``BatchProducer``'s interface: called for
+    ``(plan, host batch, data state)``; :meth:`observe` hands it the state the next batch is for)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, reference: Any = None):
+        """``reference(host batch) -> (rows, seq)`` target log-probabilities of the reference
+        weights (needed when ``rl.kl > 0``, see :func:`kl_reference`)."""
+        if jax.process_count() > 1:
+            raise ConfigError(
+                "train.objective=grpo runs in one process for now; launch it without --num-processes"
+            )
+        self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
+        self.reward = load_reward(cfg.rl.reward)
+        self.prompts = PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
+        self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
+        self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
+        self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
+        self.pending: list[dict[str, np.ndarray]] = []
+        self.stats: tuple[tuple[str, float], ...] = ()
+        self.params: dict[str, Any] | None = None
+
+    def observe(self, state: Any) -> None:
+        self.params = {"params": state.params, "balancing": state.balancing}
+
+    def get_state(self) -> dict[str, Any]:
+        return dict(self.position)
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.position = {k: int(state[k]) for k in ("rollouts", "consumed", "tokens_seen")}
+        self.pending = []
+
+    @property
+    def size(self) -> int:
+        return self.cfg.rl.steps_per_rollout * self.cfg.train.batch_size
+
+    def __call__(self) -> tuple[RolloutPlan, dict[str, np.ndarray], dict[str, Any]]:
+        if not self.pending:
+            completions = self._read() if self.file_records is not None else self._sample()
+            if self.cfg.rl.kl > 0 and self.reference is None:
+                raise ConfigError("rl.kl > 0 needs the reference weights: set train.init_from")
+            self.pending = self._rows(completions)
+            self.position["rollouts"] += 1
+        batch_rows, self.pending = (
+            self.pending[: self.cfg.train.batch_size],
+            self.pending[self.cfg.train.batch_size :],
+        )
+        batch = {k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]}
+        train = self.cfg.train
+        plan = RolloutPlan(train.batch_size, train.seq_len, 0, None, self.stats)
+        self.position["tokens_seen"] += plan.tokens
+        return plan, batch, self.get_state()
+
+    def _sample(self) -> list[Completion]:
+        if self.params is None:
+            raise RuntimeError("Rollouts.observe(state) must be called before a rollout is sampled")
+        rl, group = self.cfg.rl, self.cfg.rl.group_size
+        start = self.position["consumed"]
+        records = [self.prompts.record(start + i) for i in range(self.size // group)]
+        self.position["consumed"] += len(records)
+        ids, mask, prompts = self.encode([r for r in records for _ in range(group)])
+        out = generate(
+            self.cfg.model,
+            self.params,
+            ids,
+            attention_mask=mask,
+            max_new_tokens=rl.max_new_tokens,
+            temperature=rl.temperature,
+            stop_tokens=[*self.cfg.model.stop_token_ids, self.tokenizer.eos_id],
+            seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
+            vocab_limit=self.tokenizer.vocab_size,
+            return_routes=True,
+        )
+        texts = completion_texts(self.tokenizer, out.rows())
+        completions = []
+        for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+            n = int(out.lengths[i])
+            routes = out.row_routes(i)[:-1]
+            record = records[i // group]
+            completions.append(
+                Completion(start + i // group, prompt, out.tokens[i, :n], out.logprobs[i, :n], float(self.reward(record, text)), routes)
+            )  # fmt: skip
+        return completions
+
+    def _read(self) -> list[Completion]:
+        records = self.file_records
+        start = self.position["consumed"]
+        self.position["consumed"] += self.size
+        return [records[(start + i) % len(records)] for i in range(self.size)]
+
+    def _rows(self, completions: list[Completion]) -> list[dict[str, np.ndarray]]:
+        rewards = np.asarray([c.reward for c in completions], np.float32)
+        advantages = group_advantages([c.group for c in completions], rewards)
+        pad = self.tokenizer.pad_id
+        rows = [
+            completion_row(self.cfg, c, float(a), pad) for c, a in zip(completions, advantages, strict=True)
+        ]
+        if self.reference is not None:
+            self._score_reference(rows)
+        group_std = np.mean([s for s in _group_stds(completions)])
+        self.stats = (
+            ("reward", float(rewards.mean())),
+            ("reward_group_std", float(group_std)),
+            ("completion_length", float(np.mean([len(c.tokens) for c in completions]))),
+            ("zero_advantage", float(np.mean(advantages == 0))),
+        )
+        return rows
+
+    def _score_reference(self, rows: list[dict[str, np.ndarray]]) -> None:
+        """Each completion token's log-probability under the reference weights (``rl.kl > 0``)."""
+        batch = {
+            k: np.stack([row[k] for row in rows])
+            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+        }
+        logprobs = np.asarray(self.reference(batch))
+        for row, values in zip(rows, logprobs, strict=True):
+            row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
+
+
+def _group_stds(completions: list[Completion]) -> Iterator[float]:
+    by_group: dict[str, list[float]] = {}
+    for c in completions:
+        by_group.setdefault(json.dumps(c.group, sort_keys=True), []).append(c.reward)
+    return (float(np.std(v)) for v in by_group.values())
+
+
+def _read_rollout_files(cfg: Config) -> list[Completion]:
+    """Every record of ``rl.rollouts``, checked (see the module doc for the format)."""
+    bad = BadDocuments("error")
+    source = DataSource(name="rollouts", kind="jsonl", path=cfg.rl.rollouts)
+    layers, classes = cfg.model.num_layers, cfg.model.num_experts + 1
+    out = []
+    for _, where, record in iter_records(resolve_files(source), bad):
+        try:
+            out.append(_completion_from_record(record, layers, classes))
+        except (KeyError, TypeError, ValueError) as err:
+            raise DataError(
+                f"{where}: not a rollout record ({err}); see zaya_jax.train.rollouts for the format"
+            ) from None
+    if not out:
+        raise DataError(f"rl.rollouts={cfg.rl.rollouts} holds no rollout records")
+    print(f"zaya train: {len(out)} rollouts read from {cfg.rl.rollouts}", file=sys.stderr)
+    return out
+
+
+def _completion_from_record(record: dict[str, Any], layers: int, classes: int) -> Completion:
+    prompt = np.asarray(record["prompt_ids"], np.int32)
+    tokens = np.asarray(record["completion_ids"], np.int32)
+    logprobs = np.asarray(record["logprobs"], np.float32)
+    if prompt.ndim != 1 or tokens.ndim != 1 or not len(prompt) or not len(tokens):
+        raise ValueError("prompt_ids and completion_ids must be non-empty lists of token ids")
+    if logprobs.shape != tokens.shape:
+        raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} completion tokens")
+    routes = None
+    if record.get("routes") is not None:
+        routes = np.asarray(record["routes"], np.int32)
+        expected = (len(prompt) + len(tokens) - 1, layers)
+        if routes.shape != expected:
+            raise ValueError(f"routes have shape {routes.shape}, expected {expected} (tokens read x layers)")
+        if routes.min() < -1 or routes.max() >= classes:
+            raise ValueError(
+                f"routes must be classes in [-1, {classes - 1}] (the skip class is {classes - 1})"
+            )
+    return Completion(record["group"], prompt, tokens, logprobs, float(record["reward"]), routes)
+
+
+def kl_reference(cfg: Config, programs: Any, fresh_state: Any) -> Any:
+    """``host batch -> (rows, seq)`` target log-probabilities under the weights of
+    ``train.init_from`` (kept on the device for the run), or None when ``rl.kl`` is 0."""
+    if cfg.rl.kl == 0:
+        return None
+    if not cfg.train.init_from:
+        raise ConfigError(
+            "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
+        )
+    from zaya_jax.parallel import put_batch
+    from zaya_jax.train.init import initialize_from
+
+    reference, _ = initialize_from(cfg.train.init_from, fresh_state)
+    step, layout = programs.token_logprobs_step, programs.layout
+
+    def score(batch: dict[str, np.ndarray]) -> np.ndarray:
+        return np.asarray(step(reference.params, reference.balancing, put_batch(batch, layout.batch)))
+
+    return score
