@@ -15,7 +15,7 @@ from zaya_jax.cli import convert, data, evaluate, operations, train
 from zaya_jax.cli.argv import command_name, inspect_positionals, parse, positional_config
 from zaya_jax.config import ConfigError
 from zaya_jax.files import storage_error_message
-from zaya_jax.resilience import NonFiniteLossError
+from zaya_jax.resilience import NonFiniteLossError, RoutingAlarmError
 
 # Older names, kept for code that imported them from zaya_jax.cli.
 _parse, _positional_config = parse, positional_config
@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int
     except ConfigError as err:
         print(f"zaya {command_name(argv)}: configuration error: {err}", file=sys.stderr)
         return 2
-    except (CheckpointSaveError, NonFiniteLossError) as err:
+    except (CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
         print(f"zaya {command_name(argv)}: {err}", file=sys.stderr)
         return 1
     except (FileNotFoundError, FileExistsError, ValueError) as err:

@@ -723,6 +723,16 @@ class ResilienceConfig:
     spike_warmup: int = 20  # accepted steps before spikes are judged
     # More rollbacks than this in one run stop it (the data, not one bad batch, is at fault).
     max_rollbacks: int = 5
+    # Routing health (zaya_jax.resilience.routing), judged per layer on means over the last
+    # routing_window steps: an expert load collapse, the skip fraction drifting from
+    # balancing.skip_target, a balancing bias pinned at its clamp, router entropy collapse.
+    # "warn" (a routing_alarm event and a line), "rollback" to the last checkpoint, "stop" (exit 1),
+    # or "none". (No "skip": a windowed alarm holds only after the updates that caused it.)
+    on_routing_alarm: Literal["none", "warn", "rollback", "stop"] = "warn"
+    routing_window: int = 50  # steps the routing statistics are averaged over (and first judged after)
+    routing_max_load_ratio: float = 50.0  # max / min expert share of a layer's tokens (inf: an idle expert)
+    routing_max_skip_drift: float = 0.5  # |skip share - balancing.skip_target|
+    routing_min_entropy: float = 0.02  # router entropy / ln(E + 1), mean over tokens
 
     def validate(self) -> None:
         if self.hang_timeout_s < 0 or self.compile_timeout_s < 0:
@@ -738,6 +748,14 @@ class ResilienceConfig:
             )
         if self.max_rollbacks < 0:
             raise ConfigError(f"resilience.max_rollbacks={self.max_rollbacks} must be >= 0")
+        if self.routing_window < 1:
+            raise ConfigError(f"resilience.routing_window={self.routing_window} must be >= 1")
+        if not self.routing_max_load_ratio > 1 or not 0 < self.routing_max_skip_drift <= 1:
+            raise ConfigError(
+                "resilience.routing_max_load_ratio must be > 1 and routing_max_skip_drift in (0, 1]"
+            )
+        if not 0 <= self.routing_min_entropy < 1:
+            raise ConfigError(f"resilience.routing_min_entropy={self.routing_min_entropy} must be in [0, 1)")
 
 
 @dataclasses.dataclass(frozen=True)

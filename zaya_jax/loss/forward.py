@@ -81,6 +81,7 @@ def routing_stats(batch: Batch, aux: dict[str, jax.Array]) -> dict[str, jax.Arra
         "dropped": aux["dropped"],
         "prob_dev_sum": aux["prob_dev_sum"],
         "prob_dev_sq_sum": aux["prob_dev_sq_sum"],
+        "entropy_sum": aux["entropy_sum"],
     }
     for name in ("routes_captured", "route_flips"):
         if name in aux:

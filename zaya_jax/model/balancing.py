@@ -68,6 +68,14 @@ def probability_moments(probs: jax.Array, valid: jax.Array) -> tuple[jax.Array, 
     return jnp.sum(valid * centred, axis=axes), jnp.sum(valid * jnp.square(centred), axis=axes)
 
 
+def router_entropy_sum(probs: jax.Array, valid: jax.Array) -> jax.Array:
+    """Sum over real tokens of the router distribution's entropy (nats), float32: a router that
+    sends every token to one class with certainty has 0 (the routing-health alarm's statistic)."""
+    p = probs.astype(jnp.float32)
+    entropy = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
+    return jnp.sum(entropy * valid.astype(jnp.float32))
+
+
 def probability_spread(dev_sum: jax.Array, dev_sq_sum: jax.Array, tokens: jax.Array) -> jax.Array:
     """(layers,) std over tokens of each class's router probability, averaged over classes.
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.balancing import probability_moments
+from zaya_jax.model.balancing import probability_moments, router_entropy_sum
 from zaya_jax.model.cca import CCAAttention
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
@@ -113,6 +113,7 @@ class Block(nn.Module):
             "dropped": jnp.sum(dropped * valid),
             "prob_dev_sum": prob_dev_sum,
             "prob_dev_sq_sum": prob_dev_sq_sum,
+            "entropy_sum": router_entropy_sum(routing.probs, valid),
         }
         captured = layer.get("routes", layer.get("observed_routes"))
         if captured is not None:  # how often the router's own choice differs from the captured one

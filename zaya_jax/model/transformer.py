@@ -50,7 +50,8 @@ class Zaya(nn.Module):
     routing statistics: ``load`` (layers, E+1) tokens per class, ``dropped`` (layers,) tokens the
     capacity path dropped, ``prob_dev_sum`` and ``prob_dev_sq_sum`` (layers, E+1) sums over real
     tokens of the router probabilities' deviations from 1/(E+1) and of their squares
-    (:func:`~zaya_jax.model.balancing.probability_moments`; their spread scales the balancing controller).
+    (:func:`~zaya_jax.model.balancing.probability_moments`; their spread scales the balancing controller),
+    ``entropy_sum`` (layers,) the router distributions' entropies summed over real tokens.
 
     Decoding: pass ``cache`` (from :func:`init_cache`) and ``tokens`` are the next chunk, written at
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left

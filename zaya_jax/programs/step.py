@@ -88,6 +88,7 @@ def make_train_step(
             balancing = {"layers": {"router": {"biases": biases}}}
 
         metrics = _step_metrics(stats, weight, grad_norm, biases, spread)
+        metrics["routing"] = _routing_health(cfg, stats, biases, state.controller.base)
         new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
         if loss_limit is not None:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -118,6 +119,23 @@ def _accumulated_grads(
         return jax.tree.map(jnp.add, carry, (grads, stats)), None
 
     return jax.lax.scan(accumulate, zeros, split)[0]
+
+
+def _routing_health(
+    cfg: Config, stats: dict[str, jax.Array], biases: jax.Array, base: jax.Array
+) -> dict[str, jax.Array]:
+    """Per-layer routing statistics for the routing-health monitor (:mod:`zaya_jax.resilience.routing`;
+    not written to ``metrics.jsonl``): each class's share of the tokens, the router's mean entropy
+    over ln(E + 1), and which balancing biases sit at their clamp (``balancing.max_bias``)."""
+    load = stats["load"]
+    classes = load.shape[-1]
+    routed = jnp.maximum(stats["routed"], 1.0)
+    pinned = jnp.abs(jnp.abs(biases - base) - cfg.balancing.max_bias) < 1e-6
+    return {
+        "load": load / jnp.maximum(load.sum(-1, keepdims=True), 1.0),
+        "entropy": stats["entropy_sum"] / routed / jnp.log(float(classes)),
+        "pinned": pinned.astype(jnp.float32),
+    }
 
 
 def _step_metrics(

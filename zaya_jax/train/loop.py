@@ -24,7 +24,14 @@ from zaya_jax.optim import batch_lr_scale
 from zaya_jax.parallel import put_batch
 from zaya_jax.parallel.distributed import Launch, setup_runtime
 from zaya_jax.programs import Programs, TrainState, build_programs
-from zaya_jax.resilience import LossGuard, NonFiniteLossError, Watchdog, classify_runtime_error
+from zaya_jax.resilience import (
+    LossGuard,
+    NonFiniteLossError,
+    RoutingAlarmError,
+    RoutingMonitor,
+    Watchdog,
+    classify_runtime_error,
+)
 from zaya_jax.train.consensus import agree
 from zaya_jax.train.flops import peak_flops
 from zaya_jax.train.hooks import (
@@ -39,7 +46,7 @@ from zaya_jax.train.hooks import (
 )
 from zaya_jax.train.init import initialize_from
 from zaya_jax.train.metrics import MetricsWriter
-from zaya_jax.train.policy import Action, Outcome, decide
+from zaya_jax.train.policy import Action, Outcome, decide, decide_routing
 from zaya_jax.train.programs import HeldOut, TrainStep
 from zaya_jax.train.reference import preference_references
 from zaya_jax.train.rewards import HeldOutReward
@@ -169,7 +176,7 @@ def _loop(r: _Run, batches: Prefetcher, stop: StopRequest) -> tuple[int, dict[st
     """Steps from the first to ``train.steps`` (or to an agreed stop); returns the last step and
     the data position after it."""
     cfg, writer, every = r.cfg, r.writer, r.hooks
-    guard = LossGuard(cfg.resilience)
+    guard, routing = LossGuard(cfg.resilience), RoutingMonitor(cfg)
     data_state = r.producer.get_state()  # read before the prefetch thread runs ahead of training
     state, step, end = r.resumed.state, r.resumed.first_step, None
     counts = {"skipped_steps": 0, "rollbacks": 0}
@@ -188,15 +195,23 @@ def _loop(r: _Run, batches: Prefetcher, stop: StopRequest) -> tuple[int, dict[st
 
         outcome = Outcome.of(step, metrics, limit)
         decision = decide(outcome, cfg.resilience, counts["rollbacks"])
+        alarm = routing.observe(step, metrics["routing"]) if decision.action is Action.ACCEPT else None
+        if alarm is not None:
+            decision = decide_routing(alarm, cfg.resilience, counts["rollbacks"])
+            action = cfg.resilience.on_routing_alarm
+            writer.event("routing_alarm", at_step=step, **alarm.detail(), action=action)
+            if jax.process_index() == 0:
+                print(f"zaya train: {alarm.message} (on_routing_alarm={action})", file=sys.stderr)
         time_due = any(hook.wants_save(step) for hook in every)
         agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
         if outcome.skipped:
             counts["skipped_steps"] += 1
             writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
         if decision.action is Action.STOP:
-            raise NonFiniteLossError(decision.message)
+            raise (RoutingAlarmError if alarm else NonFiniteLossError)(decision.message)
         if decision.action is Action.ROLLBACK:
-            state, to_step = _rollback(r.checkpoints, writer, state, outcome)
+            state, to_step = _rollback(r.checkpoints, writer, state, decision.reason or outcome.reason, step)
+            routing.reset()
             if to_step is not None:
                 counts["rollbacks"] += 1
                 step = to_step + 1
@@ -242,7 +257,7 @@ def _resume(
 
 
 def _rollback(
-    checkpoints: Checkpointing, writer: MetricsWriter, state: TrainState, outcome: Outcome
+    checkpoints: Checkpointing, writer: MetricsWriter, state: TrainState, reason: str, at_step: int
 ) -> tuple[TrainState, int | None]:
     """Back to the last readable checkpoint: (its state, its step), or (``state``, None) when there
     is none (the bad update was only skipped). The data stream goes on: the window since is skipped."""
@@ -250,11 +265,11 @@ def _rollback(
     for detail in unreadable:
         writer.event("checkpoint_unreadable", **detail)
     if restored is None:
-        writer.event("rollback_unavailable", reason=outcome.reason, at_step=outcome.step)
+        writer.event("rollback_unavailable", reason=reason, at_step=at_step)
         return state, None
     state, _, to_step = restored
     writer.rewind(to_step)
-    writer.event("rollback", reason=outcome.reason, from_step=outcome.step, to_step=to_step)
+    writer.event("rollback", reason=reason, from_step=at_step, to_step=to_step)
     return state, to_step
 
 

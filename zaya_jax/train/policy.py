@@ -1,4 +1,5 @@
-"""What the loop does after a step: accept it, skip it, roll back to the last checkpoint, or stop.
+"""What the loop does after a step: accept it, skip it, roll back to the last checkpoint, or stop,
+for its loss (:func:`decide`) and for a routing-health alarm (:func:`decide_routing`).
 
 A pure function of the step's outcome, the ``resilience.*`` settings and the rollbacks so far, so
 the loop acts on a returned :class:`Decision` and no state changes hands through closures.
@@ -13,13 +14,14 @@ from typing import Any
 import jax
 
 from zaya_jax.config import ResilienceConfig
+from zaya_jax.resilience.routing import RoutingAlarm
 
 
 class Action(enum.Enum):
     ACCEPT = "accept"  # the update stands
     SKIP = "skip"  # the step kept its previous state (the jitted step already did so)
     ROLLBACK = "rollback"  # restore the last checkpoint; the data stream goes on
-    STOP = "stop"  # raise NonFiniteLossError
+    STOP = "stop"  # raise NonFiniteLossError (RoutingAlarmError for a routing alarm)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Outcome:
 class Decision:
     action: Action
     message: str = ""  # for STOP: the error to raise
+    reason: str = ""  # for ROLLBACK: what it is for (default: the outcome's)
 
 
 def decide(outcome: Outcome, cfg: ResilienceConfig, rollbacks: int) -> Decision:
@@ -72,3 +75,22 @@ def decide(outcome: Outcome, cfg: ResilienceConfig, rollbacks: int) -> Decision:
             )
         return Decision(Action.ROLLBACK)
     return Decision(Action.SKIP)
+
+
+def decide_routing(alarm: RoutingAlarm, cfg: ResilienceConfig, rollbacks: int) -> Decision:
+    """The action for a routing alarm on an otherwise accepted step (``on_routing_alarm``)."""
+    setting = cfg.on_routing_alarm
+    if setting == "stop":
+        return Decision(
+            Action.STOP,
+            f"{alarm.message}; resilience.on_routing_alarm=stop. Resume from the last checkpoint with "
+            "other settings (balancing.*, the learning rates), or set on_routing_alarm to warn or rollback",
+        )
+    if setting == "rollback":
+        if rollbacks >= cfg.max_rollbacks:
+            return Decision(
+                Action.STOP,
+                f"{alarm.message}, and {cfg.max_rollbacks} rollbacks already (resilience.max_rollbacks)",
+            )
+        return Decision(Action.ROLLBACK, reason=f"routing {alarm.statistic} in layer {alarm.layer}")
+    return Decision(Action.ACCEPT)
