@@ -92,3 +92,15 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     finally:
         PACKAGE = saved
     assert found == ["train", "lm", "cli"]
+
+
+def test_no_function_is_longer_than_80_lines():
+    """One job per function (docs/ARCHITECTURE.md): a function past 80 lines is split, not waived."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > 80:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
+    assert long == []

@@ -23,6 +23,8 @@ from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import load_hf_directory, save_hf_directory
 from zaya_jax.model import Zaya
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
+from zaya_jax.train.reference import read_references
+from zaya_jax.train.rewards import PromptSet, held_out_reward, load_reward
 
 
 @dataclasses.dataclass
@@ -189,13 +191,7 @@ def evaluate_path(
     tok = load_tokenizer(tokenizer) if tokenizer is not None else lm.tokenizer
     shape_given = any(v is not None for v in (seq_len, batch_size, max_batches))
     if lm.run_config is not None and not data_paths and not shape_given:
-        train = lm.run_config.train
-        result = evaluate_held_out(lm, lm.run_config, tokenizer=tok, progress=progress)
-        what = (
-            f"the run's held-out evaluation (step {lm.step}): {lm.run_config.eval.batches} batches of "
-            f"{train.batch_size} x {train.seq_len} tokens, seed {train.seed}"
-        )
-        return {**result, "evaluated": what}
+        return _evaluate_run(lm, Path(path), tok, progress)
     data = lm.run_config.data if lm.run_config is not None else DataConfig()
     split = "held_out"
     if data_paths:
@@ -203,8 +199,9 @@ def evaluate_path(
         split = "all"
     shape = {"seq_len": seq_len or 512, "batch_size": batch_size or 8, "max_batches": max_batches or 16}
     result = evaluate(lm, data, split=split, tokenizer=tok, progress=progress, **shape)
+    chat = any(s.kind == "chat" for s in data.sources)
     source = (
-        ", ".join(data_paths)
+        ", ".join(data_paths) + (" (chat: the loss on assistant tokens only)" if chat else "")
         if data_paths
         else "the held-out split of "
         + ("the run's data" if lm.run_config is not None else "the built-in corpus")
@@ -212,6 +209,27 @@ def evaluate_path(
     what = (
         f"{source}: up to {shape['max_batches']} batches of {shape['batch_size']} x {shape['seq_len']} tokens, "
         "in order"
+    )
+    return {**result, "evaluated": what}
+
+
+def _evaluate_run(lm: LanguageModel, path: Path, tok: Any, progress: bool) -> dict[str, Any]:
+    """A run's own held-out evaluation, by its objective: the loss (``lm``), the preference
+    metrics (dpo, ipo, simpo), or the mean greedy reward of its held-out prompts (grpo)."""
+    cfg, train = lm.run_config, lm.run_config.train
+    if train.objective == "grpo":
+        prompts = PromptSet(cfg).held_out
+        mean = held_out_reward(cfg, lm.variables, tok, prompts, load_reward(cfg.rl.reward))
+        what = f"the run's held-out reward (step {lm.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
+        return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
+    run_dir = (
+        path if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() else path.parent.parent
+    )
+    references = read_references(run_dir, cfg, tok)
+    result = evaluate_held_out(lm, cfg, tokenizer=tok, progress=progress, references=references)
+    what = (
+        f"the run's held-out evaluation (step {lm.step}): {cfg.eval.batches} batches of "
+        f"{train.batch_size} x {train.seq_len} tokens, seed {train.seed}"
     )
     return {**result, "evaluated": what}
 

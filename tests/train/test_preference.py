@@ -136,6 +136,12 @@ def test_dpo_scores_pairs_like_hf_starts_at_ln2_and_keeps_its_reference(tmp_path
 
     assert main([*args, "train.steps=2"]) == 0  # resumed: the stored reference, not a new pass
     assert len(_events(run, "reference")) == 1 and _events(run, "resume") == [{"from_step": 1}]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0  # the run's held-out evaluation, reproduced
+    evaluated = json.loads(capsys.readouterr().out)
+    logged = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][-1]
+    assert abs(evaluated["loss"] - logged["eval_loss"]) < 1e-6
+    assert evaluated["pair_accuracy"] == logged["eval_pair_accuracy"] and evaluated["pairs"] > 0
     write_records(path, reverse_pairs(13, seed=2))
     capsys.readouterr()
     assert main([*args, "train.steps=3"]) == 2

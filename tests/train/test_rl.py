@@ -74,7 +74,7 @@ def test_advantages_and_rows_line_up_with_the_completion():
         completion_row(cfg, Completion("g", np.arange(12), np.arange(8), np.zeros(8), 0.0, None), 0.0, 0)
 
 
-def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path):
+def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["train", *GRPO, f"run.dir={run}", "train.steps=2", "eval.every=2", "--no-progress"]) == 0
     records = _records(run)
@@ -87,6 +87,9 @@ def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path):
     assert first["grad_norm"] > 0  # advantages that vary move the policy
     evaluated = [r for r in records if "eval_reward" in r]
     assert len(evaluated) == 1 and evaluated[0]["eval_loss"] == -evaluated[0]["eval_reward"]
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0  # the run's held-out reward, reproduced
+    assert json.loads(capsys.readouterr().out)["reward"] == evaluated[0]["eval_reward"]
 
     # Resumed: the rollout position continues (another rollout, other prompts).
     assert main(["train", *GRPO, f"run.dir={run}", "train.steps=3", "eval.every=3", "--no-progress"]) == 0

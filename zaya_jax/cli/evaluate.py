@@ -93,6 +93,13 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     print(f"zaya eval: {result.pop('evaluated')}", file=sys.stderr)
     if args.json:
         print_json(result)
+    elif "reward" in result:
+        print(f"mean reward {result['reward']:.4f} over {result['prompts']:,} held-out prompts")
+    elif "pair_accuracy" in result:
+        print(
+            f"loss {result['loss']:.4f} per pair, pair accuracy {result['pair_accuracy']:.1%}, reward margin "
+            f"{result['reward_margin']:.4f} over {result['pairs']:,} pairs"
+        )
     else:
         print(
             f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"

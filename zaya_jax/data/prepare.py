@@ -27,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,16 +167,7 @@ def _write_shards(
         for source in sources:
             bad = BadDocuments(on_bad_document)
             first = document
-            if encoder is not None:
-                write(doc for _, doc in iter_chat_documents(source, encoder, bad))
-            else:
-                batch: list[str] = []
-                for _, text in iter_documents(source, bad):
-                    batch.append(text)
-                    if len(batch) == _ENCODE_BATCH:
-                        write(tokenizer.encode_batch(batch))
-                        batch = []
-                write(tokenizer.encode_batch(batch))
+            write(_source_arrays(source, encoder, tokenizer, bad))
             input_stats.append(
                 {
                     "path": str(source.path),
@@ -190,6 +181,37 @@ def _write_shards(
         for writer in writers:
             if writer.is_open():
                 writer.close()
+    manifest = _manifest(paths, records, tokens, input_stats, tokenizer, dtype, encoder)
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _source_arrays(
+    source: DataSource, encoder: ChatEncoder | None, tokenizer: Tokenizer, bad: BadDocuments
+) -> Iterator[np.ndarray]:
+    """One source's documents as token arrays (a chat's as (2, n) ids and trained flags)."""
+    if encoder is not None:
+        yield from (doc for _, doc in iter_chat_documents(source, encoder, bad))
+        return
+    batch: list[str] = []
+    for _, text in iter_documents(source, bad):
+        batch.append(text)
+        if len(batch) == _ENCODE_BATCH:
+            yield from tokenizer.encode_batch(batch)
+            batch = []
+    yield from tokenizer.encode_batch(batch)
+
+
+def _manifest(
+    paths: list[Path],
+    records: list[int],
+    tokens: list[int],
+    input_stats: list[dict[str, Any]],
+    tokenizer: Tokenizer,
+    dtype: np.dtype,
+    encoder: ChatEncoder | None,
+) -> dict[str, Any]:
+    """The manifest of written shards: counts, tokenizer, sha256 per shard, the inputs."""
     shards = [
         {
             "file": p.name,
@@ -217,7 +239,6 @@ def _write_shards(
     if encoder is not None:
         manifest["content"] = "chat"
         manifest["chat_template"] = {"origin": encoder.template.origin, "sha256": encoder.template.sha256}
-    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
     return manifest
 
 

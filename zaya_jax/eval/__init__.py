@@ -43,14 +43,18 @@ def _loss_over(
     lm: Evaluable, cfg: Config, batches: Iterable[dict[str, np.ndarray]], progress: bool
 ) -> dict[str, Any]:
     eval_step = single_device_programs(cfg).eval_step
-    total, tokens = 0.0, 0.0
+    totals: dict[str, float] = {}
     for batch in tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False):
         sums = eval_step(lm.variables["params"], lm.variables["balancing"], jax.tree.map(jnp.asarray, batch))
-        total, tokens = total + float(sums["loss"]), tokens + float(sums["weight"])
-    if tokens == 0:
+        for name, value in sums.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    weight = totals.pop("weight", 0.0)
+    if weight == 0:
         raise ValueError("no evaluation tokens: the split of the data is empty")
-    loss = total / tokens
-    return {"loss": loss, "perplexity": math.exp(loss), "tokens": int(tokens)}
+    means = {name: total / weight for name, total in totals.items()}
+    if cfg.train.objective != "lm":  # per pair: the preference objectives' held-out metrics
+        return {**means, "pairs": int(weight)}
+    return {**means, "perplexity": math.exp(means["loss"]), "tokens": int(weight)}
 
 
 def evaluate(
@@ -83,11 +87,18 @@ def evaluate(
 
 
 def evaluate_held_out(
-    lm: Evaluable, run_config: Config, *, tokenizer: Tokenizer | str | None = None, progress: bool = False
+    lm: Evaluable,
+    run_config: Config,
+    *,
+    tokenizer: Tokenizer | str | None = None,
+    progress: bool = False,
+    references: Any = None,
 ) -> dict[str, Any]:
     """The run's own held-out evaluation, as training computes its ``eval_loss``: the same held-out
     batches (``train.seq_len``, ``train.batch_size``, ``eval.batches``, ``train.seed``) and the
-    same loss code. Returns ``{"loss", "perplexity", "tokens"}``."""
+    same loss code. Returns ``{"loss", "perplexity", "tokens"}``, or for a preference run
+    ``{"loss", "pair_accuracy", ..., "pairs"}`` (``references``: the run's reference
+    log-probabilities, dpo and ipo)."""
     tok = _checked(tokenizer if tokenizer is not None else run_config.data.tokenizer, lm)
     cfg = dataclasses.replace(run_config, model=lm.config)
-    return _loss_over(lm, cfg, held_out_host_batches(cfg, tok), progress)
+    return _loss_over(lm, cfg, held_out_host_batches(cfg, tok, references), progress)

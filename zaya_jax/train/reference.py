@@ -166,3 +166,17 @@ def preference_references(
         seconds=seconds,
     )
     return references
+
+
+def read_references(run_dir: Path, cfg: Config, tokenizer: Any) -> dict[str, np.ndarray] | None:
+    """A finished or running dpo/ipo run's stored reference log-probabilities (None for other
+    objectives), checked against its data (``zaya eval`` of the run)."""
+    if cfg.train.objective not in NEEDS_REFERENCE:
+        return None
+    directory = Path(run_dir) / REFERENCE
+    if not (directory / "manifest.json").is_file():
+        raise ConfigError(
+            f"{run_dir} is a {cfg.train.objective} run without its reference log-probabilities ({directory}); "
+            "evaluate the run directory itself (not a copied checkpoint), or give --data"
+        )
+    return _read(directory, _describe(cfg, tokenizer))
