@@ -95,7 +95,8 @@ def main() -> None:
     print("| exact match | " + " | ".join(f"{v:.1%}" for v in curve.values()) + " |")
 
     start = sft / "checkpoints" / str(args.start)
-    seconds = _run(["train", "dpo", "--init-from", str(start), "train.steps=100", "eval.every=20"], work)
+    dpo = ["train", "dpo", "--init-from", str(start), "train.steps=100", "eval.every=20", "log.every=1"]
+    seconds = _run(dpo, work)
     evals = [r for r in _metrics(work / "runs" / "dpo") if "eval_pair_accuracy" in r]
     first = next(r for r in _metrics(work / "runs" / "dpo") if "loss" in r)
     print(
@@ -107,7 +108,11 @@ def main() -> None:
             f"| {r['step']} | {r['eval_pair_accuracy']:.1%} | {r['eval_loss']:.4f} | {r['eval_reward_margin']:.3f} |"
         )
 
-    base = _exact_match(start, prompts)
+    from zaya_jax.config import load_config
+    from zaya_jax.train.rewards import PromptSet
+
+    rl_prompts = PromptSet(load_config("grpo")).held_out  # the prompts eval_reward scores
+    base = _exact_match(start, rl_prompts)
     variants = {
         "on-policy, replay": ["rl.steps_per_rollout=1", "rl.replay_routes=true"],
         "4 steps/rollout, replay": ["rl.steps_per_rollout=4", "rl.replay_routes=true"],
@@ -125,7 +130,8 @@ def main() -> None:
         flips = [r["route_flips"] for r in records if "route_flips" in r]
         rows.append((name, seconds, rewards, float(np.mean(flips)), float(np.max(flips))))
     print(
-        f"\n## GRPO from SFT step {args.start} (held-out exact match there: {base:.1%}), eval every 10 steps"
+        f"\n## GRPO from SFT step {args.start}: held-out mean reward (greedy exact match) on "
+        f"{len(rl_prompts)} prompts at step 0 and every 10 steps"
     )
     print("| variant | time | held-out mean reward | route_flips mean / max |\n|---|---|---|---|")
     for name, seconds, rewards, mean_flips, max_flips in rows:

@@ -38,7 +38,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -223,6 +223,13 @@ class ChatEncoder:
             spans.append((len(before), len(through)))
         return text, spans
 
+    def encode_record(self, record: dict[str, Any]) -> np.ndarray:
+        """Any record -> (2, n) document; ValueError naming what is wrong with it."""
+        problem = check_record(record)
+        if problem is not None:
+            raise ValueError(problem)
+        return self.encode(record)
+
     def encode(self, record: dict[str, Any], last_turns: int | None = None) -> np.ndarray:
         """A checked record (see :func:`check_record`) -> (2, n) int32 [ids; trained]: every
         assistant turn trained, or only the last ``last_turns`` (a preference completion). Raises
@@ -251,38 +258,54 @@ class ChatDocuments:
     skipped: int
 
 
-def iter_chat_documents(
-    source: DataSource, encoder: ChatEncoder, bad: BadDocuments
+def iter_encoded(
+    source: DataSource, encode: Callable[[dict[str, Any]], np.ndarray], bad: BadDocuments, fix: str, noun: str
 ) -> Iterator[tuple[str, np.ndarray]]:
-    """(key, (2, n) document) for every conversation of the chat ``source``; bad records go to
-    ``bad`` (raise, or skip and count) with the file, line and fix."""
+    """(key, ``encode(record)``) for every record of the JSONL ``source``; a record ``encode``
+    refuses (ValueError: what is wrong) goes to ``bad`` (raise, or skip and count) with the file,
+    line and ``fix``; none left at all is an error."""
     count = 0
     for key, where, record in iter_records(resolve_files(source), bad):
-        problem = check_record(record)
-        if problem is None:
-            try:
-                document = encoder.encode(record)
-            except ValueError as err:
-                problem = str(err)
-        if problem is not None:
-            bad.report(f"{where}: {problem}", _FIX_RECORD)
+        try:
+            document = encode(record)
+        except ValueError as err:
+            bad.report(f"{where}: {err}", fix)
             continue
         count += 1
         yield key, document
     if count == 0:
         detail = f"; the first problem: {bad.problems[0]}" if bad.problems else ""
-        raise DataError(f"chat source {source.name!r} ({source.path}) has no conversations{detail}")
+        raise DataError(f"{source.kind} source {source.name!r} ({source.path}) has no {noun}{detail}")
+
+
+def read_encoded(
+    source: DataSource,
+    encode: Callable[[dict[str, Any]], np.ndarray],
+    on_bad_document: str,
+    fix: str,
+    noun: str,
+) -> ChatDocuments:
+    """Every record of ``source`` encoded (see :func:`iter_encoded`), with the count skipped."""
+    bad = BadDocuments(on_bad_document)  # type: ignore[arg-type]
+    keys, documents = [], []
+    for key, document in iter_encoded(source, encode, bad, fix, noun):
+        keys.append(key)
+        documents.append(document)
+    return ChatDocuments(keys, documents, bad.count)
+
+
+def iter_chat_documents(
+    source: DataSource, encoder: ChatEncoder, bad: BadDocuments
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, (2, n) document) for every conversation of the chat ``source``; bad records go to
+    ``bad`` (raise, or skip and count) with the file, line and fix."""
+    return iter_encoded(source, encoder.encode_record, bad, _FIX_RECORD, "conversations")
 
 
 def read_chat_documents(source: DataSource, tokenizer: Tokenizer, on_bad_document: str) -> ChatDocuments:
     """Every conversation of the chat ``source``, encoded (see :func:`iter_chat_documents`)."""
     encoder = ChatEncoder(tokenizer, find_chat_template_for(source, tokenizer))
-    bad = BadDocuments(on_bad_document)  # type: ignore[arg-type]
-    keys, documents = [], []
-    for key, document in iter_chat_documents(source, encoder, bad):
-        keys.append(key)
-        documents.append(document)
-    return ChatDocuments(keys, documents, bad.count)
+    return read_encoded(source, encoder.encode_record, on_bad_document, _FIX_RECORD, "conversations")
 
 
 def find_chat_template_for(source: DataSource, tokenizer: Tokenizer) -> ChatTemplate:

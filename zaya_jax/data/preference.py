@@ -21,14 +21,18 @@ token belongs to (1 chosen, 2 rejected); the packer keeps a pair in one row, cho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from zaya_jax.config import DataSource
-from zaya_jax.data.chat import ChatDocuments, ChatEncoder, check_record, find_chat_template_for
-from zaya_jax.data.sources import BadDocuments, DataError, iter_records, resolve_files
+from zaya_jax.data.chat import (
+    ChatDocuments,
+    ChatEncoder,
+    check_record,
+    find_chat_template_for,
+    read_encoded,
+)
 from zaya_jax.data.tokenizers import Tokenizer
 
 CHOSEN, REJECTED = 1, 2
@@ -93,36 +97,13 @@ class PreferenceEncoder:
         return np.concatenate([np.concatenate(pieces, axis=1), np.concatenate(which)[None]])
 
 
-def iter_preference_documents(
-    source: DataSource, encoder: PreferenceEncoder, bad: BadDocuments
-) -> Iterator[tuple[str, np.ndarray]]:
-    """(key, (3, n) pair) for every record of the preference ``source``; bad records go to
-    ``bad`` (raise, or skip and count) with the file, line and fix."""
-    count = 0
-    for key, where, record in iter_records(resolve_files(source), bad):
-        try:
-            document = encoder.encode(record)
-        except ValueError as err:
-            bad.report(f"{where}: {err}", _FIX_RECORD)
-            continue
-        count += 1
-        yield key, document
-    if count == 0:
-        detail = f"; the first problem: {bad.problems[0]}" if bad.problems else ""
-        raise DataError(f"preference source {source.name!r} ({source.path}) has no pairs{detail}")
-
-
 def read_preference_documents(
     source: DataSource, tokenizer: Tokenizer, on_bad_document: str
 ) -> ChatDocuments:
-    """Every pair of the preference ``source``, encoded (see :func:`iter_preference_documents`)."""
-    chat = ChatEncoder(tokenizer, find_chat_template_for(source, tokenizer))
-    bad = BadDocuments(on_bad_document)  # type: ignore[arg-type]
-    keys, documents = [], []
-    for key, document in iter_preference_documents(source, PreferenceEncoder(chat), bad):
-        keys.append(key)
-        documents.append(document)
-    return ChatDocuments(keys, documents, bad.count)
+    """Every pair of the preference ``source`` as (3, n) documents; a bad record is an error naming
+    its file and line, or skipped and counted (:func:`~zaya_jax.data.chat.iter_encoded`)."""
+    encoder = PreferenceEncoder(ChatEncoder(tokenizer, find_chat_template_for(source, tokenizer)))
+    return read_encoded(source, encoder.encode, on_bad_document, _FIX_RECORD, "pairs")
 
 
 def pair_lengths(document: np.ndarray) -> tuple[int, int]:
