@@ -74,6 +74,7 @@ class LanguageModel:
         seed: int = 0,
         attention_mask: Any | None = None,
         mesh: Any | None = None,
+        return_routes: bool = False,
     ) -> Generation:
         """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.generate`).
 
@@ -82,6 +83,8 @@ class LanguageModel:
         ``attention_mask``. Stops at any of the model's EOS ids (``eos_token_id`` and the
         ``eos_token_ids`` list) and the tokenizer's EOS unless ``stop_tokens`` is given. Returns a
         :class:`Generation`; ``texts`` is filled when a tokenizer is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
+        ``return_routes``: also the class every layer chose for every token read (router replay,
+        :class:`~zaya_jax.generate.Generation`); ``logprobs`` are always returned.
         """
 
         tok = self.tokenizer
@@ -109,6 +112,7 @@ class LanguageModel:
             seed=seed,
             vocab_limit=tok.vocab_size if tok is not None else None,
             mesh=mesh,
+            return_routes=return_routes,
         )
         if tok is None:
             return out

@@ -405,7 +405,9 @@ class BalancingConfig:
     bias += spread * (kp * d(error) + ki * error + kd * d2(error)).
     """
 
-    enabled: bool = True  # run the controller (false: biases stay at their init)
+    # Run the controller. false freezes the biases as the run starts with them (initialised, or
+    # loaded by train.init_from): what post-training usually wants (the dpo and grpo presets set it).
+    enabled: bool = True
     # Dimensionless gains, tuned on a router that sends ~70% of tokens to one of 8 experts:
     # max/min expert load 1.08 after 30 steps and 1.05 after 100, without oscillation.
     kp: float = 1.0
