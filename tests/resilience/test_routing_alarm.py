@@ -17,7 +17,13 @@ from zaya_jax.config import load_config
 from zaya_jax.model import init_variables
 from zaya_jax.resilience import RoutingMonitor
 
-CHECKED = ["balancing.enabled=false", "resilience.routing_window=3", "--no-progress", "eval.every=100"]
+CHECKED = [
+    "balancing.enabled=false",
+    "resilience.routing_window=3",
+    "resilience.routing_warmup=0",
+    "--no-progress",
+    "eval.every=100",
+]
 
 
 def _collapsed_model(tmp_path):
@@ -69,26 +75,28 @@ def test_a_collapsed_layer_raises_the_alarm_and_the_action_is_taken(tmp_path, ca
 
 
 def test_the_monitor_judges_windowed_statistics():
-    cfg = load_config("tiny", ["resilience.routing_window=2", "balancing.skip_target=0.1"])
-    monitor = RoutingMonitor(cfg)
+    overrides = ["resilience.routing_window=2", "resilience.routing_warmup=1", "balancing.skip_target=0.1"]
+    monitor = RoutingMonitor(load_config("tiny", overrides))
     layers, classes = 4, 5
     healthy = {
         "load": np.full((layers, classes), 0.2),
         "entropy": np.full(layers, 0.9),
         "pinned": np.zeros((layers, classes)),
     }
-    assert monitor.observe(1, healthy) is None and monitor.observe(2, healthy) is None
+    collapsed = {**healthy, "entropy": np.zeros(layers)}
+    assert monitor.observe(1, collapsed) is None  # the warm-up: neither judged nor kept
+    assert monitor.observe(2, healthy) is None and monitor.observe(3, healthy) is None
     flat = {**healthy, "entropy": jnp.asarray([0.9, 0.9, 0.001, 0.9])}
-    assert monitor.observe(3, flat) is None  # the window's mean (0.45) is still fine
-    alarm = monitor.observe(4, flat)
+    assert monitor.observe(4, flat) is None  # the window's mean (0.45) is still fine
+    alarm = monitor.observe(5, flat)
     assert (alarm.layer, alarm.statistic) == (2, "entropy") and alarm.value < 0.02
-    assert monitor.observe(5, flat) is None  # raised once while it holds
+    assert monitor.observe(6, flat) is None  # raised once while it holds
     pinned = {**healthy, "pinned": np.eye(layers, classes)}
     monitor.reset()
-    monitor.observe(6, pinned)
-    assert monitor.observe(7, pinned).statistic == "pinned_bias"
+    monitor.observe(7, pinned)
+    assert monitor.observe(8, pinned).statistic == "pinned_bias"
     skipping = {**healthy, "load": np.tile([0.075, 0.075, 0.075, 0.075, 0.7], (layers, 1))}
     monitor.reset()
-    monitor.observe(8, skipping)
-    alarm = monitor.observe(9, skipping)
+    monitor.observe(9, skipping)
+    alarm = monitor.observe(10, skipping)
     assert (alarm.layer, alarm.statistic) == (0, "skip_drift") and abs(alarm.value - 0.6) < 1e-9

@@ -732,6 +732,9 @@ class ResilienceConfig:
     # or "none". (No "skip": a windowed alarm holds only after the updates that caused it.)
     on_routing_alarm: Literal["none", "warn", "rollback", "stop"] = "warn"
     routing_window: int = 50  # steps the routing statistics are averaged over (and first judged after)
+    # Steps of the run before routing is first judged: a fresh router takes a few hundred steps to
+    # balance (tiny: an expert idle for 50 steps around step 100, max/min share <= 8.3 after step 300).
+    routing_warmup: int = 300
     routing_max_load_ratio: float = 50.0  # max / min expert share of a layer's tokens (inf: an idle expert)
     routing_max_skip_drift: float = 0.5  # |skip share - balancing.skip_target|
     routing_min_entropy: float = 0.02  # router entropy / ln(E + 1), mean over tokens
@@ -750,6 +753,8 @@ class ResilienceConfig:
             )
         if self.max_rollbacks < 0:
             raise ConfigError(f"resilience.max_rollbacks={self.max_rollbacks} must be >= 0")
+        if self.routing_warmup < 0:
+            raise ConfigError(f"resilience.routing_warmup={self.routing_warmup} must be >= 0")
         if self.routing_window < 1:
             raise ConfigError(f"resilience.routing_window={self.routing_window} must be >= 1")
         if not self.routing_max_load_ratio > 1 or not 0 < self.routing_max_skip_drift <= 1:

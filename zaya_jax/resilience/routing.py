@@ -3,7 +3,8 @@
 The train step reports per layer (``metrics["routing"]``, :func:`zaya_jax.programs.step.make_train_step`)
 each class's share of the tokens, the router's mean entropy over ln(E + 1) and which balancing
 biases sit at their clamp. :class:`RoutingMonitor` averages them over the last
-``resilience.routing_window`` accepted steps and, once the window is full, raises a
+``resilience.routing_window`` accepted steps after ``resilience.routing_warmup`` steps of the run
+(a fresh router needs a few hundred steps to balance) and, once the window is full, raises a
 :class:`RoutingAlarm` naming the first layer and statistic past its limit:
 
 - ``load_ratio``: the largest expert's share over the smallest's (``routing_max_load_ratio``; an
@@ -78,7 +79,7 @@ class RoutingMonitor:
 
     def observe(self, step: int, routing: dict[str, Any]) -> RoutingAlarm | None:
         """Add one accepted step's ``metrics["routing"]``; the alarm once the window is full."""
-        if self.cfg.resilience.on_routing_alarm == "none":
+        if self.cfg.resilience.on_routing_alarm == "none" or step <= self.cfg.resilience.routing_warmup:
             return None
         self.window.append({k: np.asarray(v, np.float64) for k, v in jax.device_get(routing).items()})
         if len(self.window) < self.window.maxlen:
