@@ -155,3 +155,41 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
     )
     err = capsys.readouterr().err
     assert "bad.jsonl:9" in err and "routes have shape" in err
+
+
+def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
+    from zaya_jax.data import DataError
+    from zaya_jax.data.tasks import reverse_chats, write_jsonl
+    from zaya_jax.train.rewards import PromptSet, prompt_messages
+
+    path = write_jsonl(tmp_path / "prompts.jsonl", reverse_chats(200, seed=4))
+    cfg = load_config(
+        "tiny", [*GRPO, f"rl.prompts={path}", "data.held_out_fraction=0.1", "rl.eval_prompts=5"]
+    )
+    prompts = PromptSet(cfg)
+    first_epoch = [prompts.record(i)["messages"][0]["content"] for i in range(len(prompts._records))]
+    second_epoch = [
+        prompts.record(len(first_epoch) + i)["messages"][0]["content"] for i in range(len(first_epoch))
+    ]
+    held_out = {r["messages"][0]["content"] for r in prompts.held_out}
+    assert len(prompts.held_out) == 5 and not held_out & set(first_epoch)
+    assert sorted(first_epoch) == sorted(second_epoch) and first_epoch != second_epoch  # reshuffled
+    assert (
+        len(first_epoch)
+        + len(
+            PromptSet(
+                load_config(
+                    "tiny",
+                    [*GRPO, f"rl.prompts={path}", "data.held_out_fraction=0.1", "rl.eval_prompts=1000"],
+                )
+            ).held_out
+        )
+        == 200
+    )
+    assert [m["role"] for m in prompt_messages(prompts.record(0))] == ["user"]  # the answer is left out
+
+    (tmp_path / "bad.jsonl").write_text(
+        path.read_text() + '{"messages": [{"role": "robot", "content": "x"}]}\n'
+    )
+    with pytest.raises(DataError, match=r"bad\.jsonl:201: .*role 'robot'"):
+        PromptSet(load_config("tiny", [*GRPO, f"rl.prompts={tmp_path / 'bad.jsonl'}"]))

@@ -68,6 +68,7 @@ class PromptSet:
                 "split needs one (add records or change data.held_out_fraction)"
             )
         self._records, self.held_out = train, held_out[: rl.eval_prompts]
+        self._order: tuple[int, np.ndarray] = (-1, np.zeros(0, np.int64))
 
     def record(self, index: int) -> dict[str, Any]:
         rl = self.cfg.rl
@@ -75,8 +76,12 @@ class PromptSet:
             block, offset = divmod(index, BLOCK)
             return _reverse_block(rl.prompt_seed, block)[offset]
         epoch, offset = divmod(index, len(self._records))
-        order = np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self._records))
-        return self._records[int(order[offset])]
+        if self._order[0] != epoch:  # each epoch its own permutation, drawn once
+            self._order = (
+                epoch,
+                np.random.default_rng([self.cfg.train.seed, epoch]).permutation(len(self._records)),
+            )
+        return self._records[int(self._order[1][offset])]
 
 
 _BLOCKS: dict[tuple[int, int], list[dict[str, Any]]] = {}
