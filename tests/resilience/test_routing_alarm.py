@@ -1,15 +1,17 @@
 """Routing health: a layer whose router sends every token to one expert raises one
 ``routing_alarm`` naming the layer and the statistic, and the configured action is taken (warn:
-the run goes on; rollback: back to the last checkpoint, then a stop once rollbacks run out); the
-monitor's statistics on their own."""
+the run goes on; rollback: back to the last checkpoint, then a stop once rollbacks run out; skip:
+each step undoes itself on its own statistics); the monitor's statistics on their own."""
 
 from __future__ import annotations
 
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+import zaya_jax
 from tests.train.test_loop import MINI
 from zaya_jax import checkpoint
 from zaya_jax.cli import main
@@ -72,6 +74,16 @@ def test_a_collapsed_layer_raises_the_alarm_and_the_action_is_taken(tmp_path, ca
     ]
     assert [a["at_step"] for a in _events(rolled, "routing_alarm")] == [3, 5]  # the window refills
     assert "1 rollbacks already" in capsys.readouterr().err
+
+    skipped = tmp_path / "skipped"  # skip: every step sees the collapse in its own batch and undoes itself
+    assert main([*args, "resilience.on_routing_alarm=skip", f"run.dir={skipped}", "train.steps=3"]) == 0
+    assert [(e["reason"], e["at_step"]) for e in _events(skipped, "skip")] == [
+        ("routing", s) for s in (1, 2, 3)
+    ]
+    before, after = (zaya_jax.load(path).variables["params"] for path in (source, skipped))
+    assert all(
+        np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True)
+    )
 
 
 def test_the_monitor_judges_windowed_statistics():

@@ -729,8 +729,10 @@ class ResilienceConfig:
     # routing_window steps: an expert load collapse, the skip fraction drifting from
     # balancing.skip_target, a balancing bias pinned at its clamp, router entropy collapse.
     # "warn" (a routing_alarm event and a line), "rollback" to the last checkpoint, "stop" (exit 1),
-    # or "none". (No "skip": a windowed alarm holds only after the updates that caused it.)
-    on_routing_alarm: Literal["none", "warn", "rollback", "stop"] = "warn"
+    # "none", or "skip": each step checks its own statistics (not windowed; no pinned-bias check) and
+    # keeps the previous state when a layer is past a limit (a skip event, reason routing), the
+    # windowed alarm reported as with warn.
+    on_routing_alarm: Literal["none", "warn", "skip", "rollback", "stop"] = "warn"
     routing_window: int = 50  # steps the routing statistics are averaged over (and first judged after)
     # Steps of the run before routing is first judged: a fresh router takes a few hundred steps to
     # balance (tiny: an expert idle for 50 steps around step 100, max/min share <= 8.3 after step 300).

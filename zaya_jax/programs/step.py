@@ -24,6 +24,7 @@ from zaya_jax.loss import Batch, objective_for, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.resilience.routing import within_limits
 
 
 @flax.struct.dataclass
@@ -69,7 +70,8 @@ def make_train_step(
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """With ``loss_limit`` (a float32 scalar; ``inf`` for none) the step keeps the previous
         parameters, optimizer and balancing state when the loss or gradient norm is not finite or
-        the loss exceeds the limit (metrics ``skipped``, ``nonfinite``)."""
+        the loss exceeds the limit (metrics ``skipped``, ``nonfinite``), and with
+        ``resilience.on_routing_alarm: skip`` when its routing is past a limit (``routing_rejected``)."""
         grads, stats = _accumulated_grads(grad_fn, state, batch, micro)
         weight = jnp.maximum(stats["weight"], 1.0)
         grads = jax.tree.map(lambda g: g / weight, grads)
@@ -93,6 +95,10 @@ def make_train_step(
         if loss_limit is not None:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
             accept = finite & (metrics["loss"] <= loss_limit)
+            if cfg.resilience.on_routing_alarm == "skip":  # this step's routing past a limit: undone
+                healthy = within_limits(cfg, metrics["routing"])
+                accept = accept & healthy
+                metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
             kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
             new_state = kept.replace(step=state.step + 1)
             metrics["skipped"] = 1.0 - accept.astype(jnp.float32)

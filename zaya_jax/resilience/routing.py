@@ -16,7 +16,9 @@ biases sit at their clamp. :class:`RoutingMonitor` averages them over the last
   runs): the controller cannot move the load any further.
 
 The inputs are replicated values, so every process raises the same alarm at the same step; the
-loop acts on it (``resilience.on_routing_alarm``) through the per-step agreement.
+loop acts on it (``resilience.on_routing_alarm``) through the per-step agreement. ``skip`` is
+decided inside the step instead (:func:`within_limits`, on the step's own statistics: an update is
+only undone before it is kept), and the windowed alarm is then reported as with ``warn``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import Config
@@ -112,3 +115,16 @@ class RoutingMonitor:
                 if bad[layer]:
                     return RoutingAlarm(step, layer, name, float(values[layer]), float(limit), size)
         return None
+
+
+def within_limits(cfg: Config, routing: dict[str, jax.Array]) -> jax.Array:
+    """Inside the step (``on_routing_alarm: skip``): whether this step's own per-layer statistics
+    are all within the limits (load ratio, skip drift, entropy; the pinned-bias check needs a
+    window), a traced bool."""
+    res = cfg.resilience
+    load = routing["load"]
+    experts = load[:, :-1]
+    ratio_ok = experts.max(-1) <= res.routing_max_load_ratio * experts.min(-1)
+    drift_ok = jnp.abs(load[:, -1] - cfg.balancing.skip_target) <= res.routing_max_skip_drift
+    entropy_ok = routing["entropy"] >= res.routing_min_entropy
+    return jnp.all(ratio_ok & drift_ok & entropy_ok)

@@ -18,7 +18,12 @@ from zaya_jax.files import EVENTS, event_line
 from zaya_jax.train.trackers import DashboardTracker, JsonlTracker, TensorBoardTracker, Tracker
 
 # Step outputs that steer the loop (the loss guard), not metrics of the run.
-CONTROL_KEYS = ("skipped", "nonfinite", "routing")  # read by the loop, not written as metrics
+CONTROL_KEYS = (
+    "skipped",
+    "nonfinite",
+    "routing",
+    "routing_rejected",
+)  # read by the loop, not written as metrics
 
 
 def metric_record(step: int, metrics: dict[str, Any], **host: Any) -> dict[str, Any]:

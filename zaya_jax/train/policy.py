@@ -33,17 +33,20 @@ class Outcome:
     skipped: bool
     nonfinite: bool
     limit: float  # the loss limit the step ran under
+    routing: bool = False  # the step undid itself for its routing (on_routing_alarm: skip)
 
     @classmethod
     def of(cls, step: int, metrics: dict[str, Any], limit: float) -> Outcome:
-        skipped, nonfinite, loss = (float(x) for x in jax.device_get(
-            (metrics["skipped"], metrics["nonfinite"], metrics["loss"])
+        skipped, nonfinite, loss, routing = (float(x) for x in jax.device_get(
+            (metrics["skipped"], metrics["nonfinite"], metrics["loss"], metrics.get("routing_rejected", 0.0))
         ))  # fmt: skip
-        return cls(step, loss, bool(skipped), bool(nonfinite), limit)
+        return cls(step, loss, bool(skipped), bool(nonfinite), limit, bool(routing))
 
     @property
     def reason(self) -> str:
-        return "nonfinite" if self.nonfinite else "spike"
+        if self.nonfinite:
+            return "nonfinite"
+        return "routing" if self.routing and not self.loss > self.limit else "spike"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +61,8 @@ def decide(outcome: Outcome, cfg: ResilienceConfig, rollbacks: int) -> Decision:
     ``rollbacks`` having been made already in this run."""
     if not outcome.skipped:
         return Decision(Action.ACCEPT)
+    if outcome.reason == "routing":  # on_routing_alarm: skip, already done inside the step
+        return Decision(Action.SKIP)
     setting = cfg.on_nonfinite if outcome.nonfinite else cfg.on_spike
     if setting == "stop":
         return Decision(
@@ -93,4 +98,4 @@ def decide_routing(alarm: RoutingAlarm, cfg: ResilienceConfig, rollbacks: int) -
                 f"{alarm.message}, and {cfg.max_rollbacks} rollbacks already (resilience.max_rollbacks)",
             )
         return Decision(Action.ROLLBACK, reason=f"routing {alarm.statistic} in layer {alarm.layer}")
-    return Decision(Action.ACCEPT)
+    return Decision(Action.ACCEPT)  # warn, or skip (the step undoes itself on its own statistics)
