@@ -124,16 +124,8 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
             }
             f.write(json.dumps(record) + "\n")
     run = tmp_path / "run"
-    args = [
-        "train",
-        *GRPO,
-        f"rl.rollouts={path}",
-        f"run.dir={run}",
-        "train.steps=1",
-        "eval.every=5",
-        "--no-progress",
-    ]
-    assert main(args) == 0
+    args = ["train", *GRPO, "train.steps=2", "eval.every=2", "--no-progress"]  # the program of the test above
+    assert main([*args, f"rl.rollouts={path}", f"run.dir={run}"]) == 0
     first = _records(run)[0]
     assert first["sampler_gap"] < 1e-5 and first["reward"] == np.mean([i % 3 for i in range(8)])
 
@@ -141,18 +133,7 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
     record["routes"] = record["routes"][:-1]
     bad.write_text(path.read_text() + json.dumps(record) + "\n")
     capsys.readouterr()
-    assert (
-        main(
-            [
-                *args[:-4],
-                f"rl.rollouts={bad}",
-                f"run.dir={tmp_path / 'bad'}",
-                "train.steps=1",
-                "--no-progress",
-            ]
-        )
-        == 2
-    )
+    assert main([*args, f"rl.rollouts={bad}", f"run.dir={tmp_path / 'bad'}"]) == 2
     err = capsys.readouterr().err
     assert "bad.jsonl:9" in err and "routes have shape" in err
 
