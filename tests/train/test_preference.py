@@ -146,3 +146,57 @@ def test_dpo_scores_pairs_like_hf_starts_at_ln2_and_keeps_its_reference(tmp_path
     capsys.readouterr()
     assert main([*args, "train.steps=3"]) == 2
     assert "the preference data, tokenizer or train.seq_len changed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "simpo"])
+def test_the_preference_losses_follow_their_formulas(tmp_path, objective):
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from tests.random_model import random_variables, tiny_config
+    from zaya_jax.loss import objective_for, token_losses
+    from zaya_jax.model import Zaya
+
+    path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(3, seed=5))
+    row = next(
+        make_row_iterator(_data(path), BYTE, seq_len=256, seed=0, split="all", shuffle=False, repeat=False)
+    )
+    model_cfg = tiny_config(vocab_size=264)
+    variables = random_variables(model_cfg)
+    reference = np.asarray([-30.0, -28.0, -25.0, -33.0, -27.0, -26.0], np.float32)  # (c, r) of 3 pairs
+    row["reference_logps"] = np.zeros(256, np.float32)
+    firsts = np.flatnonzero((row["positions"] == 0) & (row["segment_ids"] > 0))
+    row["reference_logps"][firsts] = reference[: len(firsts)]
+    batch = {k: jnp.asarray(v[None]) for k, v in row.items()}
+    cfg = load_config(
+        "tiny",
+        [
+            f"train.objective={objective}",
+            f"data.sources=[{{name: p, kind: preference, path: {path}}}]",
+            "preference.beta=0.5",
+        ],
+    )
+    cfg = dataclasses.replace(cfg, model=model_cfg)
+    loss, stats = objective_for(cfg).loss_and_stats(
+        Zaya(model_cfg), variables["params"], variables["balancing"], batch
+    )
+
+    logits, _ = Zaya(model_cfg).apply(variables, batch["inputs"], segment_ids=batch["segment_ids"])
+    ce, _ = token_losses(logits, batch["targets"])
+    logp = -np.asarray(ce)[0] * row["loss_mask"]
+    seq = [logp[row["segment_ids"] == s].sum() for s in range(1, len(firsts) + 1)]
+    n = [row["loss_mask"][row["segment_ids"] == s].sum() for s in range(1, len(firsts) + 1)]
+    expected = []
+    for k in range(len(firsts) // 2):
+        c, r, rc, rr = seq[2 * k], seq[2 * k + 1], reference[2 * k], reference[2 * k + 1]
+        h = (c - rc) - (r - rr)
+        if objective == "dpo":
+            expected.append(np.log1p(np.exp(-0.5 * h)))
+        elif objective == "ipo":
+            expected.append((h - 1 / (2 * 0.5)) ** 2)
+        else:
+            margin = 0.5 * (c / n[2 * k] - r / n[2 * k + 1]) - cfg.preference.simpo_gamma
+            expected.append(np.log1p(np.exp(-margin)))
+    assert float(stats["weight"]) == len(expected) >= 1
+    np.testing.assert_allclose(float(loss), sum(expected), rtol=1e-4)
