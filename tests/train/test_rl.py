@@ -96,6 +96,13 @@ def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path, capsys):
     state = json.loads((run / "events.jsonl").read_text().splitlines()[-1])["detail"]
     assert state["steps"] == 3
 
+    # With a KL term the starting weights score every rollout; they start equal to the policy.
+    kl = tmp_path / "kl"
+    args = ["train", *GRPO, "--init-from", str(run), "rl.kl=0.1", "optim.warmup_steps=0", "log.every=1"]
+    assert main([*args, f"run.dir={kl}", "train.steps=2", "eval.every=5", "--no-progress"]) == 0
+    first, second = (r for r in _records(kl) if "kl" in r)
+    assert first["kl"] < 1e-6 < second["kl"]  # then the policy moves away from them
+
 
 def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
     cfg = load_config("tiny", GRPO)

@@ -116,6 +116,8 @@ class Rollouts:
             raise ConfigError(
                 "train.objective=grpo runs in one process for now; launch it without --num-processes"
             )
+        if cfg.rl.kl > 0 and reference is None:
+            raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
         self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
         self.reward = load_reward(cfg.rl.reward)
         self.prompts = PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
@@ -143,8 +145,6 @@ class Rollouts:
     def __call__(self) -> tuple[RolloutPlan, dict[str, np.ndarray], dict[str, Any]]:
         if not self.pending:
             completions = self._read() if self.file_records is not None else self._sample()
-            if self.cfg.rl.kl > 0 and self.reference is None:
-                raise ConfigError("rl.kl > 0 needs the reference weights: set train.init_from")
             self.pending = self._rows(completions)
             self.position["rollouts"] += 1
         batch_rows, self.pending = (
