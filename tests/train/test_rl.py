@@ -43,7 +43,8 @@ def _records(run):
 
 
 def test_advantages_and_rows_line_up_with_the_completion():
-    advantages = group_advantages(["a", "a", "b", "b", "a"], np.asarray([1.0, 0.0, 2.0, 2.0, 2.0]))
+    advantages, group_std = group_advantages(["a", "a", "b", "b", "a"], np.asarray([1.0, 0.0, 2.0, 2.0, 2.0]))
+    assert abs(group_std - np.std([1, 0, 2]) / 2) < 1e-6  # the mean of the groups' stds (b's is 0)
     np.testing.assert_allclose(
         advantages[[0, 1, 4]], (np.asarray([1, 0, 2]) - 1) / np.std([1, 0, 2]), rtol=1e-6
     )

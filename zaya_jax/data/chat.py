@@ -310,5 +310,10 @@ def read_chat_documents(source: DataSource, tokenizer: Tokenizer, on_bad_documen
 
 def find_chat_template_for(source: DataSource, tokenizer: Tokenizer) -> ChatTemplate:
     """The template of a chat source: its own ``chat_template`` file or its tokenizer's."""
+    return tokenizer_chat_template(tokenizer, source.chat_template)
+
+
+def tokenizer_chat_template(tokenizer: Tokenizer, template_file: str | None = None) -> ChatTemplate:
+    """``template_file``'s template, else the loaded ``tokenizer``'s own (see :func:`find_chat_template`)."""
     spec = tokenizer.spec
-    return find_chat_template("byte" if spec["kind"] == "byte" else spec["path"], source.chat_template)
+    return find_chat_template("byte" if spec["kind"] == "byte" else spec["path"], template_file)

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from zaya_jax.config import Config, ConfigError, DataConfig, ModelConfig
 from zaya_jax.data import load_tokenizer, make_row_iterator
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.loss import average
 from zaya_jax.programs import held_out_host_batches, single_device_programs
 
 
@@ -43,15 +44,11 @@ def _loss_over(
     lm: Evaluable, cfg: Config, batches: Iterable[dict[str, np.ndarray]], progress: bool
 ) -> dict[str, Any]:
     eval_step = single_device_programs(cfg).eval_step
-    totals: dict[str, float] = {}
-    for batch in tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False):
-        sums = eval_step(lm.variables["params"], lm.variables["balancing"], jax.tree.map(jnp.asarray, batch))
-        for name, value in sums.items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-    weight = totals.pop("weight", 0.0)
+    params, balancing = lm.variables["params"], lm.variables["balancing"]
+    shown = tqdm(batches, unit="batch", desc="eval", disable=not progress, leave=False)
+    means, weight = average(eval_step(params, balancing, jax.tree.map(jnp.asarray, b)) for b in shown)
     if weight == 0:
         raise ValueError("no evaluation tokens: the split of the data is empty")
-    means = {name: total / weight for name, total in totals.items()}
     if cfg.train.objective != "lm":  # per pair: the preference objectives' held-out metrics
         return {**means, "pairs": int(weight)}
     return {**means, "perplexity": math.exp(means["loss"]), "tokens": int(weight)}

@@ -7,12 +7,13 @@ and the held-out evaluation step)."""
 
 from zaya_jax.loss.forward import Batch, segment_sums, token_losses, token_nll, under_axis_rules
 from zaya_jax.loss.next_token import loss_and_stats
-from zaya_jax.loss.objectives import Objective, make_eval_step, objective_for
+from zaya_jax.loss.objectives import Objective, average, make_eval_step, objective_for
 from zaya_jax.loss.preference import sequence_logps
 
 __all__ = [
     "Batch",
     "Objective",
+    "average",
     "loss_and_stats",
     "make_eval_step",
     "objective_for",

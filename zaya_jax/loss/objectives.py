@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -74,3 +74,14 @@ def make_eval_step(
         return {"weight": stats["weight"], **{k: stats["sums"][k] for k in objective.eval_metrics}}
 
     return under_axis_rules(evaluate, axis_rules)
+
+
+def average(sums: Iterable[dict[str, Any]]) -> tuple[dict[str, float], float]:
+    """The eval step's outputs over batches -> (each metric per unit of the summed weight, that
+    weight); the weight is 0 when nothing was evaluated."""
+    totals: dict[str, float] = {}
+    for batch_sums in sums:
+        for name, value in batch_sums.items():
+            totals[name] = totals.get(name, 0.0) + float(value)
+    weight = totals.pop("weight", 0.0)
+    return {name: total / max(weight, 1.0) for name, total in totals.items()}, weight

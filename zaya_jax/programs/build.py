@@ -113,40 +113,34 @@ class Programs:
             out_shardings=layout.replicated,
         )
 
+    def _forward_program(self, forward: Any) -> Any:
+        """``(params, balancing, batch) -> forward(model, params, balancing, batch, loss_chunk)``
+        jitted on the layout, its result replicated (forward-only passes outside the train step)."""
+        layout = self.layout
+        model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
+        chunk = self.cfg.train.loss_chunk
+
+        def run(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
+            return forward(model, params, balancing, batch, chunk)
+
+        return jax.jit(
+            under_axis_rules(run, layout.step_hooks["axis_rules"]),
+            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
+            out_shardings=layout.replicated,
+        )
+
     @functools.cached_property
     def sequence_logps_step(self) -> Any:
         """``(params, balancing, batch) -> (batch, seq + 2)`` log-probabilities of each row's
         segments over their trained targets (column s: segment s), replicated: the preference
         objectives' reference pass (:mod:`zaya_jax.train.reference`)."""
-        layout = self.layout
-        model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
-        chunk = self.cfg.train.loss_chunk
-
-        def logps(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
-            return sequence_logps(model, params, balancing, batch, chunk)[0]
-
-        return jax.jit(
-            under_axis_rules(logps, layout.step_hooks["axis_rules"]),
-            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
-            out_shardings=layout.replicated,
-        )
+        return self._forward_program(lambda *args: sequence_logps(*args)[0])
 
     @functools.cached_property
     def token_logprobs_step(self) -> Any:
         """``(params, balancing, batch) -> (batch, seq)`` log-probability of every target, replicated
         (GRPO's reference scores, ``rl.kl > 0``; no router replay: the reference routes as it does)."""
-        layout = self.layout
-        model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
-        chunk = self.cfg.train.loss_chunk
-
-        def logprobs(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
-            return -token_nll(model, params, balancing, batch, chunk)[0]
-
-        return jax.jit(
-            under_axis_rules(logprobs, layout.step_hooks["axis_rules"]),
-            in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
-            out_shardings=layout.replicated,
-        )
+        return self._forward_program(lambda *args: -token_nll(*args)[0])
 
     def abstract_batch(self, rows: int | None = None, seq: int | None = None) -> dict[str, Any]:
         """A batch of ``rows`` x ``seq`` tokens (default: the run's final batch) as abstract arrays."""

@@ -89,8 +89,9 @@ def make_train_step(
             )
             balancing = {"layers": {"router": {"biases": biases}}}
 
-        metrics = _step_metrics(stats, weight, grad_norm, biases, spread)
-        metrics["routing"] = _routing_health(cfg, stats, biases, state.controller.base)
+        load = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)  # (layers, E+1)
+        metrics = _step_metrics(stats, load, weight, grad_norm, biases, spread)
+        metrics["routing"] = _routing_health(cfg, stats, load, biases, state.controller.base)
         new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
         if loss_limit is not None:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
@@ -128,29 +129,33 @@ def _accumulated_grads(
 
 
 def _routing_health(
-    cfg: Config, stats: dict[str, jax.Array], biases: jax.Array, base: jax.Array
+    cfg: Config, stats: dict[str, jax.Array], load: jax.Array, biases: jax.Array, base: jax.Array
 ) -> dict[str, jax.Array]:
     """Per-layer routing statistics for the routing-health monitor (:mod:`zaya_jax.resilience.routing`;
     not written to ``metrics.jsonl``): each class's share of the tokens, the router's mean entropy
     over ln(E + 1), and which balancing biases sit at their clamp (``balancing.max_bias``)."""
-    load = stats["load"]
     classes = load.shape[-1]
     routed = jnp.maximum(stats["routed"], 1.0)
     pinned = jnp.abs(jnp.abs(biases - base) - cfg.balancing.max_bias) < 1e-6
     return {
-        "load": load / jnp.maximum(load.sum(-1, keepdims=True), 1.0),
+        "load": load,
         "entropy": stats["entropy_sum"] / routed / jnp.log(float(classes)),
         "pinned": pinned.astype(jnp.float32),
     }
 
 
 def _step_metrics(
-    stats: dict[str, jax.Array], weight: jax.Array, grad_norm: jax.Array, biases: jax.Array, spread: jax.Array
+    stats: dict[str, jax.Array],
+    load_fraction: jax.Array,
+    weight: jax.Array,
+    grad_norm: jax.Array,
+    biases: jax.Array,
+    spread: jax.Array,
 ) -> dict[str, jax.Array]:
     """The step's scalars and vectors, each under its name in ``metrics.jsonl``: the objective's
     sums per unit of its weight (``loss`` first; for ``lm`` also ``log_z_squared``, the z-loss term
-    before its weight ``train.z_loss``), then the optimizer's and the router's."""
-    load_fraction = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)
+    before its weight ``train.z_loss``), then the optimizer's and the router's (``load_fraction``:
+    each class's share of each layer's tokens)."""
     experts = load_fraction[:, :-1]
     return {
         **{name: total / weight for name, total in stats["sums"].items()},

@@ -29,7 +29,7 @@ CONTROL_KEYS = (
 def metric_record(step: int, metrics: dict[str, Any], **host: Any) -> dict[str, Any]:
     """One ``metrics.jsonl`` record: every output of the jitted step under its own name, then the
     host-side fields ``host``; arrays become floats (scalars) or lists rounded to 4 decimals."""
-    fields = {k: v for k, v in jax.device_get({**metrics, **host}).items() if k not in CONTROL_KEYS}
+    fields = jax.device_get({k: v for k, v in {**metrics, **host}.items() if k not in CONTROL_KEYS})
     return {"step": step, **{name: _python(value) for name, value in fields.items()}}
 
 

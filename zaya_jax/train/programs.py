@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from zaya_jax.loss import average
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.programs import Programs, TrainState, fingerprint
 from zaya_jax.resilience import Watchdog
@@ -65,9 +66,4 @@ class HeldOut:
             lowered = self.programs.eval_step.lower(state.params, state.balancing, self.batches[0])
             self._compiled = lowered.compile()
             barrier("eval", self.programs.cfg.runtime.barrier_timeout_s)
-        totals: dict[str, float] = {}
-        for batch in self.batches:
-            for name, value in self._compiled(state.params, state.balancing, batch).items():
-                totals[name] = totals.get(name, 0.0) + float(value)
-        weight = max(totals.pop("weight"), 1.0)
-        return {name: total / weight for name, total in totals.items()}
+        return average(self._compiled(state.params, state.balancing, batch) for batch in self.batches)[0]

@@ -20,7 +20,7 @@ import numpy as np
 
 from zaya_jax.config import Config, ConfigError, DataSource
 from zaya_jax.data import DataError
-from zaya_jax.data.chat import ChatEncoder, check_record, find_chat_template
+from zaya_jax.data.chat import ChatEncoder, check_record, tokenizer_chat_template
 from zaya_jax.data.corpus import held_out_key
 from zaya_jax.data.sources import BadDocuments, iter_records, resolve_files
 from zaya_jax.data.tasks import reverse_chats
@@ -101,8 +101,11 @@ def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dic
     for key, where, record in iter_records(
         resolve_files(DataSource(name="prompts", kind="chat", path=path)), bad
     ):
-        problem = check_record(
-            {**record, "messages": [*record.get("messages", []), {"role": "assistant", "content": ""}]}
+        messages = record.get("messages")
+        problem = (
+            check_record({**record, "messages": [*messages, {"role": "assistant", "content": ""}]})
+            if isinstance(messages, list)
+            else f"no 'messages' list (fields: {', '.join(map(repr, record)) or 'none'})"
         )
         if problem is not None:
             bad.report(f"{where}: {problem}", 'write one {"messages": [...]} prompt per line')
@@ -116,8 +119,7 @@ class PromptEncoder:
 
     def __init__(self, cfg: Config, tokenizer: Any, width: int):
         self.tokenizer, self.width = tokenizer, width
-        spec = "byte" if tokenizer.spec["kind"] == "byte" else tokenizer.spec["path"]
-        self.chat = ChatEncoder(tokenizer, find_chat_template(spec))
+        self.chat = ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
 
     def __call__(self, records: Sequence[dict[str, Any]]) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
         """(ids, mask) (batch, width) left-padded, and each prompt's ids."""

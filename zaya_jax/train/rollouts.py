@@ -28,14 +28,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError, DataSource
-from zaya_jax.data import DataError, batch_fields
+from zaya_jax.data import BATCH_KEYS, DataError, batch_fields
 from zaya_jax.data.batch import empty_row
 from zaya_jax.data.sources import BadDocuments, iter_records, resolve_files
 from zaya_jax.generate import generate
@@ -65,16 +64,18 @@ class Completion:
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
 
 
-def group_advantages(groups: list[Any], rewards: np.ndarray) -> np.ndarray:
-    """(reward - group mean) / group std per completion; 0 for a group whose rewards are all equal."""
-    advantages = np.zeros(len(rewards), np.float32)
-    keys = [json.dumps(g, sort_keys=True) for g in groups]
-    for key in set(keys):
-        members = np.asarray([i for i, k in enumerate(keys) if k == key])
-        values = rewards[members]
-        std = values.std()
-        advantages[members] = 0.0 if std < 1e-6 else (values - values.mean()) / std
-    return advantages
+def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray, float]:
+    """(reward - group mean) / group std per completion (0 for a group whose rewards are all equal),
+    and the mean over groups of that std."""
+    members: dict[str, list[int]] = {}
+    for i, group in enumerate(groups):
+        members.setdefault(json.dumps(group, sort_keys=True), []).append(i)
+    advantages, stds = np.zeros(len(rewards), np.float32), []
+    for indices in members.values():
+        values = rewards[indices]
+        stds.append(float(values.std()))
+        advantages[indices] = 0.0 if stds[-1] < 1e-6 else (values - values.mean()) / stds[-1]
+    return advantages, float(np.mean(stds))
 
 
 def completion_row(
@@ -196,14 +197,13 @@ class Rollouts:
 
     def _rows(self, completions: list[Completion]) -> list[dict[str, np.ndarray]]:
         rewards = np.asarray([c.reward for c in completions], np.float32)
-        advantages = group_advantages([c.group for c in completions], rewards)
+        advantages, group_std = group_advantages([c.group for c in completions], rewards)
         pad = self.tokenizer.pad_id
         rows = [
             completion_row(self.cfg, c, float(a), pad) for c, a in zip(completions, advantages, strict=True)
         ]
         if self.reference is not None:
             self._score_reference(rows)
-        group_std = np.mean([s for s in _group_stds(completions)])
         self.stats = (
             ("reward", float(rewards.mean())),
             ("reward_group_std", float(group_std)),
@@ -214,20 +214,10 @@ class Rollouts:
 
     def _score_reference(self, rows: list[dict[str, np.ndarray]]) -> None:
         """Each completion token's log-probability under the reference weights (``rl.kl > 0``)."""
-        batch = {
-            k: np.stack([row[k] for row in rows])
-            for k in ("inputs", "targets", "segment_ids", "positions", "loss_mask")
-        }
+        batch = {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
         logprobs = np.asarray(self.reference(batch))
         for row, values in zip(rows, logprobs, strict=True):
             row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
-
-
-def _group_stds(completions: list[Completion]) -> Iterator[float]:
-    by_group: dict[str, list[float]] = {}
-    for c in completions:
-        by_group.setdefault(json.dumps(c.group, sort_keys=True), []).append(c.reward)
-    return (float(np.std(v)) for v in by_group.values())
 
 
 def _read_rollout_files(cfg: Config) -> list[Completion]:
