@@ -45,13 +45,13 @@ def small_corpus_override(directory: Path, documents: int = 400) -> str:
     return f"data.sources=[{{name: small, kind: jsonl, path: {path}}}]"
 
 
-def train_bpe_tokenizer(path: Path) -> Path:
+def train_bpe_tokenizer(path: Path, vocab_size: int = 300) -> Path:
     """A byte-level BPE tokenizer.json (pad/eos/bos = <pad>, </s>, <s>) trained on a few strings."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=300,
+        vocab_size=vocab_size,
         special_tokens=["<pad>", "</s>", "<s>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,

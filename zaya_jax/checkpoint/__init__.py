@@ -13,24 +13,26 @@ Layout of a run directory::
 
 Only committed checkpoints (Orbax's atomic rename) are listed and restored. Restoring builds the
 target shapes from the saved metadata with the *current* devices' sharding, so a checkpoint saved on
-any mesh loads on a single CPU. Restored arrays are checked against their fingerprints; a checkpoint
-that cannot be read or fails the check is moved to ``<run>/quarantine/`` and the previous one used.
+any mesh loads on a single CPU. Every loader finds its step through ``readable``: a step's structure
+is checked before any array is read, restored arrays are checked against their fingerprints, and on
+a run a damaged step is moved to ``<run>/quarantine/`` and the previous one used.
 Retention (``keep``, ``keep_every``, ``keep_best``) is Orbax's preservation policies: a pure function
 of the steps and their saved held-out losses, so every process decides the same, and the latest
 step (the one a resume or a rollback needs) is always kept.
 
-Modules: ``store`` (the manager, items, errors, verification, quarantine), ``training`` (train-state
-checkpoints), ``model_files`` (model-only files), ``paths`` (which step a path names).
+Modules: ``store`` (the manager, items, errors, verification, quarantine), ``readable`` (which step
+a path names, the structural check of a step, the walk past damaged steps), ``training`` (train-state
+checkpoints), ``model_files`` (model-only files).
 """
 
 from zaya_jax.checkpoint.model_files import (
-    array_metadata,
+    describe,
     read_config,
     restore_model,
     same_model_run,
     save_model,
 )
-from zaya_jax.checkpoint.paths import resolve
+from zaya_jax.checkpoint.readable import check_step, first_readable
 from zaya_jax.checkpoint.store import (
     CHECKPOINTS,
     MODEL_ITEMS,
@@ -51,11 +53,12 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointSaveError",
     "TrainingSaver",
-    "array_metadata",
+    "check_step",
+    "describe",
+    "first_readable",
     "manager",
     "quarantine",
     "read_config",
-    "resolve",
     "restore_model",
     "restore_training",
     "same_model_run",

@@ -12,19 +12,19 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from zaya_jax.checkpoint.paths import resolve
+from zaya_jax.checkpoint.readable import first_readable
 from zaya_jax.checkpoint.store import (
     CHECKPOINTS,
     MODEL_ITEMS,
     CheckpointCorruptError,
-    CheckpointNotFoundError,
     array_fingerprints,
     manager,
     saved_fingerprints,
-    set_aside,
     verify,
 )
-from zaya_jax.config import Config, config_from_dict, save_config, to_dict
+from zaya_jax.config import Config, ConfigError, config_from_dict, save_config, to_dict
+
+CONFIG_ITEMS = ("config",)
 
 
 def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step: int = 0) -> Path:
@@ -49,53 +49,56 @@ def save_model(run_dir: str | Path, cfg: Config, variables: dict[str, Any], step
     return run_dir / CHECKPOINTS / str(step)
 
 
-def read_config(path: str | Path) -> tuple[Config, int]:
-    """The config and step of a checkpoint, without reading any array."""
-    checkpoints, step = resolve(path)
+def _config(checkpoints: Path, step: int) -> Config:
     data = manager(checkpoints).restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))[
         "config"
     ]
-    return config_from_dict(data), step
+    item = checkpoints / str(step) / "config" / "metadata"
+    if not isinstance(data, dict):
+        raise CheckpointCorruptError(f"{item} does not hold a config (a JSON object)")
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        raise ConfigError(
+            f"{item}: {err}; the checkpoint was written by another version of zaya-jax or its config was "
+            "edited: fix the file, or load it with the version that wrote it"
+        ) from err
 
 
-def array_metadata(path: str | Path) -> tuple[int, dict[str, Any]]:
-    """(step, {item: tree of (shape, dtype)}) from the checkpoint metadata only."""
-    checkpoints, step = resolve(path)
+def read_config(path: str | Path) -> tuple[Config, int]:
+    """The config and step of a checkpoint (a run's latest readable step, see
+    :mod:`zaya_jax.checkpoint.readable`), without reading any array."""
+    return first_readable(path, _config, CONFIG_ITEMS)
+
+
+def _arrays(checkpoints: Path, step: int) -> dict[str, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         meta = manager(checkpoints).item_metadata(step)
-    trees = {}
-    for name in MODEL_ITEMS:
-        tree = meta[name]
-        trees[name] = jax.tree.map(lambda m: (tuple(m.shape), str(np.dtype(m.dtype))), dict(tree))
-    return step, trees
+    return {
+        name: jax.tree.map(lambda m: (tuple(m.shape), str(np.dtype(m.dtype))), dict(meta[name]))
+        for name in MODEL_ITEMS
+    }
+
+
+def describe(path: str | Path) -> tuple[Config, int, dict[str, Any]]:
+    """(config, step, {item: tree of (shape, dtype)}) of a checkpoint from its metadata alone."""
+    (cfg, arrays), step = first_readable(
+        path, lambda c, s: (_config(c, s), _arrays(c, s)), (*CONFIG_ITEMS, *MODEL_ITEMS)
+    )
+    return cfg, step, arrays
 
 
 def restore_model(path: str | Path) -> tuple[Config, dict[str, Any], int]:
     """(config, variables, step) of a checkpoint, placed on the first local device, every array
-    checked against its fingerprint. For a run directory a corrupt latest step is quarantined (with
-    a warning) and the previous one used; a step directory given explicitly raises
-    :class:`CheckpointCorruptError` instead."""
-    checkpoints, step = resolve(path)
-    explicit = Path(path).parent.name == CHECKPOINTS
-    skipped: set[int] = set()
-    while True:
-        try:
-            return _restore_model_step(checkpoints, step)
-        except CheckpointCorruptError as err:
-            if explicit:
-                raise
-            set_aside(checkpoints, step, err)
-            skipped.add(step)
-            remaining = [s for s in manager(checkpoints).all_steps() if s not in skipped]
-            if not remaining:
-                raise CheckpointNotFoundError(
-                    f"{checkpoints} holds no checkpoint that passes its check"
-                ) from err
-            step = max(remaining)
+    checked against its fingerprint. For a run directory a damaged latest step is set aside (with a
+    warning) and the previous one used; a step directory given explicitly raises
+    :class:`CheckpointCorruptError` instead (:mod:`zaya_jax.checkpoint.readable`)."""
+    (cfg, variables), step = first_readable(path, _restore_model_step, (*CONFIG_ITEMS, *MODEL_ITEMS))
+    return cfg, variables, step
 
 
-def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str, Any], int]:
+def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str, Any]]:
     mgr = manager(checkpoints)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -107,11 +110,11 @@ def _restore_model_step(checkpoints: Path, step: int) -> tuple[Config, dict[str,
         )
         for name in MODEL_ITEMS
     }
-    restored = mgr.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), **args))
+    restored = mgr.restore(step, args=ocp.args.Composite(**args))
     variables = {name: restored[name] for name in MODEL_ITEMS}
     step_dir = checkpoints / str(step)
     verify(step_dir, saved_fingerprints(mgr, step_dir, step), variables)
-    return config_from_dict(restored["config"]), variables, step
+    return _config(checkpoints, step), variables
 
 
 def same_model_run(new: Path, existing: Path) -> bool:

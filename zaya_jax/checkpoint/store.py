@@ -3,6 +3,7 @@ errors, array fingerprints checked on restore, and quarantine (a step set aside,
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from pathlib import Path
@@ -23,7 +24,8 @@ class CheckpointNotFoundError(FileNotFoundError):
 
 
 class CheckpointCorruptError(RuntimeError):
-    """A restored array differs from what was saved (bytes changed on disk); names the arrays."""
+    """A checkpoint that cannot be used: an item missing, empty or unreadable, or an array that reads
+    back different from what was saved (bytes changed on disk); the message names the files."""
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
@@ -115,18 +117,24 @@ def quarantine(checkpoints_dir: str | Path, step: int) -> Path:
     ``<run>/quarantine/<step>-<time>``, so a later save of the same step has room."""
     source = Path(checkpoints_dir) / str(step)
     target = Path(checkpoints_dir).parent / QUARANTINE / f"{step}-{int(time.time())}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    if jax.process_index() == 0 and source.exists():
+    if jax.process_index() == 0 and os.path.lexists(source):
+        target.parent.mkdir(parents=True, exist_ok=True)
         source.rename(target)
     return target
 
 
 def set_aside(checkpoints_dir: str | Path, step: int, err: Exception) -> dict[str, Any]:
-    """Quarantine an unreadable or corrupt step, with a warning; its ``checkpoint_unreadable`` detail."""
-    moved = quarantine(checkpoints_dir, step)
+    """Quarantine an unreadable or corrupt step, with a one-line warning; its ``checkpoint_unreadable``
+    detail. Where it cannot be moved (a read-only run), it is left in place and skipped."""
+    reason = " ".join(f"{type(err).__name__}: {err}".split())
+    try:
+        moved: str | None = str(quarantine(checkpoints_dir, step))
+        where = f"moved to {moved}"
+    except OSError as move_err:
+        moved, where = None, f"left in place (it cannot be moved: {' '.join(str(move_err).split())})"
     warnings.warn(
-        f"checkpoint step {step} in {checkpoints_dir} cannot be used ({type(err).__name__}: "
-        f"{str(err)[:600]}); moved to {moved}, trying the previous one",
+        f"checkpoint step {step} in {checkpoints_dir} cannot be used ({reason[:600]}); {where}, trying the "
+        "previous one",
         stacklevel=3,
     )
-    return {"checkpoint": step, "error": f"{type(err).__name__}: {str(err)[:1000]}", "moved_to": str(moved)}
+    return {"checkpoint": step, "error": reason[:1000], "moved_to": moved}

@@ -12,7 +12,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax.checkpoint.readable import check_step, saved_items
 from zaya_jax.checkpoint.store import (
+    MODEL_ITEMS,
+    CheckpointCorruptError,
     CheckpointNotFoundError,
     array_fingerprints,
     data_filename,
@@ -146,14 +149,17 @@ def restore_training(
     different is moved to ``<run>/quarantine/`` with a warning and the previous one is tried. Each
     one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``."""
     mgr = manager(checkpoints_dir)
-    steps = [s for s in mgr.all_steps() if (Path(checkpoints_dir) / str(s) / "train").is_dir()]
     unreadable: list[dict[str, Any]] = []
-    for step in sorted(steps, reverse=True):
+    for step in sorted(mgr.all_steps(), reverse=True):
+        step_dir = Path(checkpoints_dir) / str(step)
         try:
+            if step_dir.is_dir() and "train" not in saved_items(step_dir):
+                continue  # a model-only step (zaya convert): nothing to resume
+            check_step(step_dir, (*MODEL_ITEMS, "train"))
             return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays), unreadable
-        except CheckpointNotFoundError:
+        except (CheckpointNotFoundError, PermissionError):
             raise
-        except Exception as err:
+        except Exception as err:  # Orbax and TensorStore raise many types for unreadable files
             unreadable.append(set_aside(checkpoints_dir, step, err))
     return None, unreadable
 
@@ -166,6 +172,8 @@ def _restore_step(
     data_dir = step_dir / "data"
     if not (data_dir / data_filename()).is_file():
         saved = sorted(p.name for p in data_dir.glob("process_*.json"))
+        if not saved:
+            raise CheckpointCorruptError(f"{data_dir} (the data position) is missing or empty")
         raise CheckpointNotFoundError(
             f"{data_dir} holds the data positions {saved} but this run is process {jax.process_index()} of "
             f"{jax.process_count()}; resume with the number of processes that saved it"

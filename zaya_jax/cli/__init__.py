@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from zaya_jax.checkpoint import CheckpointSaveError
+from zaya_jax.checkpoint import CheckpointCorruptError, CheckpointSaveError
 from zaya_jax.cli import convert, data, evaluate, operations, train
 from zaya_jax.cli.argv import command_name, inspect_positionals, parse, positional_config
 from zaya_jax.config import ConfigError
@@ -37,6 +38,24 @@ def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int
     loop (:class:`zaya_jax.train.hooks.Hook`; the tests' fault injection)."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    with warnings.catch_warnings():
+        warnings.showwarning = _one_line_warning(command_name(argv))
+        return _run(parser, argv, hooks)
+
+
+def _one_line_warning(command: str) -> Any:
+    """Warnings (a checkpoint set aside, a fallback taken) as one ``zaya CMD: warning:`` line each."""
+
+    def show(
+        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        text = " ".join(str(message).split())
+        print(f"zaya {command}: warning: {text}", file=file or sys.stderr, flush=True)
+
+    return show
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Any]) -> int:
     try:
         args = parse(parser, argv)
         args.hooks = tuple(hooks)
@@ -45,17 +64,19 @@ def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int
         positional_config(args)
         return args.func(args)
     except ConfigError as err:
-        print(f"zaya {command_name(argv)}: configuration error: {err}", file=sys.stderr)
-        return 2
-    except (CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
-        print(f"zaya {command_name(argv)}: {err}", file=sys.stderr)
-        return 1
+        return _error(argv, f"configuration error: {err}", 2)
+    except (CheckpointCorruptError, CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
+        return _error(argv, err, 1)
     except (FileNotFoundError, FileExistsError, ValueError) as err:
-        print(f"zaya {command_name(argv)}: {err}", file=sys.stderr)
-        return 2
+        return _error(argv, err, 2)
     except OSError as err:  # a full disk, a read-only or forbidden directory
-        print(f"zaya {command_name(argv)}: {storage_error_message(err)}", file=sys.stderr)
-        return 1
+        return _error(argv, storage_error_message(err), 1)
+
+
+def _error(argv: list[str], message: object, code: int) -> int:
+    """The command's error as one line on stderr; returns its exit code."""
+    print(f"zaya {command_name(argv)}: {' '.join(str(message).split())}", file=sys.stderr)
+    return code
 
 
 def _version() -> str:

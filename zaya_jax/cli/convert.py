@@ -133,8 +133,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             "arrays": {"tensors": tensors},
         }
     else:
-        cfg, step = checkpoint.read_config(args.path)
-        _, arrays = checkpoint.array_metadata(args.path)
+        cfg, step, arrays = checkpoint.describe(args.path)
         report = {"step": step, "config": to_dict(cfg), **param_counts(cfg.model), "arrays": arrays}
     if args.json:
         print_json(report)

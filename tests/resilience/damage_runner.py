@@ -1,0 +1,356 @@
+"""Runs the damaged-input campaign (cases and judging: ``tests/resilience/damage.py``).
+
+The fixtures are built once. A worker process runs the cases one after another in process
+(``zaya_jax.cli.main(argv)``, exactly what the ``zaya`` script runs, and the Python API), so one
+interpreter and one compilation cache serve them all; for each it copies the input fresh, damages
+it, hashes it, runs the command with stdout and stderr captured, hashes it again and appends the
+outcome to ``results.jsonl``. The parent (:func:`run_campaign`) reads that file as it grows: a case
+with no result after ``timeout`` seconds is a hang (the worker is killed), a worker that dies is a
+crash of that case (counted as a traceback), and a new worker goes on with the next case.
+
+    python -m tests.resilience.damage_runner worker --root DIR --start K   (started by run_campaign)
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tests.resilience.damage import (
+    KINDS,
+    Case,
+    Outcome,
+    apply_damage,
+    judge,
+    lost_entries,
+    plan,
+    restore_permissions,
+    snapshot,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+MINI_MODEL = [
+    "model.hidden_size=32",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "model.num_kv_heads=1",
+    "model.head_dim=16",
+    "model.num_experts=2",
+    "model.moe_intermediate_size=32",
+    "model.router_hidden_size=8",
+]
+MINI = [*MINI_MODEL, "train.batch_size=2", "train.seq_len=32", "eval.batches=1", "--no-progress"]
+RUN = [*MINI, "train.steps=4", "checkpoint.every_steps=2", "eval.every=100"]
+SMALL_EVAL = ["--seq-len", "64", "--batch-size", "2", "--batches", "1"]
+
+
+def build_fixtures(fixtures: Path) -> None:
+    """The pristine inputs: a 4-step run saved at steps 2 and 4, its HF export with a BPE tokenizer,
+    the same weights as a sharded HF directory, a JSONL corpus and its prepared directory, a YAML
+    config, and a garbage file for symlinks to point at."""
+    from tests.data.corpora import train_bpe_tokenizer, write_jsonl
+    from zaya_jax import load
+    from zaya_jax.cli import main
+    from zaya_jax.interop.hf import save_hf_directory
+
+    if (fixtures / "complete").is_file():
+        return
+    shutil.rmtree(fixtures, ignore_errors=True)
+    fixtures.mkdir(parents=True)
+    _ok(main(["train", *RUN, f"run.dir={fixtures / 'run'}"]), "the fixture run")
+    _ok(main(["convert", "zaya-to-hf", str(fixtures / "run"), str(fixtures / "hf")]), "the HF export")
+    train_bpe_tokenizer(fixtures / "hf" / "tokenizer.json", vocab_size=264)
+    special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
+    (fixtures / "hf" / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
+    lm = load(fixtures / "run")
+    save_hf_directory(fixtures / "hf_sharded", lm.config, lm.variables, max_shard_bytes=40_000)
+    texts = [f"document {i}: the quick brown fox jumps over " + "lorem ipsum " * (i % 5) for i in range(64)]
+    write_jsonl(fixtures / "corpus.jsonl", texts)
+    prepared = ["data", "prepare", str(fixtures / "corpus.jsonl"), "--out", str(fixtures / "prepared")]
+    _ok(main([*prepared, "--shards", "2"]), "the prepared directory")
+    model = {o.split("=")[0].split(".")[1]: int(o.split("=")[1]) for o in MINI_MODEL}
+    config = {"inherits": "tiny", "model": model, "train": {"steps": 1, "batch_size": 2, "seq_len": 32}}
+    (fixtures / "config.yaml").write_text(json.dumps({**config, "eval": {"batches": 1}}, indent=2))
+    (fixtures / "outside").mkdir()
+    (fixtures / "outside" / "garbage.bin").write_bytes(bytes(range(256)) * 64)
+    (fixtures / "complete").write_text("")
+
+
+def _ok(code: int, what: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"building {what} failed with exit {code}")
+
+
+def command(case: Case, given: Path, out: Path, fixtures: Path) -> list[str] | Callable[[], Any]:
+    """The argv of ``zaya`` (or a Python call) that reads ``given`` for ``case.command``."""
+    tokenizer = (
+        [] if (fixtures / KINDS[case.kind].source / "tokenizer.json").exists() else ["--tokenizer", "byte"]
+    )
+    on_hf = case.kind in ("hf", "hf_sharded", "tokenizer")
+    train_out = [f"run.dir={out}"]
+    argv = {
+        "eval": ["eval", str(given), *((SMALL_EVAL + tokenizer) if on_hf else [])],
+        "generate": ["generate", str(given), "--prompt", "hello", "--max-new-tokens", "3", *tokenizer],
+        "inspect": ["inspect", str(given)],
+        "to_hf": ["convert", "zaya-to-hf", str(given), str(out)],
+        "to_zaya": ["convert", "hf-to-zaya", str(given), str(out)],
+        "init_from": ["train", *MINI, "train.steps=1", f"train.init_from={given}", *train_out],
+        "resume": ["train", *RUN, "train.steps=5", f"run.dir={given}"],
+        "prepare_with": [
+            "data",
+            "prepare",
+            str(fixtures / "corpus.jsonl"),
+            "--out",
+            str(out),
+            "--tokenizer",
+            str(given / "tokenizer.json"),
+            "--shards",
+            "1",
+        ],
+        "prepare": ["data", "prepare", str(given), "--out", str(out), "--shards", "1"],
+        "inspect_rows": ["inspect", str(given), "--rows", "2"],
+        "train_on": [
+            "train",
+            *MINI,
+            "train.steps=1",
+            f"data.sources=[{{name: p, kind: arrayrecord, path: {given}}}]",
+            *train_out,
+        ],
+        "train_config": ["train", "--config", str(given), *train_out],
+        "inspect_config": ["inspect", "--config", str(given)],
+        "train_override": ["train", *MINI, "train.steps=1", case.target, *train_out],
+        "inspect_override": ["inspect", "--config", "tiny", case.target],
+    }
+    if case.command == "load":
+        from zaya_jax import load
+
+        return lambda: load(given)
+    if case.command == "harness":
+        from zaya_jax.harness import ZayaLM
+
+        return lambda: ZayaLM(str(given))
+    return argv[case.command]
+
+
+def invoke(call: list[str] | Callable[[], Any]) -> tuple[int | None, str, str, str | None]:
+    """(exit code, stderr, the error line, the traceback of an exception that escaped) of one
+    command, in process. The error line is the last ``zaya CMD:`` line that is not a warning; for
+    the Python API, its documented errors (not found, corrupt, a bad value, a storage error) count
+    as exit 1 with their message, any other exception escapes."""
+    from zaya_jax.checkpoint import CheckpointCorruptError
+    from zaya_jax.cli import main
+
+    err = io.StringIO()
+    code: int | None = None
+    line, escaped = "", None
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(err),
+        warnings.catch_warnings(),
+    ):
+        warnings.simplefilter("always")
+        for category in (ResourceWarning, DeprecationWarning, FutureWarning):
+            warnings.simplefilter("ignore", category)
+        try:
+            if callable(call):
+                try:
+                    call()
+                    code = 0
+                except (ValueError, OSError, CheckpointCorruptError) as error:
+                    code, line = 1, f"{type(error).__name__}: {error}"
+            else:
+                code = main(call)
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+            line = "" if isinstance(exit_.code, int | None) else str(exit_.code)
+        except BaseException:  # whatever escapes is what the campaign counts
+            escaped = traceback.format_exc()
+    stderr = err.getvalue()
+    if not line:
+        errors = [x for x in stderr.splitlines() if x.startswith("zaya ") and ": warning:" not in x]
+        line = errors[-1] if errors else (stderr.strip().splitlines() or [""])[-1]
+    return code, stderr, line, escaped
+
+
+def run_case(case: Case, root: Path, keep: bool = False) -> Outcome:
+    kind = KINDS[case.kind]
+    fixtures = root / "fixtures"
+    case_dir = root / "cases" / str(case.index)
+    shutil.rmtree(case_dir, ignore_errors=True)
+    case_dir.mkdir(parents=True)
+    copy, given, damaged = None, Path(case.target), []
+    if kind.source:
+        source = fixtures / kind.source
+        copy = case_dir / source.name
+        shutil.copytree(source, copy, symlinks=True) if source.is_dir() else shutil.copy(source, copy)
+        given = copy / kind.given if kind.given else copy
+        damaged = apply_damage(case, copy, case_dir, fixtures / "outside" / "garbage.bin")
+    before = snapshot(copy) if copy else {}
+    started = time.perf_counter()
+    code, stderr, line, escaped = invoke(command(case, given, case_dir / "out", fixtures))
+    seconds = time.perf_counter() - started
+    after = snapshot(copy) if copy else {}
+    modified = lost_entries(before, after, training=case.command == "resume")
+    result, line = judge(case, code, stderr, line, escaped, damaged, given)
+    if copy is not None:
+        restore_permissions(case_dir)
+    if not keep and result not in ("unclear", "traceback") and not modified:
+        shutil.rmtree(case_dir, ignore_errors=True)
+    return Outcome(case, result, modified, code, (escaped or line)[-2000:], round(seconds, 2))
+
+
+def _worker(root: Path, start: int, keep: bool) -> None:
+    build_fixtures(root / "fixtures")
+    cases = [Case(**c) for c in json.loads((root / "plan.json").read_text())]
+    with (root / "results.jsonl").open("a") as results:
+        for case in cases[start:]:
+            results.write(json.dumps({"started": case.index}) + "\n")
+            results.flush()
+            results.write(json.dumps(run_case(case, root, keep).to_json()) + "\n")
+            results.flush()
+
+
+def run_campaign(
+    root: Path,
+    cases: list[Case],
+    *,
+    timeout: float = 300.0,
+    fixture_timeout: float = 900.0,
+    keep: bool = False,
+    log: Callable[[str], None] = print,
+) -> list[Outcome]:
+    """Run ``cases`` (from :func:`~tests.resilience.damage.plan`) in worker processes; returns their
+    outcomes in order, hangs and crashed workers included."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "plan.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
+    results = root / "results.jsonl"
+    results.unlink(missing_ok=True)
+    outcomes: dict[int, Outcome] = {}
+    start = 0
+    while start < len(cases):
+        current = _supervise_worker(root, start, timeout, fixture_timeout, keep, outcomes, log)
+        if current is None:
+            raise RuntimeError(
+                f"the campaign's worker failed before its first case; see {root / 'worker.log'}"
+            )
+        start = current + 1
+    return [outcomes[c.index] for c in cases]
+
+
+def _supervise_worker(
+    root: Path,
+    start: int,
+    timeout: float,
+    fixture_timeout: float,
+    keep: bool,
+    outcomes: dict[int, Outcome],
+    log: Callable[[str], None],
+) -> int | None:
+    """One worker from case ``start``; returns the index of the last case it started (None: none)."""
+    cases = {c["index"]: Case(**c) for c in json.loads((root / "plan.json").read_text())}
+    argv = [
+        sys.executable,
+        "-m",
+        "tests.resilience.damage_runner",
+        "worker",
+        "--root",
+        str(root),
+        "--start",
+        str(start),
+    ]
+    argv += ["--keep"] if keep else []
+    results = root / "results.jsonl"
+    offset = results.stat().st_size if results.exists() else 0
+    with (root / "worker.log").open("a") as worker_log:
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=worker_log, stderr=subprocess.STDOUT)
+    current, last, budget, killed = None, time.monotonic(), fixture_timeout, False
+    while True:
+        finished = proc.poll() is not None
+        if results.exists():
+            with results.open() as f:
+                f.seek(offset)
+                lines = f.readlines()
+                offset = f.tell() if lines and lines[-1].endswith("\n") else offset
+            for line in (x for x in lines if x.endswith("\n")):
+                record = json.loads(line)
+                if "started" in record:
+                    current, last, budget = record["started"], time.monotonic(), timeout
+                else:
+                    outcome = Outcome(**{**record, "case": Case(**record["case"])})
+                    outcomes[outcome.case.index] = outcome
+                    log(
+                        f"{outcome.case.describe()}: {outcome.result} {'MODIFIED ' if outcome.modified else ''}{outcome.message[:160]}"
+                    )
+        if finished:
+            break
+        if time.monotonic() - last > budget:
+            proc.kill()
+            proc.wait()
+            killed = True
+            break
+        time.sleep(0.2)
+    if current is not None and current not in outcomes:
+        result = "hang" if killed else "traceback"
+        tail = (root / "worker.log").read_text()[-1500:]
+        outcomes[current] = Outcome(
+            cases[current], result, [], proc.returncode, tail, round(time.monotonic() - last, 1)
+        )
+        log(f"{cases[current].describe()}: {result} (worker exit {proc.returncode})")
+    return current
+
+
+RESULTS = ("fallback", "clear", "unaffected", "unclear", "traceback", "hang")
+
+
+def table(outcomes: list[Outcome]) -> str:
+    """Markdown: cases per input kind and what they ended in."""
+    head = "| input | cases | fallback | clear error | unaffected | unclear error | traceback | hang | modified inputs |"
+    rows = [head, "|" + "---|" * 9]
+    groups = {kind: [o for o in outcomes if o.case.kind == kind] for kind in KINDS}
+    groups["**all**"] = outcomes
+    for kind, group in groups.items():
+        if group:
+            counts = [sum(o.result == r for o in group) for r in RESULTS]
+            rows.append(
+                f"| {kind} | {len(group)} | "
+                + " | ".join(map(str, counts))
+                + f" | {sum(bool(o.modified) for o in group)} |"
+            )
+    return "\n".join(rows)
+
+
+def failures(outcomes: list[Outcome]) -> list[str]:
+    return [
+        f"{o.case.describe()}: {o.result}{' modified ' + str(o.modified[:5]) if o.modified else ''}: {o.message[-600:]}"
+        for o in outcomes
+        if o.result in ("unclear", "traceback", "hang") or o.modified
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["worker"])
+    parser.add_argument("--root", type=Path, required=True)
+    parser.add_argument("--start", type=int, default=0)
+    parser.add_argument("--keep", action="store_true")
+    args = parser.parse_args()
+    _worker(args.root, args.start, args.keep)
+
+
+if __name__ == "__main__":
+    main()
+
+
+__all__ = ["build_fixtures", "failures", "plan", "run_campaign", "table"]
