@@ -1,4 +1,5 @@
-"""Durable files: the one atomic write, the one ``events.jsonl`` line writer and the one sha256.
+"""Durable files: the one atomic write, the one ``events.jsonl`` line writer, the one sha256, and the
+one reader of JSON inputs whose errors name the file and line.
 
 The bottom layer of the package (standard library only), so the config, data, interop, resilience
 and training code all write files the same way: a reader never sees half a file, and a crash right
@@ -86,6 +87,51 @@ def append_event(run_dir: str | Path, name: str, step: int | None, detail: dict[
     run_dir.mkdir(parents=True, exist_ok=True)
     with (run_dir / EVENTS).open("a") as f:
         f.write(event_line(name, step, detail))
+
+
+class InputFileError(ValueError):
+    """A file the command reads is missing, not text, not valid JSON or of the wrong shape; the
+    message names the file (and the line) and the fix."""
+
+
+def read_text_file(path: str | Path, what: str, fix: str) -> str:
+    """The UTF-8 text of ``path``, or an :class:`InputFileError` naming it, ``what`` it is and ``fix``."""
+    path = Path(path)
+    try:
+        return path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        state = "a broken link" if path.is_symlink() else "missing"
+        raise InputFileError(f"{path} ({what}) is {state}; {fix}") from None
+    except IsADirectoryError:
+        raise InputFileError(f"{path} ({what}) is a directory, not a file; {fix}") from None
+    except UnicodeDecodeError as err:
+        raise InputFileError(
+            f"{path} ({what}) is not UTF-8 text (byte {err.start} of the file); {fix}"
+        ) from None
+
+
+def read_json(
+    path: str | Path, what: str, fix: str = "restore it from a copy or write it again", kind: type = dict
+) -> Any:
+    """The JSON in ``path`` (a ``kind``: an object by default), or an :class:`InputFileError`
+    naming the file, the line and column, ``what`` it is and ``fix``."""
+    text = read_text_file(path, what, fix)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputFileError(
+            f"{path}:{err.lineno}: {what} is not valid JSON ({err.msg} at column {err.colno}); {fix}"
+        ) from None
+    if not isinstance(data, kind):
+        expected = {dict: "an object", list: "a list"}.get(kind, kind.__name__)
+        raise InputFileError(f"{path} ({what}) holds a JSON {_json_type(data)}, not {expected}; {fix}")
+    return data
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "list", str: "string", bool: "boolean", type(None): "null"}.get(
+        type(value), "number"
+    )
 
 
 def sha256_file(path: str | Path) -> str:

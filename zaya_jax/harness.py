@@ -38,13 +38,9 @@ class ZayaLM(LM):
         self, pretrained: str, tokenizer: str | None = None, max_length: int | None = None, **_: Any
     ):
         super().__init__()
-        from zaya_jax.data import load_tokenizer
-
-        self.lm = load(pretrained)
-        if tokenizer is not None:
-            self.lm.tokenizer = load_tokenizer(tokenizer)
+        self.lm = load(pretrained, tokenizer)
         if self.lm.tokenizer is None:
-            raise ValueError(f"{pretrained} has no tokenizer; pass model_args tokenizer=PATH")
+            raise ValueError(f"{self.lm.tokenizer_problem}; pass model_args tokenizer=PATH")
         self.tok = self.lm.tokenizer
         self.max_length = int(max_length or self.lm.config.max_position_embeddings)
 

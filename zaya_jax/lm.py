@@ -13,14 +13,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax import checkpoint
 from zaya_jax.config import Config, DataConfig, ModelConfig
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
 from zaya_jax.eval import evaluate, evaluate_held_out
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
-from zaya_jax.interop.hf import load_hf_directory, save_hf_directory
+from zaya_jax.interop.hf import save_hf_directory
+from zaya_jax.loading import find_tokenizer, load_model, model_format
 from zaya_jax.model import Zaya
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
 from zaya_jax.train.reference import read_references
@@ -36,6 +36,7 @@ class LanguageModel:
     run_config: Config | None = None
     step: int | None = None
     tokenizer: Any | None = None
+    tokenizer_problem: str | None = None  # why there is no tokenizer, when there is none
 
     @functools.cached_property
     def _apply(self):
@@ -93,8 +94,8 @@ class LanguageModel:
         if isinstance(prompts, list) and prompts and all(isinstance(p, str) for p in prompts):
             if tok is None:
                 raise ValueError(
-                    "text prompts need a tokenizer: this model has none (an HF directory without "
-                    "tokenizer.json?); pass token ids or set lm.tokenizer"
+                    f"text prompts need a tokenizer: {self.tokenizer_problem or 'this model has none'}; "
+                    "pass token ids, or the model's tokenizer (--tokenizer PATH or 'byte', lm.tokenizer)"
                 )
             prompts = [tok.encode(p).tolist() for p in prompts]
         if stop_tokens is None:  # the model's EOS ids and the tokenizer's, as HF generate stops
@@ -121,46 +122,19 @@ class LanguageModel:
         )
 
 
-def _special_tokens(path: Path) -> dict[str, str]:
-    """The special tokens an HF directory's ``tokenizer_config.json`` names (``eos_token`` ...)."""
-    config_path = path / "tokenizer_config.json"
-    if not config_path.is_file():
-        return {}
-    config = json.loads(config_path.read_text())
-    out = {}
-    for key in ("eos_token", "pad_token", "bos_token"):
-        value = config.get(key)
-        value = value.get("content") if isinstance(value, dict) else value  # AddedToken form
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def _find_tokenizer(path: Path, run_config: Config | None) -> Any | None:
-    """The run's tokenizer, or an HF directory's tokenizer.json (with the special tokens its
-    tokenizer_config.json names); None when there is none."""
-    try:
-        if run_config is not None:
-            return load_tokenizer(run_config.data.tokenizer)
-        if (path / "tokenizer.json").is_file():
-            return HFTokenizer(path / "tokenizer.json", **_special_tokens(path))
-    except Exception:  # a missing or unreadable tokenizer only disables text prompts
-        return None
-    return None
-
-
-def load(path: str | Path) -> LanguageModel:
-    """Load a run directory (latest complete checkpoint), a step directory, or an HF ``save_pretrained``
-    directory (converted in memory). Arrays land on the first local device, whatever mesh saved them.
+def load(path: str | Path, tokenizer: str | None = None) -> LanguageModel:
+    """Load a run directory (its latest readable checkpoint), a step directory, or an HF
+    ``save_pretrained`` directory (converted in memory), through the one loading path of
+    :mod:`zaya_jax.loading`. Arrays land on the first local device, whatever mesh saved them.
+    ``tokenizer`` (``'byte'`` or a tokenizer.json) replaces the model's own (which is then not read).
     """
-    path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
-    if (path / "config.json").is_file():
-        cfg, variables = load_hf_directory(path)
-        return LanguageModel(cfg, jax.tree.map(jnp.asarray, variables), tokenizer=_find_tokenizer(path, None))
-    run_config, variables, step = checkpoint.restore_model(path)
-    return LanguageModel(run_config.model, variables, run_config, step, _find_tokenizer(path, run_config))
+    files = load_model(path)
+    if tokenizer is not None:
+        tok, problem = load_tokenizer(tokenizer), None
+    else:
+        tok, problem = find_tokenizer(path, files.run)
+    variables = jax.tree.map(jnp.asarray, files.variables)
+    return LanguageModel(files.model, variables, files.run, files.step, tok, problem)
 
 
 def evaluate_path(
@@ -181,18 +155,13 @@ def evaluate_path(
     shape arguments reproduces the run's own held-out evaluation (its ``eval_loss``); otherwise the
     held-out split of the run's data (or the built-in corpus), or all of ``data_paths``, is read in
     order in ``max_batches`` batches (defaults 512 tokens x 8 rows x 16 batches)."""
-    lm = load(path)
-    if tokenizer is None and lm.tokenizer is None:
-        missing = (
-            f"the run's tokenizer {lm.run_config.data.tokenizer!r} cannot be loaded"
-            if lm.run_config is not None
-            else f"{path} has no tokenizer.json"
-        )
+    lm = load(path, tokenizer)
+    if lm.tokenizer is None:
         raise ValueError(
-            f"{missing}; pass the model's tokenizer (--tokenizer PATH or 'byte'): a tokenizer the model "
-            "was not trained with gives a loss that means nothing"
+            f"{lm.tokenizer_problem}; pass the model's tokenizer (--tokenizer PATH or 'byte'): a tokenizer the "
+            "model was not trained with gives a loss that means nothing"
         )
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else lm.tokenizer
+    tok = lm.tokenizer
     shape_given = any(v is not None for v in (seq_len, batch_size, max_batches))
     if lm.run_config is not None and not data_paths and not shape_given:
         return _evaluate_run(lm, Path(path), tok, progress)
@@ -251,10 +220,12 @@ def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32")
     destination = Path(destination)
     if destination.exists() and not is_empty_dir(destination) and not (destination / "config.json").is_file():
         raise FileExistsError(f"{destination} exists and is not empty; choose a new destination")
-    run_config, variables, step = checkpoint.restore_model(path)
+    if model_format(path) == "hf":
+        raise ValueError(f"{path} is a Hugging Face directory already; give a zaya-jax run or step directory")
+    files = load_model(path)
     with StagedDirectory(destination, "zaya convert zaya-to-hf") as staged:
-        save_hf_directory(staged.path, run_config.model, variables, dtype=dtype)
-        tok = _find_tokenizer(Path(path), run_config)
+        save_hf_directory(staged.path, files.model, files.variables, dtype=dtype)
+        tok, _ = find_tokenizer(path, files.run)
         if isinstance(tok, HFTokenizer):
             write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())
             names = {
@@ -262,9 +233,9 @@ def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32")
             }
             config = {
                 "tokenizer_class": "PreTrainedTokenizerFast",
-                "model_max_length": run_config.model.max_position_embeddings,
+                "model_max_length": files.model.max_position_embeddings,
                 **names,
             }
             write_atomic(staged.path / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         staged.publish_or_match(same_files)
-    return destination, step
+    return destination, files.step

@@ -35,7 +35,11 @@ def run(pristine, tmp_path) -> Path:
 
 
 def _quarantined(run: Path) -> list[str]:
-    return sorted(p.name.split("-")[0] for p in (run / "quarantine").iterdir()) if (run / "quarantine").exists() else []
+    return (
+        sorted(p.name.split("-")[0] for p in (run / "quarantine").iterdir())
+        if (run / "quarantine").exists()
+        else []
+    )
 
 
 def _stray_step(run: Path) -> None:
@@ -80,7 +84,10 @@ def test_a_stray_step_directory_is_set_aside_by_every_command(run, tmp_path, com
     lines = [line for line in err.splitlines() if "checkpoint step 9" in line]
     assert len(lines) == 1 and lines[0].startswith(f"zaya {command}: warning:"), err
     assert "_CHECKPOINT_METADATA" in lines[0] and str(run / "quarantine") in lines[0]
-    assert _quarantined(run) == ["9"] and sorted(p.name for p in (run / "checkpoints").iterdir()) == ["2", "4"]
+    assert _quarantined(run) == ["9"] and sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "2",
+        "4",
+    ]
 
 
 def test_a_step_holding_only_a_stray_file_is_set_aside_and_kept(run):

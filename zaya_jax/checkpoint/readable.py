@@ -82,7 +82,9 @@ def check_step(step_dir: Path, needed: Iterable[str]) -> set[str]:
             raise CheckpointCorruptError(f"{item} (the {name} item) is missing")
         if name in JSON_ITEMS:
             if not isinstance(_json(item / JSON_ITEMS[name], f"the {name} item"), dict):
-                raise CheckpointCorruptError(f"{item / JSON_ITEMS[name]} (the {name} item) is not a JSON object")
+                raise CheckpointCorruptError(
+                    f"{item / JSON_ITEMS[name]} (the {name} item) is not a JSON object"
+                )
             continue
         meta = _json(item / "_METADATA", f"the {name} item's array metadata")
         if not isinstance(meta, dict) or not isinstance(meta.get("tree_metadata"), dict):

@@ -5,6 +5,7 @@ zaya-jax runs, and their contents (config, parameter counts, array shapes) shown
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,11 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from zaya_jax import checkpoint
     from zaya_jax.model import param_counts
 
     if (args.path is None) == (args.config is None):
         raise SystemExit("zaya inspect: give a checkpoint PATH or --config NAME (not both)")
-    if args.path is not None and (Path(args.path) / "manifest.json").is_file():
+    if args.path is not None and _is_prepared(Path(args.path)):
         return _inspect_data(args)
     if args.rows:
         raise SystemExit(
@@ -120,21 +120,10 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             from zaya_jax.optim import describe_groups
 
             report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
-    elif (Path(args.path) / "config.json").is_file():  # an HF save_pretrained directory
-        from zaya_jax.interop.hf import hf_directory_model
-        from zaya_jax.interop.safetensors_io import tensor_shapes
-
-        model_cfg = hf_directory_model(args.path)
-        tensors = tensor_shapes(args.path)
-        report = {
-            "format": "hf",
-            "config": {"model": to_dict(model_cfg)},
-            **param_counts(model_cfg),
-            "arrays": {"tensors": tensors},
-        }
     else:
-        cfg, step, arrays = checkpoint.describe(args.path)
-        report = {"step": step, "config": to_dict(cfg), **param_counts(cfg.model), "arrays": arrays}
+        from zaya_jax.loading import describe_model
+
+        report = describe_model(args.path)
     if args.json:
         print_json(report)
         return 0
@@ -153,6 +142,13 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             for keypath, (shape, dtype) in leaves:
                 print(f"  {item}{jax.tree_util.keystr(keypath)}: {dtype}{list(shape)}")
     return 0
+
+
+def _is_prepared(path: Path) -> bool:
+    """A directory written by ``zaya data prepare`` (its manifest or its shards, even damaged)."""
+    from zaya_jax.data.prepare import MANIFEST
+
+    return os.path.lexists(path / MANIFEST) or any(path.glob("shard-*.array_record"))
 
 
 def _inspect_data(args: argparse.Namespace) -> int:

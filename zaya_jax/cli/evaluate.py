@@ -108,13 +108,10 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from zaya_jax.data import load_tokenizer
     from zaya_jax.lm import load
 
     _default_compilation_cache()
-    lm = load(args.path)
-    if args.tokenizer:
-        lm.tokenizer = load_tokenizer(args.tokenizer)
+    lm = load(args.path, args.tokenizer)
     if args.interactive:
         return _interactive(lm, args)
     if not args.prompt:
@@ -152,7 +149,9 @@ def _interactive(lm: Any, args: argparse.Namespace) -> int:
     import numpy as np
 
     if lm.tokenizer is None:
-        raise ValueError("--interactive needs a tokenizer: pass --tokenizer PATH (or 'byte')")
+        raise ValueError(
+            f"--interactive needs a tokenizer: {lm.tokenizer_problem}; pass --tokenizer PATH (or 'byte')"
+        )
     width = args.max_prompt_tokens
     for line in sys.stdin:
         prompt = line.rstrip("\n")

@@ -14,6 +14,7 @@ Every problem raises :class:`ConfigError` with the offending key and what to cha
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import types
@@ -26,7 +27,7 @@ from typing import Any, Literal
 import yaml
 
 from zaya_jax.config.schema import Config, ConfigError, ModelConfig
-from zaya_jax.files import write_atomic
+from zaya_jax.files import InputFileError, read_text_file, write_atomic
 
 _INHERITS = "inherits"
 _REPO_CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -62,11 +63,17 @@ def _preset_path(name_or_path: str | Path, relative_to: Path | None = None) -> P
 
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text())
+        text = read_text_file(path, "a config", "fix it or give another --config")
+    except InputFileError as err:
+        raise ConfigError(str(err)) from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise ConfigError(f"{path} is not valid YAML: {err}") from None
     if data is None:
-        return {}
+        raise ConfigError(
+            f"{path} is empty; a config holds sections (run:, model:, train: ...) and may inherit a preset"
+        )
     if not isinstance(data, dict):
         raise ConfigError(f"{path} must hold a mapping of sections, got {type(data).__name__}")
     return dict(_with_moved_keys(data, str(path)))
@@ -91,7 +98,13 @@ def _resolve_preset(name_or_path: str | Path, seen: tuple[Path, ...] = ()) -> di
     parent = data.pop(_INHERITS, None)
     if parent is None:
         return data
-    return _deep_merge(_resolve_preset(parent, (*seen, path)), data)
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: {_INHERITS} must be a preset name or a YAML path, got {parent!r}")
+    try:
+        base = _resolve_preset(parent, (*seen, path))
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {_INHERITS}: {err}") from None
+    return _deep_merge(base, data)
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -99,11 +112,14 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"override {text!r} must look like section.key=value, e.g. model.num_layers=4")
+    keys = key.strip().split(".")
+    if not all(part.strip() for part in keys):
+        raise ConfigError(f"override {text!r}: the key {key!r} has an empty part; write section.key=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError as err:
         raise ConfigError(f"override {text!r}: cannot parse value {raw!r}: {err}") from None
-    return key.strip().split("."), value
+    return keys, value
 
 
 def _apply_override(data: dict[str, Any], keys: list[str], value: Any) -> None:
@@ -291,10 +307,32 @@ def load_config(
     data = _resolve_preset(name_or_path) if name_or_path is not None else {}
     if model is not None:
         data["model"] = dict(model)
+    base = copy.deepcopy(data)
     for text in overrides:
         keys, value = parse_override(text)
         _apply_override(data, _moved(keys, f"override {text!r}"), value)
-    return config_from_dict(data)
+    try:
+        return config_from_dict(data)
+    except ConfigError as err:
+        raise _attributed(err, name_or_path, base, bool(overrides)) from None
+
+
+def _attributed(
+    err: ConfigError, name_or_path: str | Path | None, base: dict[str, Any], overridden: bool
+) -> ConfigError:
+    """``err`` prefixed with the config file when the file alone already has it (no override is
+    to blame), so the message says which file to open."""
+    if name_or_path is None or str(err).startswith(str(name_or_path)):
+        return err
+    if overridden:
+        try:
+            config_from_dict(base)
+        except ConfigError as own:
+            if str(own) != str(err):
+                return err
+        else:
+            return err
+    return ConfigError(f"{_preset_path(name_or_path)}: {err}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

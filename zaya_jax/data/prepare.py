@@ -38,7 +38,7 @@ from zaya_jax.config import DataSource
 from zaya_jax.data.chat import ChatEncoder, find_chat_template_for, iter_chat_documents
 from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
-from zaya_jax.files import sha256_file, write_atomic
+from zaya_jax.files import InputFileError, read_json, sha256_file, write_atomic
 from zaya_jax.staging import StagedDirectory, StagingError, is_empty_dir, same_files
 
 FORMAT = "zaya-jax-tokens"
@@ -242,26 +242,45 @@ def _manifest(
     return manifest
 
 
+_MANIFEST_FIX = "rerun `zaya data prepare ... --out` into an empty directory"
+# The manifest's fields that readers use, with their types (a damaged manifest is named, not a traceback).
+_MANIFEST_FIELDS = {"tokenizer": dict, "dtype": str, "documents": int, "tokens": int, "shards": list}
+_SHARD_FIELDS = {"file": str, "records": int, "tokens": int, "bytes": int, "sha256": str}
+
+
 def read_manifest(directory: str | Path) -> dict[str, Any]:
-    """The manifest of a prepared directory; :class:`DataError` when it is missing or unreadable."""
+    """The manifest of a prepared directory; :class:`DataError` naming the file when it is missing,
+    unreadable, of another format, or lists a field or shard of the wrong kind."""
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise DataError(
-            f"{directory} has no {MANIFEST}: it is not a directory written by `zaya data prepare`, or "
-            "that preparation did not finish; rerun `zaya data prepare ... --out` into an empty directory"
+            f"{path} is missing: {directory} is not a directory written by `zaya data prepare`, or that "
+            f"preparation did not finish; {_MANIFEST_FIX}"
         )
     try:
-        manifest = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise DataError(
-            f"cannot read {path} ({err}); rerun `zaya data prepare` into an empty directory"
-        ) from None
+        manifest = read_json(path, "the manifest of prepared data", _MANIFEST_FIX)
+    except InputFileError as err:
+        raise DataError(str(err)) from None
     if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
         raise DataError(
             f"{path} is format {manifest.get('format')!r} version {manifest.get('format_version')!r}; this "
             f"zaya-jax reads {FORMAT!r} version {FORMAT_VERSION}: prepare the data again with this version"
         )
+    wrong = [k for k, kind in _MANIFEST_FIELDS.items() if not isinstance(manifest.get(k), kind)]
+    wrong += [
+        f"shards[{i}]"
+        for i, shard in enumerate(manifest.get("shards") if isinstance(manifest.get("shards"), list) else [])
+        if not isinstance(shard, dict)
+        or any(not isinstance(shard.get(k), t) for k, t in _SHARD_FIELDS.items())
+    ]
+    if wrong or manifest["dtype"] not in ("uint16", "uint32"):
+        raise DataError(
+            f"{path}: {', '.join(wrong) or 'dtype'} missing or of the wrong type; {_MANIFEST_FIX}"
+        )
+    for shard in manifest["shards"]:
+        if Path(shard["file"]).name != shard["file"] or shard["file"] in (".", ".."):
+            raise DataError(f"{path}: shard {shard['file']!r} points outside {directory}; {_MANIFEST_FIX}")
     return manifest
 
 

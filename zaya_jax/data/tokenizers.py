@@ -8,7 +8,7 @@ different tokenizer than the one that wrote them.
 
 from __future__ import annotations
 
-import json
+import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -16,7 +16,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from zaya_jax.data.sources import DataError
-from zaya_jax.files import sha256_file
+from zaya_jax.files import read_json, sha256_file
 
 # Byte tokenizer layout (also the `tiny` preset's pad/eos/bos ids).
 BYTE_PAD_ID = 0
@@ -142,18 +142,19 @@ class HFTokenizer:
     ):
         from tokenizers import Tokenizer as _HFTokenizer
 
-        self.path = Path(path).expanduser().resolve()
+        given = Path(path).expanduser()
+        self.path = given.resolve()
         if not self.path.is_file():
+            state = "a broken link" if given.is_symlink() else "does not exist"
             raise DataError(
-                f"tokenizer file {self.path} does not exist; set data.tokenizer to a local tokenizer.json "
-                "or to 'byte'"
+                f"tokenizer file {given} {state}; set data.tokenizer to a local tokenizer.json or to 'byte'"
             )
         try:
             self._tok = _HFTokenizer.from_file(str(self.path))
         except Exception as err:  # the Rust library raises plain Exception on a malformed file
             raise DataError(
-                f"{self.path} is not a valid Hugging Face tokenizer.json ({err}); "
-                "point data.tokenizer at the tokenizer.json of a model"
+                f"{given} is not a valid Hugging Face tokenizer.json ({' '.join(str(err).split())}); "
+                "restore it, or point data.tokenizer (--tokenizer) at the tokenizer.json of the model"
             ) from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         self.eos_id = self._special_id(eos_token, _EOS_CANDIDATES, "eos_token")
@@ -233,24 +234,8 @@ class HFTokenizer:
         ``transformers`` passes them: from ``special_tokens_map.json`` and ``tokenizer_config.json``
         beside the file (the latter wins), else, with neither file there, this tokenizer's own EOS
         and BOS tokens."""
-        found: dict[str, str] = {}
-        described = False
-        for name in ("special_tokens_map.json", "tokenizer_config.json"):  # transformers' precedence
-            config = self.path.parent / name
-            if not config.is_file():
-                continue
-            described = True
-            try:
-                settings = json.loads(config.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-                raise DataError(f"cannot read {config} ({err}); fix or remove it") from None
-            for key in _TEMPLATE_TOKEN_KEYS:
-                value = settings.get(key)
-                if isinstance(value, dict):  # a serialized AddedToken
-                    value = value.get("content")
-                if isinstance(value, str):
-                    found[key] = value
-        if not described:
+        found = special_tokens(self.path.parent)
+        if not found:
             for key, token_id in (("eos_token", self.eos_id), ("bos_token", self.bos_id)):
                 token = self.id_to_token(token_id)
                 if token is not None:
@@ -260,6 +245,27 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int] | np.ndarray) -> str:
         """Ids -> text, special tokens skipped."""
         return self._tok.decode(_id_array(ids).tolist())
+
+
+def special_tokens(directory: str | Path) -> dict[str, str]:
+    """The special-token strings (``bos_token``, ``eos_token``, ``pad_token`` ...) that a tokenizer
+    directory's ``special_tokens_map.json`` and ``tokenizer_config.json`` name, with transformers'
+    precedence (the latter wins); {} when it has neither. A file that cannot be read is an error
+    naming it."""
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        config = Path(directory) / name
+        if not os.path.lexists(config):
+            continue
+        fix = "restore it, or remove it to use the tokenizer's defaults"
+        settings = read_json(config, "the tokenizer's settings", fix)
+        for key in _TEMPLATE_TOKEN_KEYS:
+            value = settings.get(key)
+            if isinstance(value, dict):  # a serialized AddedToken
+                value = value.get("content")
+            if isinstance(value, str):
+                found[key] = value
+    return found
 
 
 def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:

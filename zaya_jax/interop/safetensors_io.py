@@ -18,7 +18,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from zaya_jax.files import write_atomic
+from zaya_jax.files import read_json, write_atomic
 
 INDEX = "model.safetensors.index.json"
 SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
@@ -60,20 +60,25 @@ def safetensors_files(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     index = directory / INDEX
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
-        files = [directory / name for name in names]
+        fix = "restore it from a copy, or delete it to read every *.safetensors file of the directory"
+        weight_map = read_json(index, "the shard index", fix).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise SafetensorsError(f"{index}: weight_map is not an object of tensor -> file names; {fix}")
+        files = [directory / name for name in sorted(set(weight_map.values()))]
         for file in files:
             if file.parent.resolve() != directory.resolve():
-                raise SafetensorsError(f"{index}: shard {file.name!r} points outside {directory}")
-        missing = [f.name for f in files if not f.is_file()]
+                raise SafetensorsError(f"{index}: shard {file.name!r} points outside {directory}; {fix}")
+        missing = [str(f) for f in files if not f.is_file()]
         if missing:
-            raise SafetensorsError(f"{directory}: shards listed in the index are missing: {missing}")
+            raise SafetensorsError(
+                f"shards listed in {index} are missing: {', '.join(missing)}; restore them from a copy"
+            )
         return files
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise SafetensorsError(
-            f"{directory}: no *.safetensors files (only safetensors is read, never pickle)"
+            f"{directory / 'model.safetensors'} is missing ({directory} has no *.safetensors files and no "
+            f"{INDEX}; only safetensors is read, never pickle)"
         )
     return files
 

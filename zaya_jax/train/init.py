@@ -9,39 +9,33 @@ float32: ~35 GB of host memory per process).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 
-from zaya_jax import checkpoint
 from zaya_jax.config import ConfigError, ModelConfig
-from zaya_jax.interop.hf import hf_directory_model, load_hf_directory
+from zaya_jax.loading import load_model, read_model
 from zaya_jax.model.balancing import init_controller
-
-
-def _is_hf_directory(path: Path) -> bool:
-    return (path / "config.json").is_file()
 
 
 def source_model_config(path: str | Path) -> ModelConfig:
     """The model config of ``train.init_from`` (read without loading any array)."""
-    path = Path(path)
-    if not path.exists():
+    return read_model(_given(path)).model
+
+
+def _given(path: str | Path) -> Path:
+    if not os.path.lexists(path):
         raise FileNotFoundError(f"train.init_from={path} does not exist; give a run, step or HF directory")
-    if _is_hf_directory(path):
-        return hf_directory_model(path)
-    return checkpoint.read_config(path)[0].model
+    return Path(path)
 
 
 def _load_source(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(variables on the host, what was loaded: for the run's events)."""
-    if _is_hf_directory(path):
-        _, variables = load_hf_directory(path)
-        return variables, {"source": str(path), "format": "hf"}
-    _, variables, step = checkpoint.restore_model(path)
-    return variables, {"source": str(path), "format": "zaya", "step": step}
+    files = load_model(_given(path))
+    return files.variables, files.origin()
 
 
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:

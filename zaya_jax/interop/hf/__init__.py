@@ -5,6 +5,7 @@ weights by one literal table (:mod:`.weights`), the legacy ZAYA1-base layout (:m
 from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config
 from zaya_jax.interop.hf.directory import (
     hf_directory_model,
+    is_hf_directory,
     load_hf_directory,
     read_hf_config,
     save_hf_directory,
@@ -26,6 +27,7 @@ __all__ = [
     "hf_config_to_model",
     "hf_directory_model",
     "hf_to_variables",
+    "is_hf_directory",
     "is_legacy_layout",
     "legacy_to_hf",
     "load_hf_directory",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -12,26 +13,28 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from zaya_jax.config import ModelConfig
-from zaya_jax.files import write_atomic
+from zaya_jax.config import ConfigError, ModelConfig
+from zaya_jax.files import read_json, write_atomic
 from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config, token_id_list
 from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
-from zaya_jax.interop.safetensors_io import SHARD_BYTES, read_directory, write_directory
+from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
+
+
+def is_hf_directory(path: str | Path) -> bool:
+    """Whether ``path`` is (meant to be) a ``save_pretrained`` directory: it has a config.json, an
+    index or a safetensors file (even a damaged or dangling one: reading it then names the file)
+    and is not a zaya-jax run."""
+    path = Path(path)
+    if not path.is_dir() or (path / "checkpoints").is_dir():
+        return False
+    names = ("config.json", INDEX)
+    return any(os.path.lexists(path / name) for name in names) or any(path.glob("*.safetensors"))
 
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
     path = Path(directory) / "config.json"
-    if not path.is_file():
-        raise ConversionError(
-            f"{directory} has no config.json; expected a Hugging Face save_pretrained directory"
-        )
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ConversionError(f"{path} is not valid UTF-8 JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object of config fields")
+    data = read_json(path, "the model config of a Hugging Face save_pretrained directory")
     model_type = data.get("model_type")
     if model_type not in (None, "zaya"):
         raise ConversionError(f"{path}: model_type is {model_type!r}, not 'zaya'")
@@ -39,19 +42,33 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
 
 
 def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
-    """The ModelConfig of an HF ``save_pretrained`` directory's ``config.json``; a missing field is a
-    :class:`ConversionError` naming the field and the file."""
+    """The ModelConfig of an HF ``save_pretrained`` directory's ``config.json``; a missing or
+    ill-typed field is an error naming the field and the file."""
+    path = Path(directory) / "config.json"
+    hf = read_hf_config(directory)
     try:
-        cfg = hf_config_to_model(read_hf_config(directory), **overrides)
+        cfg = hf_config_to_model(hf, **overrides)
     except KeyError as err:
         raise ConversionError(
-            f"{Path(directory) / 'config.json'} lacks the field {err.args[0]!r}, which a ZAYA config needs; "
-            "is it a complete save_pretrained config?"
+            f"{path} lacks the field {err.args[0]!r}, which a ZAYA config needs; is it a complete "
+            "save_pretrained config?"
+        ) from None
+    except ConfigError as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ConversionError(
+            f"{path}: a field has the wrong type ({err}); is it a ZAYA config.json?"
         ) from None
     # generation_config.json may hold the full EOS list where config.json has one id
     generation = Path(directory) / "generation_config.json"
-    if not cfg.eos_token_ids and "eos_token_ids" not in overrides and generation.is_file():
-        listed = token_id_list(json.loads(generation.read_text(encoding="utf-8")).get("eos_token_id"))
+    if not cfg.eos_token_ids and "eos_token_ids" not in overrides and os.path.lexists(generation):
+        eos = read_json(generation, "the generation config").get("eos_token_id")
+        try:
+            listed = token_id_list(eos)
+        except (TypeError, ValueError):
+            raise ConversionError(
+                f"{generation}: eos_token_id {eos!r} is not a token id or a list of them"
+            ) from None
         if listed:
             cfg = dataclasses.replace(cfg, eos_token_ids=listed)
             cfg.validate()

@@ -1,0 +1,114 @@
+"""One loading path for model files: a run directory (its latest readable step), a step directory
+(``checkpoints/<step>``) or a Hugging Face ``save_pretrained`` directory, for everything that uses a
+trained model: ``zaya_jax.load`` (and through it ``zaya eval``, ``zaya generate``, ``zaya convert
+zaya-to-hf`` and the lm-eval model), ``train.init_from`` and ``zaya inspect``.
+
+Checkpoints are read through :mod:`zaya_jax.checkpoint.readable` (a damaged step of a run set aside
+and the previous one used; an explicit damaged step an error naming it), HF directories through
+:mod:`zaya_jax.interop.hf` and the tokenizer beside them through :mod:`zaya_jax.data.tokenizers`;
+every file that cannot be read is an error naming it and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from zaya_jax import checkpoint
+from zaya_jax.config import Config, ModelConfig, to_dict
+from zaya_jax.data.sources import DataError
+from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer, special_tokens
+from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_directory
+from zaya_jax.interop.safetensors_io import tensor_shapes
+from zaya_jax.model import param_counts
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFiles:
+    """What a path holds: its ``format`` (``zaya`` or ``hf``), the model config, for a checkpoint the
+    run's whole config and the step read, and the variables (None when only the config was read)."""
+
+    path: Path
+    format: str
+    model: ModelConfig
+    run: Config | None = None
+    step: int | None = None
+    variables: dict[str, Any] | None = None
+
+    def origin(self) -> dict[str, Any]:
+        """What was loaded, for a run's events."""
+        return {
+            "source": str(self.path),
+            "format": self.format,
+            **({"step": self.step} if self.step is not None else {}),
+        }
+
+
+def model_format(path: str | Path) -> str:
+    """``hf`` for a ``save_pretrained`` directory, ``zaya`` for anything else that exists (a run or a
+    step directory; reading it says what is wrong with it)."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise FileNotFoundError(
+            f"{path} does not exist; give a run directory, a step directory ({checkpoint.CHECKPOINTS}/<step>) "
+            "or a Hugging Face save_pretrained directory"
+        )
+    return "hf" if is_hf_directory(path) else "zaya"
+
+
+def read_model(path: str | Path) -> ModelFiles:
+    """The model config (and a checkpoint's run config and step) without reading any array."""
+    path = Path(path)
+    if model_format(path) == "hf":
+        return ModelFiles(path, "hf", hf_directory_model(path))
+    cfg, step = checkpoint.read_config(path)
+    return ModelFiles(path, "zaya", cfg.model, cfg, step)
+
+
+def load_model(path: str | Path) -> ModelFiles:
+    """The model config and variables (a checkpoint's on the first local device, an HF directory's
+    on the host), every checkpoint array checked against its fingerprint."""
+    path = Path(path)
+    if model_format(path) == "hf":
+        model, variables = load_hf_directory(path)
+        return ModelFiles(path, "hf", model, variables=variables)
+    run, variables, step = checkpoint.restore_model(path)
+    return ModelFiles(path, "zaya", run.model, run, step, variables)
+
+
+def describe_model(path: str | Path) -> dict[str, Any]:
+    """``zaya inspect``'s report from metadata alone: format, config, step, parameter counts and
+    every array's (shape, dtype)."""
+    path = Path(path)
+    if model_format(path) == "hf":
+        model = hf_directory_model(path)
+        arrays = {"tensors": tensor_shapes(path)}
+        return {"format": "hf", "config": {"model": to_dict(model)}, **param_counts(model), "arrays": arrays}
+    cfg, step, arrays = checkpoint.describe(path)
+    return {
+        "format": "zaya",
+        "step": step,
+        "config": to_dict(cfg),
+        **param_counts(cfg.model),
+        "arrays": arrays,
+    }
+
+
+def find_tokenizer(path: str | Path, run: Config | None) -> tuple[Any | None, str | None]:
+    """(tokenizer, why there is none). A run's tokenizer is its ``data.tokenizer`` (one that cannot
+    be loaded, say on another machine, leaves None and the reason: the weights stay usable); an HF
+    directory's is its ``tokenizer.json`` with the special tokens its settings name, and a damaged
+    one is an error naming the file."""
+    if run is not None:
+        try:
+            return load_tokenizer(run.data.tokenizer), None
+        except (DataError, OSError) as err:
+            return None, f"the run's tokenizer {run.data.tokenizer!r} cannot be loaded ({err})"
+    path = Path(path)
+    if not os.path.lexists(path / "tokenizer.json"):
+        return None, f"{path} has no tokenizer.json"
+    names = special_tokens(path)
+    wanted = {key: names[key] for key in ("eos_token", "pad_token", "bos_token") if key in names}
+    return HFTokenizer(path / "tokenizer.json", **wanted), None
