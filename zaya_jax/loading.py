@@ -108,7 +108,7 @@ def find_tokenizer(path: str | Path, run: Config | None) -> tuple[Any | None, st
             return None, f"the run's tokenizer {run.data.tokenizer!r} cannot be loaded ({err})"
     path = Path(path)
     if not os.path.lexists(path / "tokenizer.json"):
-        return None, f"{path} has no tokenizer.json"
+        return None, f"{path / 'tokenizer.json'} is missing"
     names = special_tokens(path)
     wanted = {key: names[key] for key in ("eos_token", "pad_token", "bos_token") if key in names}
     return HFTokenizer(path / "tokenizer.json", **wanted), None

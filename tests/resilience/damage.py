@@ -23,7 +23,8 @@ or holding only a stray file, a new empty step directory or one holding only a s
 ``unaffected`` (exit 0, the damage did not matter to this command), ``clear`` (exit 1 or 2, the last
 line of stderr one line naming the damaged path or a directory holding it, and no traceback),
 ``unclear`` (such an exit without naming it), ``traceback`` (an exception escaped the command; for
-the Python API, an exception other than the documented ones), ``hang`` (no result within the
+the Python API, an exception other than the documented ones; or a traceback printed on stderr, by a
+library or when the command's leftovers are collected), ``hang`` (no result within the
 timeout; decided by the runner) and, besides, ``modified``: a file or directory the user had (after
 the damage) is gone or changed, other than a step moved whole into ``<run>/quarantine/``.
 """
@@ -437,13 +438,16 @@ def judge(
     line (the last ``zaya CMD:`` line that is not a warning)."""
     if escaped is not None:
         return "traceback", escaped.strip().splitlines()[-1] if escaped.strip() else "?"
+    if "Traceback (most recent call last)" in stderr:  # printed by a library, or at exit
+        return "traceback", stderr[stderr.index("Traceback (most recent call last)") :][:1500]
     if exit_code == 0:
         fallback = [x for x in stderr.splitlines() if "quarantine" in x and "cannot be used" in x]
         return ("fallback", fallback[-1]) if fallback else ("unaffected", "")
     if exit_code in (1, 2):
         if case.kind == "overrides":
             key = case.target.split("=")[0]
-            named = (key and key in line) or case.target in line
+            parts = [f"'{part}'" for part in key.split(".") if part]
+            named = bool(key and key in line) or case.target in line or any(p in line for p in parts)
         else:
             named = names_path(line, damaged, given, not KINDS[case.kind].given)
         return ("clear" if named else "unclear"), line

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import io
 import json
 import shutil
@@ -177,6 +178,7 @@ def invoke(call: list[str] | Callable[[], Any]) -> tuple[int | None, str, str, s
             line = "" if isinstance(exit_.code, int | None) else str(exit_.code)
         except BaseException:  # whatever escapes is what the campaign counts
             escaped = traceback.format_exc()
+        gc.collect()  # what the command left behind prints here (at exit in a real run), not in a later case
     stderr = err.getvalue()
     if not line:
         errors = [x for x in stderr.splitlines() if x.startswith("zaya ") and ": warning:" not in x]

@@ -20,6 +20,8 @@ user's checkpoint aside.
 from __future__ import annotations
 
 import json
+import re
+import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -103,6 +105,11 @@ def locate(path: str | Path) -> tuple[Path, int | None]:
         return path / CHECKPOINTS, None
     if not path.exists():
         raise CheckpointNotFoundError(f"{path} does not exist")
+    if (path / "config.yaml").is_file():
+        raise CheckpointNotFoundError(
+            f"{path / CHECKPOINTS} is missing: {path} is a run directory (it has config.yaml) without checkpoints; "
+            "restore them from a copy, or give another run"
+        )
     raise CheckpointNotFoundError(
         f"{path} is neither a run directory (with {CHECKPOINTS}/) nor a step directory ({CHECKPOINTS}/<step>)"
     )
@@ -115,6 +122,7 @@ def first_readable(path: str | Path, read: Callable[[Path, int], T], needed: Ite
     a permission or config-schema error marks the step damaged."""
     checkpoints, step = locate(path)
     needed = tuple(needed)
+    quiet_orbax_leftovers()  # before reading: a failed read's leftovers report while it fails
     if step is not None:
         try:
             return _read_step(checkpoints, step, read, needed), step
@@ -148,6 +156,31 @@ def _read_step(checkpoints: Path, step: int, read: Callable[[Path, int], T], nee
     except (CheckpointCorruptError, PermissionError, ConfigError):
         raise
     except Exception as err:  # Orbax and TensorStore raise many types for unreadable files
+        text = one_line(err)
+        arrays = sorted(set(re.findall(r"'path': '([\w.]+)/'", text)))  # TensorStore names the array it read
+        where = f" reading {', '.join(arrays[:4])}" if arrays else ""
+        reason = text.split(" See full TensorStore details")[0][:400]
         raise CheckpointCorruptError(
-            f"{step_dir} cannot be read ({type(err).__name__}: {one_line(err)[:600]})"
-        ) from err
+            f"{step_dir} cannot be read ({type(err).__name__}{where}: {reason})"
+        ) from None
+
+
+def quiet_orbax_leftovers() -> None:
+    """A failed Orbax read leaves its other reads behind: coroutines that, when collected (at exit,
+    after the one-line message), Python would report with a traceback each (hundreds of lines of
+    TensorStore specs), and TensorStore callbacks that find Orbax's event loop closed. Silence
+    exactly those, nothing else."""
+    if getattr(sys.unraisablehook, "_zaya_quiet_orbax", False):
+        return
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        code = getattr(unraisable.object, "cr_code", None)
+        if code is not None and "orbax" in code.co_filename:
+            return
+        if unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed":
+            return  # a TensorStore read finishing after Orbax closed its event loop
+        previous(unraisable)
+
+    hook._zaya_quiet_orbax = True  # type: ignore[attr-defined]
+    sys.unraisablehook = hook

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from zaya_jax.checkpoint.readable import check_step, saved_items
+from zaya_jax.checkpoint.readable import check_step, quiet_orbax_leftovers, saved_items
 from zaya_jax.checkpoint.store import (
     MODEL_ITEMS,
     CheckpointCorruptError,
@@ -149,6 +149,7 @@ def restore_training(
     different is moved to ``<run>/quarantine/`` with a warning and the previous one is tried. Each
     one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``."""
     mgr = manager(checkpoints_dir)
+    quiet_orbax_leftovers()
     unreadable: list[dict[str, Any]] = []
     for step in sorted(mgr.all_steps(), reverse=True):
         step_dir = Path(checkpoints_dir) / str(step)

@@ -90,11 +90,12 @@ def _deep_merge(base: dict[str, Any], top: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _resolve_preset(name_or_path: str | Path, seen: tuple[Path, ...] = ()) -> dict[str, Any]:
-    path = _preset_path(name_or_path, relative_to=seen[-1].parent if seen else None).resolve()
+    given = _preset_path(name_or_path, relative_to=seen[-1].parent if seen else None)
+    path = given.resolve()
     if path in seen:
         chain = " -> ".join(str(p.name) for p in (*seen, path))
         raise ConfigError(f"config inheritance cycle: {chain}")
-    data = _read_yaml(path)
+    data = _read_yaml(given)
     parent = data.pop(_INHERITS, None)
     if parent is None:
         return data
