@@ -51,6 +51,13 @@ DAMAGE = {
     "params missing": lambda run: shutil.rmtree(run / "checkpoints/4/params"),
     "balancing missing": lambda run: shutil.rmtree(run / "checkpoints/4/balancing"),
     "config item not JSON": lambda run: (run / "checkpoints/4/config/metadata").write_text("{\n  oops"),
+    "Orbax's step record of the wrong shape": lambda run: (
+        run / "checkpoints/4/_CHECKPOINT_METADATA"
+    ).write_text(
+        json.dumps(
+            {**json.loads((run / "checkpoints/4/_CHECKPOINT_METADATA").read_text()), "metrics": [1, 2]}
+        )
+    ),
     "params data overwritten": lambda run: [
         p.write_bytes(b"\0" * p.stat().st_size) for p in (run / "checkpoints/4/params").rglob("d/*")
     ],

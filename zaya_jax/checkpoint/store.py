@@ -3,6 +3,7 @@ errors, array fingerprints checked on restore, and quarantine (a step set aside,
 
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
@@ -74,7 +75,39 @@ def manager(
         best_fn=_eval_loss if keep_best else None,  # makes Orbax record the metrics of each step
         best_mode="min",
     )
-    return ocp.CheckpointManager(Path(checkpoints_dir).absolute(), options=options, item_handlers=_handlers())
+    directory = Path(checkpoints_dir).absolute()
+    try:
+        return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+    except (ValueError, TypeError, KeyError) as err:  # Orbax reads every step's record at start
+        damaged = damaged_step_records(directory)
+        if not damaged:
+            raise
+        for step, reason in damaged:
+            set_aside(directory, step, CheckpointCorruptError(reason))
+        try:
+            return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+        except (ValueError, TypeError, KeyError):
+            listed = "; ".join(reason for _, reason in damaged)
+            raise CheckpointCorruptError(f"{listed}; move the step out of {directory} and rerun") from err
+
+
+def damaged_step_records(checkpoints_dir: Path) -> list[tuple[int, str]]:
+    """(step, why) for each step whose ``_CHECKPOINT_METADATA`` Orbax would refuse (it reads every
+    step's record when a manager starts, so one damaged record stops them all)."""
+    try:  # Orbax's own check of the record (internal: where it moves, a JSON check remains)
+        from orbax.checkpoint._src.metadata.step_metadata_serialization import deserialize
+    except ImportError:
+        deserialize = dict
+    found = []
+    for path in sorted(p for p in checkpoints_dir.iterdir() if p.name.isdigit()):
+        record = path / "_CHECKPOINT_METADATA"
+        if not record.is_file():
+            continue
+        try:
+            deserialize(json.loads(record.read_bytes()))
+        except Exception as err:  # JSON, UTF-8 and Orbax's own type checks
+            found.append((int(path.name), f"{record} is damaged ({' '.join(str(err).split())[:200]})"))
+    return found
 
 
 def _eval_loss(metrics: dict[str, Any]) -> float:
