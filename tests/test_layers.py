@@ -16,7 +16,7 @@ LAYERS: list[set[str]] = [
     {"ops"},
     {"model"},
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
-    {"programs", "loading"},
+    {"programs", "pretrained"},
     {"generate"},
     {"train", "eval"},
     {"lm", "config_reference"},

@@ -20,8 +20,8 @@ from zaya_jax.eval import evaluate, evaluate_held_out
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
-from zaya_jax.loading import find_tokenizer, load_model, model_format
 from zaya_jax.model import Zaya
+from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
 from zaya_jax.train.reference import read_references
 from zaya_jax.train.rewards import PromptSet, held_out_reward, load_reward
@@ -125,7 +125,7 @@ class LanguageModel:
 def load(path: str | Path, tokenizer: str | None = None) -> LanguageModel:
     """Load a run directory (its latest readable checkpoint), a step directory, or an HF
     ``save_pretrained`` directory (converted in memory), through the one loading path of
-    :mod:`zaya_jax.loading`. Arrays land on the first local device, whatever mesh saved them.
+    :mod:`zaya_jax.pretrained`. Arrays land on the first local device, whatever mesh saved them.
     ``tokenizer`` (``'byte'`` or a tokenizer.json) replaces the model's own (which is then not read).
     """
     files = load_model(path)

@@ -110,7 +110,7 @@ def test_unfinished_preparation_is_never_read(tmp_path):
     prepare(make_inputs(tmp_path), out)
     (out / MANIFEST).unlink()
     cfg = DataConfig(sources=(DataSource(name="p", kind="arrayrecord", path=str(out)),))
-    with pytest.raises(DataError, match=r"has no manifest\.json"):
+    with pytest.raises(DataError, match=r"manifest\.json is missing"):
         make_row_iterator(cfg, ByteTokenizer(), seq_len=8, seed=0)
 
 
@@ -147,7 +147,7 @@ def test_a_killed_preparation_leaves_no_output_and_the_rerun_finishes_identicall
     staging.mkdir()
     (staging / shard_name(0, 2)).write_bytes(b"half a shard")
     lock.write_text("12345 zaya data prepare\n")
-    with pytest.raises(DataError, match=r"has no manifest\.json"):
+    with pytest.raises(DataError, match=r"manifest\.json is missing"):
         open_prepared(staging)  # never read
     assert prepare(inputs, out, num_shards=2) == reference
     assert sorted(p.name for p in out.parent.iterdir()) == ["prepared"]  # staging and lock gone

@@ -121,7 +121,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
             report["optimizer"] = describe_groups(cfg.model, cfg.optim.router_group)
     else:
-        from zaya_jax.loading import describe_model
+        from zaya_jax.pretrained import describe_model
 
         report = describe_model(args.path)
     if args.json:

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig
-from zaya_jax.loading import load_model, read_model
 from zaya_jax.model.balancing import init_controller
+from zaya_jax.pretrained import load_model, read_model
 
 
 def source_model_config(path: str | Path) -> ModelConfig:
