@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from zaya_jax.files import EVENTS, append_event, atomic_file, filter_jsonl, sha256_file, write_atomic
+from zaya_jax.files import (
+    EVENTS,
+    InputFileError,
+    append_event,
+    atomic_file,
+    filter_jsonl,
+    read_json,
+    sha256_file,
+    write_atomic,
+)
 
 
 def test_an_atomic_write_replaces_the_file_or_leaves_it_as_it_was(tmp_path):
@@ -42,3 +51,29 @@ def test_events_and_checksums(tmp_path):
     blob = bytes(range(256)) * 20000  # several read pieces
     (tmp_path / "blob").write_bytes(blob)
     assert sha256_file(tmp_path / "blob") == hashlib.sha256(blob).hexdigest()
+
+
+def test_filter_jsonl_keeps_lines_it_cannot_judge(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    torn = b'{"step": 3, "lo'
+    path.write_bytes(b'{"step": 1}\n{"step": 5}\n\xff\xfe garbage\n[1, 2]\n{"other": 1}\n' + torn)
+    filter_jsonl(path, lambda record: record["step"] <= 2)
+    assert path.read_bytes() == b'{"step": 1}\n\xff\xfe garbage\n[1, 2]\n{"other": 1}\n' + torn + b"\n"
+
+
+def test_read_json_names_the_file_the_line_and_the_fix(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text('{\n  "a": 1,\n  oops\n}')
+    with pytest.raises(InputFileError, match=rf"{path}:3: the thing is not valid JSON .*; fix it"):
+        read_json(path, "the thing", "fix it")
+    path.write_bytes(b"\x00\xff")
+    with pytest.raises(InputFileError, match="not UTF-8 text"):
+        read_json(path, "the thing")
+    path.write_text("[1, 2]")
+    with pytest.raises(InputFileError, match="holds a JSON list, not an object"):
+        read_json(path, "the thing")
+    assert read_json(path, "the thing", kind=list) == [1, 2]
+    path.unlink()
+    path.symlink_to(tmp_path / "gone")
+    with pytest.raises(InputFileError, match=f"{path} \\(the thing\\) is a broken link"):
+        read_json(path, "the thing")

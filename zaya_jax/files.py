@@ -66,12 +66,23 @@ def write_atomic(path: str | Path, data: str | bytes, *, durable: bool = True) -
 
 
 def filter_jsonl(path: str | Path, keep: Callable[[dict[str, Any]], bool]) -> None:
-    """Keep only the lines of a JSON-lines file for which ``keep(record)`` holds, atomically."""
+    """Drop, atomically, the lines of a JSON-lines file whose record fails ``keep(record)``. A line
+    that is not a JSON object ``keep`` can judge (torn, damaged, another tool's) is kept as it is:
+    only records known to be dropped are dropped."""
     path = Path(path)
     if not path.is_file():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and keep(json.loads(line))]
-    write_atomic(path, "".join(line + "\n" for line in kept))
+    kept = []
+    for line in path.read_bytes().split(b"\n"):
+        if not line.strip():
+            continue
+        try:
+            drop = not keep(json.loads(line))
+        except (ValueError, TypeError, KeyError, AttributeError):  # not JSON, not UTF-8, not a record
+            drop = False
+        if not drop:
+            kept.append(line + b"\n")
+    write_atomic(path, b"".join(kept))
 
 
 def event_line(name: str, step: int | None, detail: dict[str, Any]) -> str:

@@ -66,6 +66,9 @@ _STEP_TARGETS = (
 _RUN_TARGETS = (
     *_STEP_TARGETS,
     ("config.yaml", "yaml"),
+    ("metrics.jsonl", "jsonl"),
+    ("events.jsonl", "jsonl"),
+    ("summary.json", "json"),
     ("checkpoints/9", "newdir"),
     ("every:checkpoints/*/params", "dir"),
     ("every:checkpoints/*/config/metadata", "json"),

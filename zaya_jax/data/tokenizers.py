@@ -145,7 +145,7 @@ class HFTokenizer:
         given = Path(path).expanduser()
         self.path = given.resolve()
         if not self.path.is_file():
-            state = "a broken link" if given.is_symlink() else "does not exist"
+            state = "is a broken link" if given.is_symlink() else "does not exist"
             raise DataError(
                 f"tokenizer file {given} {state}; set data.tokenizer to a local tokenizer.json or to 'byte'"
             )

@@ -285,7 +285,10 @@ def _summary(
 ) -> dict[str, Any]:
     """The run's summary; a run that was already complete keeps the one it has."""
     if first_step > cfg.train.steps and run.summary.is_file():
-        return json.loads(run.summary.read_text())
+        try:
+            return json.loads(run.summary.read_bytes())
+        except ValueError:  # damaged: written again below
+            pass
     return {
         "run_dir": str(run.path),
         "checkpoint": str(run.checkpoints / str(step)),
