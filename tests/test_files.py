@@ -64,7 +64,7 @@ def test_filter_jsonl_keeps_lines_it_cannot_judge(tmp_path):
 def test_read_json_names_the_file_the_line_and_the_fix(tmp_path):
     path = tmp_path / "config.json"
     path.write_text('{\n  "a": 1,\n  oops\n}')
-    with pytest.raises(InputFileError, match=rf"{path}:3: the thing is not valid JSON .*; fix it"):
+    with pytest.raises(InputFileError, match=rf"{path}:3: not valid JSON .* in the thing; fix it"):
         read_json(path, "the thing", "fix it")
     path.write_bytes(b"\x00\xff")
     with pytest.raises(InputFileError, match="not UTF-8 text"):

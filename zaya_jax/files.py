@@ -131,7 +131,7 @@ def read_json(
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise InputFileError(
-            f"{path}:{err.lineno}: {what} is not valid JSON ({err.msg} at column {err.colno}); {fix}"
+            f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}) in {what}; {fix}"
         ) from None
     if not isinstance(data, kind):
         expected = {dict: "an object", list: "a list"}.get(kind, kind.__name__)
