@@ -180,3 +180,12 @@ def test_init_from_a_damaged_run_uses_its_previous_step(run, tmp_path):
     (run / "checkpoints/4/fingerprints/metadata").write_text("[]")
     assert source_model_config(run).hidden_size == 32
     assert _load_source(run)[1]["step"] == 2
+
+
+def test_a_run_whose_checkpoints_are_a_broken_link_is_named_not_overwritten(run, capsys):
+    shutil.move(run / "checkpoints", run.parent / "elsewhere")
+    (run / "checkpoints").symlink_to(run.parent / "moved-away")
+    assert main(["train", *RUN, "train.steps=5", f"run.dir={run}"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"{run / 'checkpoints'} is a broken link" in line
+    assert (run / "checkpoints").is_symlink() and (run.parent / "elsewhere" / "4").is_dir()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import jax
@@ -79,6 +80,12 @@ class RunDir:
         return run, resuming
 
     def _prepare(self, cfg: Config) -> bool:
+        if os.path.lexists(self.checkpoints) and not self.checkpoints.is_dir():
+            state = "a broken link" if self.checkpoints.is_symlink() else "not a directory"
+            raise FileNotFoundError(
+                f"{self.checkpoints} is {state}; restore the checkpoints it stood for, or move it away to "
+                "start this run again"
+            )
         resuming = self.has_training_checkpoint()
         if not resuming and self._crashed_before_first_checkpoint(cfg):
             self.truncate_metrics(0)  # its logged steps are re-run from scratch
