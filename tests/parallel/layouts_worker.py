@@ -37,6 +37,13 @@ LAYOUTS = {
     "context": ["mesh.data=2", "mesh.context=4"],
     "combined": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
     "expert_capped": ["mesh.data=2", "mesh.expert=4", "mesh.expert_capacity_factor=0.5"],
+    "zero1": ["mesh.data=8", "mesh.optimizer_sharding=zero1"],
+    "zero1_expert_context": [
+        "mesh.data=2",
+        "mesh.expert=2",
+        "mesh.context=2",
+        "mesh.optimizer_sharding=zero1",
+    ],
 }
 STEPS = 6
 
@@ -94,9 +101,14 @@ def run(extra, names):
         dropped += float(metrics["dropped_tokens"])
     sharded = sum(not x.is_fully_replicated for x in jax.tree.leaves(state.params))
     hlo = lowered.as_text()
+    compiled_hlo = compiled.as_text()
+    opt = [x for x in jax.tree.leaves(state.opt_state) if x.ndim > 0]
     collectives = {
         "all_to_all": hlo.count("all_to_all"),
         "collective_permute": hlo.count("collective_permute"),
+        "all_gather": compiled_hlo.count("all-gather-start") + compiled_hlo.count(" all-gather("),
+        # bytes of optimizer state each device holds, over the bytes of the whole state
+        "opt_share": sum(x.addressable_shards[0].data.nbytes for x in opt) / sum(x.nbytes for x in opt),
     }
     return trace, grads, sharded, dict(layout.mesh.shape), dropped, collectives
 

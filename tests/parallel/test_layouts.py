@@ -75,3 +75,14 @@ def test_layouts_really_shard(results):
     assert results["expert"]["sharded"] == 2  # wi and wo split over the expert axis
     assert results["fsdp"]["sharded"] >= 20  # every weight with a residual-width axis
     assert results["combined"]["sharded"] == results["fsdp"]["sharded"]
+
+
+def test_zero1_splits_the_optimizer_state_over_data_and_gathers_the_parameters(results):
+    # ZeRO-1 on data=8: each device holds an eighth of the optimizer state (a plain data layout
+    # holds all of it), the parameters stay replicated, and the step all-gathers the new ones.
+    assert results["data"]["opt_share"] == 1.0
+    assert 0.12 < results["zero1"]["opt_share"] < 0.13
+    assert results["zero1"]["sharded"] == results["data"]["sharded"] == 0
+    assert results["zero1"]["all_gather"] > results["data"]["all_gather"]
+    # Composed with expert and context parallelism (data=2): less than the expert layout alone.
+    assert results["zero1_expert_context"]["opt_share"] < 0.5

@@ -9,12 +9,19 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config
+from zaya_jax.model import abstract_variables
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.parallel.expert import expert_dispatch
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.ring import ContextParallel
-from zaya_jax.parallel.rules import batch_spec, logical_rules, matching_shardings, variable_shardings
+from zaya_jax.parallel.rules import (
+    batch_spec,
+    logical_rules,
+    matching_shardings,
+    variable_shardings,
+    zero1_shardings,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +36,9 @@ class Layout:
     # Expert parallelism when the expert axis is > 1, ring attention and conv halos when the
     # context axis is > 1, the fused-norm kernel per device when model.kernels == "custom".
     hooks: ModelHooks = SINGLE_DEVICE
+    # ZeRO-1 (mesh.optimizer_sharding: zero1): the shardings of the optimizer state, the gradients
+    # and the update, per parameter; None: they follow the parameters.
+    update: Any = None
 
     @property
     def step_hooks(self) -> dict[str, Any]:
@@ -39,13 +49,14 @@ class Layout:
 
     def state_shardings(self, abstract_state: Any) -> Any:
         """Shardings for a TrainState shaped like ``abstract_state`` (``jax.eval_shape`` output):
-        parameters and balancing biases by the rules, optimizer state like its parameters,
-        step and controller replicated."""
+        parameters and balancing biases by the rules, optimizer state like its parameters (or
+        its ZeRO-1 share), step and controller replicated."""
         params = self.variables["params"]
+        updates = self.update if self.update is not None else params
         return abstract_state.replace(
             step=self.replicated,
             params=params,
-            opt_state=matching_shardings(abstract_state.opt_state, abstract_state.params, params, self.mesh),
+            opt_state=matching_shardings(abstract_state.opt_state, abstract_state.params, updates, self.mesh),
             balancing=self.variables["balancing"],
             controller=jax.tree.map(lambda _: self.replicated, abstract_state.controller),
         )
@@ -63,10 +74,14 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         else None
     )
     rows, seq = batch_spec(mesh, rules)
+    variables = variable_shardings(cfg.model, mesh, rules)
+    update = None
+    if cfg.mesh.optimizer_sharding == "zero1":
+        update = zero1_shardings(abstract_variables(cfg.model)["params"], variables["params"], mesh)
     return Layout(
         mesh,
         rules,
-        variable_shardings(cfg.model, mesh, rules),
+        variables,
         batch_sharding(mesh, rules),
         replicated(mesh),
         ModelHooks(
@@ -78,4 +93,5 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
             if cfg.model.kernels == "custom" and mesh.size > 1
             else None,
         ),
+        update,
     )

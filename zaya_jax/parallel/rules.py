@@ -16,6 +16,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
@@ -106,6 +107,28 @@ def matching_shardings(tree: Any, params: Any, param_shardings: Any, mesh: Mesh)
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
+def zero1_shardings(params: Any, param_shardings: Any, mesh: Mesh, axis: str = "data") -> Any:
+    """ZeRO-1: each parameter's sharding with the ``axis`` mesh axis added to its first dimension
+    that the combined split divides (the stacked layers or experts of a weight before its matrix
+    axes, so distributed Muon keeps whole matrices per device); a leaf no dimension of which
+    divides stays as its parameter is. The optimizer state, gradients and update take these."""
+    size = mesh.shape[axis]
+
+    def split(param: Any, sharding: NamedSharding) -> NamedSharding:
+        if size == 1:
+            return sharding
+        spec = list(sharding.spec) + [None] * (len(param.shape) - len(sharding.spec))
+        for dim, entry in enumerate(spec):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            held = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+            if axis not in names and param.shape[dim] % (held * size) == 0:
+                spec[dim] = (*names, axis)
+                return NamedSharding(mesh, PartitionSpec(*spec))
+        return sharding
+
+    return jax.tree.map(split, params, param_shardings)
+
+
 __all__ = [
     "DEFAULT_RULES",
     "batch_spec",
@@ -113,4 +136,5 @@ __all__ = [
     "logical_to_spec",
     "matching_shardings",
     "variable_shardings",
+    "zero1_shardings",
 ]

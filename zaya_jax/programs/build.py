@@ -57,9 +57,8 @@ class Programs:
     @functools.cached_property
     def tx(self) -> optax.GradientTransformation:
         groups = self.groups or model_param_groups(self.cfg.model, self.cfg.optim.router_group)
-        return build_optimizer(
-            self.cfg.optim, groups, self.cfg.train.steps, shardings=self.layout.variables["params"]
-        )
+        shardings = self.layout.update if self.layout.update is not None else self.layout.variables["params"]
+        return build_optimizer(self.cfg.optim, groups, self.cfg.train.steps, shardings=shardings)
 
     def _init(self, key: jax.Array) -> TrainState:
         return init_train_state(init_variables(self.cfg.model, key), self.tx)
@@ -98,7 +97,9 @@ class Programs:
     def train_step(self) -> Any:
         layout = self.layout
         return jax.jit(
-            make_train_step(self.cfg, self.tx, set_lr_scale, **layout.step_hooks),
+            make_train_step(
+                self.cfg, self.tx, set_lr_scale, update_shardings=layout.update, **layout.step_hooks
+            ),
             in_shardings=(self.shardings, layout.batch, layout.replicated, layout.replicated),
             out_shardings=(self.shardings, layout.replicated),
             donate_argnums=0,

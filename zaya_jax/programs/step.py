@@ -54,12 +54,15 @@ def make_train_step(
     set_lr_scale: Callable[[Any, jax.Array], Any],
     hooks: ModelHooks = SINGLE_DEVICE,
     axis_rules: tuple[Any, Any] | None = None,
+    update_shardings: Any = None,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
     """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
     batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
     ``hooks``: expert and context parallelism and the sharded fused-norm kernel on a mesh
     (``Layout.hooks``); ``axis_rules``: (mesh, logical-axis rules) for the
-    activations' sharding constraints (``Layout.step_hooks``)."""
+    activations' sharding constraints (``Layout.step_hooks``); ``update_shardings``: ZeRO-1's
+    per-parameter shares (``Layout.update``), which the gradients and the update are constrained
+    to (XLA then reduce-scatters the gradients and all-gathers the new parameters)."""
     model = Zaya(cfg.model, hooks)
     micro = cfg.train.micro_batches
     objective = objective_for(cfg)
@@ -77,8 +80,12 @@ def make_train_step(
         grads = jax.tree.map(lambda g: g / weight, grads)
         grad_norm = optax.tree.norm(grads)
         opt_state = set_lr_scale(state.opt_state, lr_scale)
-        updates, opt_state = tx.update(grads, opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+        params = state.params
+        if update_shardings is not None:  # ZeRO-1: reduce-scatter the gradients, update each share
+            grads = jax.lax.with_sharding_constraint(grads, update_shardings)
+            params = jax.lax.with_sharding_constraint(params, update_shardings)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)  # all-gathered into the parameters' layout on exit
 
         balancing, controller = state.balancing, state.controller
         biases = state.balancing["layers"]["router"]["biases"]
