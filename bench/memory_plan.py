@@ -1,7 +1,7 @@
 """Per-device memory as XLA plans it (``zaya train --compile-only``), for the shapes of issue 15:
 the ``tiny`` train step on one device at 4k and 8k tokens, ``tiny`` with ZAYA1's 262k vocabulary,
-the chunked loss against full logits, and ``zaya1-8b`` on 64 devices at 4k and at 32k with context
-parallelism. Each plan runs in its own process (the fake device count is fixed at JAX start-up).
+the chunked loss against full logits, ``zaya1-8b`` on 64 devices at 4k and at 32k with context
+parallelism, and ``zaya1-8b`` in ZeRO-1 on 8 and 64 devices at 4k and 32k. Each plan runs in its own process (the fake device count is fixed at JAX start-up).
 
 ``--repo PATH`` plans with another checkout of zaya-jax (e.g. the commit before a change), so the
 same script measures before and after. Prints one JSON object; bytes per device.
@@ -33,12 +33,21 @@ ZAYA_32K = [
     "mesh.context=8",
 ]
 
+# ZeRO-1 (mesh.optimizer_sharding=zero1), ZAYA1's reported layout: parameters replicated, the
+# optimizer state split over data. One row per device per micro-batch, as in the cases above.
+ZERO1 = ["mesh.optimizer_sharding=zero1", "mesh.fsdp=1", "mesh.expert=1"]
+ZERO1_32K = [*ZERO1, "train.seq_len=32768", "train.batch_size=32", "mesh.context=8"]
+
 CASES = {
     "tiny_4k": ("tiny", 1, [*TINY_LONG, "train.seq_len=4096"]),
     "tiny_8k": ("tiny", 1, [*TINY_LONG, "train.seq_len=8192"]),
     "tiny_vocab262k_4k": ("tiny", 1, [*TINY_LONG, "train.seq_len=4096", "model.vocab_size=262144"]),
     "zaya1_8b_4k_64dev": ("zaya1-8b", 64, ZAYA_4K),
     "zaya1_8b_32k_cp8_64dev": ("zaya1-8b", 64, ZAYA_32K),
+    "zaya1_8b_4k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1, "mesh.data=8", "train.micro_batches=32"]),
+    "zaya1_8b_4k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1, "mesh.data=64", "train.micro_batches=4"]),
+    "zaya1_8b_32k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_32K, "mesh.data=1", "train.micro_batches=32"]),
+    "zaya1_8b_32k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1_32K, "mesh.data=8", "train.micro_batches=4"]),
 }
 
 

@@ -1,6 +1,7 @@
-"""Resharding: a run checkpointed on 8 devices (data=8) resumes on 4 devices laid out as
-fsdp=2 x expert=2 (parameters, optimizer state and experts split differently); training continues
-with the losses of the uninterrupted run (within the cross-layout tolerance of test_layouts.py)."""
+"""Resharding: a run checkpointed on 8 devices in ZeRO-1 (data=8, the optimizer state split over
+data) resumes on 4 devices laid out as fsdp=2 x expert=2 (parameters, optimizer state and experts
+split differently); training continues with the losses of an uninterrupted data=8 run (within the
+cross-layout tolerance of test_layouts.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +41,7 @@ def _train(run: Path, devices: int, *extra: str) -> None:
 
 
 def _train_and_preempt_after_step_2(run: Path, devices: int, *extra: str) -> None:
-    """The reference's command (the same program: the schedule's train.steps is in it, so it
-    compiles from the session's cache), preempted by a SIGTERM that lands after step 1: it
+    """The training command with ``extra``, preempted by a SIGTERM that lands after step 1: it
     saves step 2 and exits."""
     cmd = [*faults.command("pause_at_step=1"), "train", *COMMON, f"run.dir={run}", *extra, "--no-progress"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(devices))
@@ -65,7 +65,7 @@ def test_a_checkpoint_resumes_on_another_mesh_and_device_count(tmp_path):
     _train(reference, 8, "train.steps=4", "mesh.data=8")
 
     run = tmp_path / "run"
-    _train_and_preempt_after_step_2(run, 8, "train.steps=4", "mesh.data=8")
+    _train_and_preempt_after_step_2(run, 8, "train.steps=4", "mesh.data=8", "mesh.optimizer_sharding=zero1")
     assert sorted(_losses(run)) == [1, 2]
     _train(run, 4, "train.steps=4", "mesh.data=1", "mesh.fsdp=2", "mesh.expert=2")
 
