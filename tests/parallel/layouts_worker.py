@@ -70,6 +70,8 @@ def batches(cfg, steps):
 
 
 def run(extra, names):
+    from tests.parallel.muon_worker import count_collectives  # it imports this module's MODEL
+
     cfg = zaya_jax.load_config("tiny", overrides=[*MODEL, "train.steps=100", *extra, *sys.argv[1:]])
     devices = jax.devices()[:1] if names == "single" else jax.devices()
     programs = build_programs(cfg, devices=devices)  # the programs `zaya train` runs
@@ -107,6 +109,8 @@ def run(extra, names):
         "all_to_all": hlo.count("all_to_all"),
         "collective_permute": hlo.count("collective_permute"),
         "all_gather": compiled_hlo.count("all-gather-start") + compiled_hlo.count(" all-gather("),
+        # collectives inside while bodies (the layer scan, micro-batches, Newton-Schulz)
+        "in_loops": count_collectives(compiled_hlo)["in_loops"],
         # bytes of optimizer state each device holds, over the bytes of the whole state
         "opt_share": sum(x.addressable_shards[0].data.nbytes for x in opt) / sum(x.nbytes for x in opt),
     }

@@ -84,5 +84,8 @@ def test_zero1_splits_the_optimizer_state_over_data_and_gathers_the_parameters(r
     assert 0.12 < results["zero1"]["opt_share"] < 0.13
     assert results["zero1"]["sharded"] == results["data"]["sharded"] == 0
     assert results["zero1"]["all_gather"] > results["data"]["all_gather"]
+    # Distributed Muon on the shares: each device iterates on its own layers' whole matrices, so
+    # the Newton-Schulz loop holds no collective (as in plain data parallelism).
+    assert results["zero1"]["in_loops"] == results["data"]["in_loops"] == 0
     # Composed with expert and context parallelism (data=2): less than the expert layout alone.
     assert results["zero1_expert_context"]["opt_share"] < 0.5
