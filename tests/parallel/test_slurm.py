@@ -1,8 +1,9 @@
 """Launching through a real Slurm cluster: one node on this machine (tests/slurm/cluster.sh, which
 ``.ci/run`` starts as root). ``srun -n 2 zaya train`` with 4 CPU devices per task meets on one
 8-device mesh through JAX's Slurm detection, with no coordinator flags; ``scancel --signal=TERM``
-stops both tasks at the same step, after both saved it, and each exits 0. Where no cluster runs
-(not root, no ``slurm-wlm``), these tests skip saying so."""
+stops both tasks at the same step, after both saved it, and each exits 0; ``zaya supervise`` as
+each task restarts its crashed trainer, and the restarted pair meets again and finishes. Where no
+cluster runs (not root, no ``slurm-wlm``), these tests skip saying so."""
 
 from __future__ import annotations
 
@@ -110,3 +111,19 @@ def test_scancel_sigterm_stops_both_tasks_at_the_same_step(tmp_path):
         "process_0-of-2.json",
         "process_1-of-2.json",
     }
+
+
+def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_path):
+    run = tmp_path / "run"
+    child = [*faults.command("crash_at_step=3"), *_train_args(run, 5)]
+    supervise = [sys.executable, "-m", "zaya_jax.cli", "supervise", "--max-restarts", "3", "--backoff", "1"]
+    cmd = _srun(f"zaya-{uuid.uuid4().hex[:8]}", *supervise, "--", *child)
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    events = _events(run)
+    failed = [e["detail"]["cause"] for e in events if e["event"] == "child_failed"]
+    assert failed == ["killed by SIGKILL"] * 2  # both tasks' trainers crashed at step 3
+    assert [e["event"] for e in events].count("restart") == 2
+    assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
+    (end,) = [e["detail"] for e in events if e["event"] == "end"]
+    assert end["steps"] == 5 and not end["interrupted"]
