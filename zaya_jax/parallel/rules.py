@@ -115,13 +115,13 @@ def zero1_shardings(params: Any, param_shardings: Any, mesh: Mesh, axis: str = "
     size = mesh.shape[axis]
 
     def split(param: Any, sharding: NamedSharding) -> NamedSharding:
-        if size == 1:
-            return sharding
         spec = list(sharding.spec) + [None] * (len(param.shape) - len(sharding.spec))
-        for dim, entry in enumerate(spec):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
+        if size == 1 or any(axis in names for names in entries):  # nothing to add, or split already
+            return sharding
+        for dim, names in enumerate(entries):
             held = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            if axis not in names and param.shape[dim] % (held * size) == 0:
+            if param.shape[dim] % (held * size) == 0:
                 spec[dim] = (*names, axis)
                 return NamedSharding(mesh, PartitionSpec(*spec))
         return sharding
