@@ -36,16 +36,10 @@ def _distributed(port: int, process_id: int) -> list[str]:
     return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
 
 
-def _start(
-    run: Path, steps: int, *extra: str, clock_skew: float = 0.0, fault: tuple[str, ...] = ()
-) -> list[subprocess.Popen]:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    args = [
+def two_process_args(run: Path, steps: int) -> list[str]:
+    """``zaya train`` arguments of the two-process runs: the miniature model on one data 2 x
+    fsdp 2 x expert 2 mesh of 8 devices, a checkpoint every 2 steps (also tests/parallel/test_slurm.py)."""
+    return [
         *MINI,
         f"run.dir={run}",
         f"train.steps={steps}",
@@ -56,8 +50,19 @@ def _start(
         "mesh.data=2",
         "mesh.fsdp=2",
         "mesh.expert=2",
-        *extra,
     ]
+
+
+def _start(
+    run: Path, steps: int, *extra: str, clock_skew: float = 0.0, fault: tuple[str, ...] = ()
+) -> list[subprocess.Popen]:
+    port = _free_port()
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+    }
+    args = [*two_process_args(run, steps), *extra]
     return [
         subprocess.Popen(
             [

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.parallel.test_multiprocess import two_process_args
 from tests.resilience import faults
-from tests.train.test_loop import MINI
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -48,20 +48,7 @@ def _srun(name: str, *command: str) -> list[str]:
 
 
 def _train_args(run: Path, steps: int) -> list[str]:
-    return [
-        "train",
-        *MINI,
-        f"run.dir={run}",
-        f"train.steps={steps}",
-        "train.batch_size=8",
-        "eval.every=100",
-        "log.every=1",
-        "checkpoint.every_steps=2",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.expert=2",
-        "--no-progress",
-    ]
+    return ["train", *two_process_args(run, steps), "--no-progress"]
 
 
 def _events(run: Path) -> list[dict]:

@@ -40,19 +40,11 @@ from tests.resilience.damage import (
     restore_permissions,
     snapshot,
 )
+from tests.train.test_loop import MINI as LOOP_MINI
 
 REPO = Path(__file__).resolve().parents[2]
-MINI_MODEL = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=2",
-    "model.moe_intermediate_size=32",
-    "model.router_hidden_size=8",
-]
-MINI = [*MINI_MODEL, "train.batch_size=2", "train.seq_len=32", "eval.batches=1", "--no-progress"]
+MINI_MODEL = [o for o in LOOP_MINI if o.startswith("model.")]
+MINI = [*LOOP_MINI, "--no-progress"]
 RUN = [*MINI, "train.steps=4", "checkpoint.every_steps=2", "eval.every=100"]
 SMALL_EVAL = ["--seq-len", "64", "--batch-size", "2", "--batches", "1"]
 
