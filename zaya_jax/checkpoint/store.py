@@ -44,8 +44,11 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
     }
 
 
-def data_filename() -> str:
-    return f"process_{jax.process_index()}-of-{jax.process_count()}.json"
+def data_filename(process_index: int | None = None, process_count: int | None = None) -> str:
+    """The data position file of a process (this one by default) in a step's ``data/``."""
+    index = jax.process_index() if process_index is None else process_index
+    count = jax.process_count() if process_count is None else process_count
+    return f"process_{index}-of-{count}.json"
 
 
 def manager(

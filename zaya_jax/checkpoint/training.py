@@ -25,6 +25,7 @@ from zaya_jax.checkpoint.store import (
     verify,
 )
 from zaya_jax.config import Config, to_dict
+from zaya_jax.files import read_json
 
 
 def save_training(
@@ -140,9 +141,10 @@ def _abstract(tree: Any) -> Any:
 
 def restore_training(
     checkpoints_dir: str | Path, like: Any, *, verify_arrays: bool = True
-) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
+) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]]]:
     """The latest readable training checkpoint restored into the structure and shardings of the
-    TrainState ``like``: ((state, data_state, step) or None when there is none, the unreadable ones).
+    TrainState ``like``: ((state, the data position of every saving process, step) or None when there
+    is none, the unreadable ones).
 
     Restoring reads every array and (``verify_arrays``) checks it against its fingerprint; a
     checkpoint that cannot be read (torn or overwritten files, missing pieces) or reads back
@@ -170,22 +172,13 @@ def _restore_step(
 ):
     train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
     step_dir = Path(checkpoints_dir) / str(step)
-    data_dir = step_dir / "data"
-    if not (data_dir / data_filename()).is_file():
-        saved = sorted(p.name for p in data_dir.glob("process_*.json"))
-        if not saved:
-            raise CheckpointCorruptError(f"{data_dir} (the data position) is missing or empty")
-        raise CheckpointNotFoundError(
-            f"{data_dir} holds the data positions {saved} but this run is process {jax.process_index()} of "
-            f"{jax.process_count()}; resume with the number of processes that saved it"
-        )
+    data_states = saved_data_states(step_dir / "data")
     restored = mgr.restore(
         step,
         args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract(like.params)),
             balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
             train=ocp.args.StandardRestore(_abstract(train_like)),
-            data=ocp.args.JsonRestore(),
         ),
     )
     if verify_arrays:
@@ -199,4 +192,21 @@ def _restore_step(
         balancing=restored["balancing"],
         controller=train["controller"],
     )
-    return state, restored["data"], step
+    return state, data_states, step
+
+
+def saved_data_states(data_dir: Path) -> list[dict[str, Any]]:
+    """The data positions every process of the saving run wrote into ``data_dir``, in process order
+    (a run resumes on any number of processes: the producer merges them)."""
+    names = sorted(p.name for p in data_dir.glob("process_*-of-*.json")) if data_dir.is_dir() else []
+    if not names:
+        raise CheckpointCorruptError(f"{data_dir} (the data position) is missing or empty")
+    counts = {name.rsplit("-of-", 1)[1].removesuffix(".json") for name in names}
+    count = int(counts.pop()) if len(counts) == 1 and next(iter(counts)).isdigit() else 0
+    expected = [data_filename(p, count) for p in range(count)]
+    if names != sorted(expected):
+        raise CheckpointCorruptError(
+            f"{data_dir} holds the data positions {names}, not one per saving process ({expected}): a "
+            "process's file is missing"
+        )
+    return [read_json(data_dir / name, "a saved data position") for name in expected]

@@ -309,6 +309,10 @@ class DataConfig:
     # Training rows are shuffled within windows of this many packed rows (Grain's window shuffle),
     # so a batch mixes many documents instead of consecutive pieces of one; 0 or 1: packing order.
     shuffle_window: int = 4096
+    # Every batch is read from this many row streams (documents k::streams), so a run resumes on any
+    # number of processes with the same rows; 0: the largest power of two <= 8 dividing every batch
+    # size (zaya_jax/data/streams.py). Set it to a multiple of the process counts you launch on.
+    streams: int = 0
 
     def validate(self) -> None:
         if not self.sources:
@@ -334,6 +338,8 @@ class DataConfig:
             raise ConfigError(f"data.prefetch={self.prefetch} must be >= 0")
         if self.shuffle_window < 0:
             raise ConfigError(f"data.shuffle_window={self.shuffle_window} must be >= 0 (0: no row shuffle)")
+        if self.streams < 0:
+            raise ConfigError(f"data.streams={self.streams} must be >= 0 (0: automatic)")
 
 
 # Keller Jordan's quintic Newton-Schulz coefficients (a, b, c): f(X) = a X + b (X X^T) X + c (X X^T)^2 X.
@@ -815,6 +821,13 @@ class Config:
                 f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="
                 f"{self.model.max_position_embeddings}; lower train.seq_len or raise the limit"
             )
+        streams = self.data.streams
+        for size in (self.train.batch_size, *(p.batch_size for p in self.train.batch_ramp)):
+            if streams and size % streams:
+                raise ConfigError(
+                    f"batch size {size} is not divisible by data.streams={streams}; make every batch size a "
+                    "multiple of it, or set data.streams to a divisor (0: automatic)"
+                )
         for i, stage in enumerate(self.train.stages):
             if stage.mixture is not None and len(stage.mixture) != len(self.data.sources):
                 raise ConfigError(

@@ -218,15 +218,15 @@ def packed_rows(
     seed: int,
     shuffle: bool = True,
     repeat: bool = True,
-    process_index: int = 0,
-    process_count: int = 1,
+    stream: int = 0,
+    streams: int = 1,
     shuffle_window: int = 0,
 ) -> grain.IterDataset:
-    """One source's pipeline: this process's documents, shuffled per epoch, packed into rows, the
+    """One source's pipeline: this stream's documents (``stream::streams``), shuffled per epoch, packed into rows, the
     rows shuffled within windows of ``shuffle_window`` (0 or 1: in packing order)."""
     ds = grain.MapDataset.source(documents)
-    if process_count > 1:
-        ds = ds[process_index::process_count]
+    if streams > 1:
+        ds = ds[stream::streams]
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if repeat:

@@ -3,7 +3,8 @@
 Documents come from :mod:`zaya_jax.data.documents`, rows from :mod:`zaya_jax.data.packing`, and
 :mod:`zaya_jax.data.prefetch` runs the batch producer ahead of training.
 
-Per source: ``grain.MapDataset`` over its documents -> this process's share (``[p::P]``) ->
+Per source: ``grain.MapDataset`` over its documents -> this stream's share (``[k::S]``, see
+:mod:`zaya_jax.data.streams`) ->
 ``shuffle`` (seeded; ``repeat`` reseeds it, so every epoch is a new permutation) -> ``repeat`` ->
 ``to_iter_dataset`` -> :class:`PackIterDataset` -> ``grain.experimental.WindowShuffleIterDataset``
 (``data.shuffle_window`` rows; training only). :class:`RowIterator` interleaves the sources' rows
@@ -35,7 +36,7 @@ from zaya_jax.data.packing import packed_rows, source_seed
 from zaya_jax.data.sources import DataError
 from zaya_jax.data.tokenizers import Tokenizer
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: documents split by data stream, not by process
 
 
 def _normalise(weights: Sequence[float], names: Sequence[str]) -> list[float]:
@@ -61,7 +62,7 @@ class RowIterator:
 
     ``get_state()`` is a small JSON-able dict: each source's Grain state (position in its shuffled,
     repeated document order plus the offset inside the current document) and the mixer's row counts.
-    ``set_state`` on an iterator built from the same data, seed and process layout continues exactly
+    ``set_state`` on an iterator built from the same data, seed and stream continues exactly
     where the saved one stopped. ``seq_len`` and the mixture may differ (a curriculum stage change):
     sources then continue from their saved documents and the new mixture starts fresh; with a row
     window shuffle (``shuffle_window``) the saved window is refilled at the new length from its
@@ -80,14 +81,14 @@ class RowIterator:
         shuffle: bool = True,
         repeat: bool = True,
         split: Split = "train",
-        process_index: int = 0,
-        process_count: int = 1,
+        stream: int = 0,
+        streams: int = 1,
         shuffle_window: int = 0,
     ):
         if seq_len < 1:
             raise ConfigError(f"seq_len={seq_len} must be >= 1")
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+        if not 0 <= stream < streams:
+            raise ValueError(f"stream={stream} must be in [0, streams={streams})")
         self.seq_len = seq_len
         self.names = [s.name for s in sources]
         self._fingerprint = {
@@ -96,8 +97,8 @@ class RowIterator:
             "shuffle": shuffle,
             "repeat": repeat,
             "shuffle_window": shuffle_window,
-            "process_index": process_index,
-            "process_count": process_count,
+            "stream": stream,
+            "streams": streams,
             "sources": {s.name: s.fingerprint for s in sources},
         }
         self._iterators = [
@@ -106,11 +107,11 @@ class RowIterator:
                 seq_len=seq_len,
                 eos_id=eos_id,
                 pad_id=pad_id,
-                seed=source_seed(seed, s.name),
+                seed=source_seed(seed, s.name if streams == 1 else f"{s.name}/{stream}"),
                 shuffle=shuffle,
                 repeat=repeat,
-                process_index=process_index,
-                process_count=process_count,
+                stream=stream,
+                streams=streams,
                 shuffle_window=shuffle_window,
             ).__iter__()
             for s in sources
@@ -176,7 +177,7 @@ class RowIterator:
             if saved.get(key) != value:
                 raise DataError(
                     f"the saved data iterator state has {key}={saved.get(key)!r} but this iterator has "
-                    f"{key}={value!r}: the data, seed or process layout changed since the checkpoint, so its "
+                    f"{key}={value!r}: the data, seed or data.streams changed since the checkpoint, so its "
                     "data position does not apply; restore with the original data and settings"
                 )
         for name, it in zip(self.names, self._iterators, strict=True):
@@ -195,8 +196,8 @@ def make_row_iterator(
     seed: int,
     mixture: tuple[float, ...] | None = None,
     split: Split = "train",
-    process_index: int = 0,
-    process_count: int = 1,
+    stream: int = 0,
+    streams: int = 1,
     shuffle: bool = True,
     repeat: bool = True,
     references: Mapping[str, np.ndarray] | None = None,
@@ -205,47 +206,51 @@ def make_row_iterator(
     training rows are shuffled within windows of ``data_cfg.shuffle_window`` rows. ``references``:
     the reference log-probabilities of preference sources (:func:`~zaya_jax.data.documents.tokenized_documents`).
 
-    ``mixture``: one weight per source (default: each source's ``weight``). Process ``p`` of
-    ``process_count`` reads documents ``p, p + P, ...`` of every source, disjoint from the others.
+    ``mixture``: one weight per source (default: each source's ``weight``). Stream ``k`` of
+    ``streams`` reads documents ``k, k + streams, ...`` of every source, disjoint from the other
+    streams (training builds its batches from several, :mod:`zaya_jax.data.streams`).
     ``shuffle=False`` keeps document order (tests, inspection); ``repeat=False`` ends after one epoch.
     For ``split="held_out"`` sources without held-out documents are left out (small sources may
     have none); for training every source must have documents.
     """
-    return _rows(
+    return stream_rows_of(
         tokenized_documents(data_cfg, split, tokenizer, references),
         tokenizer,
         seq_len=seq_len,
         seed=seed,
         mixture=mixture,
         split=split,
-        process_index=process_index,
-        process_count=process_count,
+        stream=stream,
+        streams=streams,
         shuffle=shuffle,
         repeat=repeat,
         shuffle_window=data_cfg.shuffle_window if split == "train" else 0,
     )
 
 
-def _rows(
+def stream_rows_of(
     sources: list[SourceDocuments],
     tokenizer: Tokenizer,
     *,
     mixture: Sequence[float] | None,
     split: Split,
-    process_count: int,
+    streams: int = 1,
     **kwargs: Any,
 ) -> RowIterator:
+    """One stream's :class:`RowIterator` over already tokenized ``sources`` (held-out sources
+    without documents left out; a training source with fewer documents than streams refused)."""
     weights = [s.weight for s in sources] if mixture is None else list(mixture)
     _normalise(weights, [s.name for s in sources])
     kept = []
     for source, weight in zip(sources, weights, strict=True):
         available = len(source.documents)
-        if available >= process_count:
+        if available >= streams:
             kept.append((source, weight))
         elif split != "held_out":
             raise DataError(
                 f"data source {source.name!r} has {available} {split} documents, fewer than the "
-                f"{process_count} processes reading it; add documents (each process needs at least one)"
+                f"{streams} data streams reading it; add documents (each stream needs at least one) or "
+                f"set data.streams <= {max(available, 1)}"
                 + (" or lower data.held_out_fraction" if split == "train" else "")
             )
     if not kept:
@@ -258,7 +263,7 @@ def _rows(
         pad_id=tokenizer.pad_id,
         mixture=[w for _, w in kept],
         split=split,
-        process_count=process_count,
+        streams=streams,
         **kwargs,
     )
 
@@ -285,16 +290,7 @@ def eval_batches(
     arguments), each key (batch_size, seq_len). When the held-out documents hold fewer pairs than
     requested, rows repeat (with a warning)."""
     sources = tokenized_documents(data_cfg, "held_out", tokenizer, references)
-    rows = _rows(
-        sources,
-        tokenizer,
-        seq_len=seq_len,
-        seed=seed,
-        mixture=None,
-        split="held_out",
-        process_index=0,
-        process_count=1,
-    )
+    rows = stream_rows_of(sources, tokenizer, seq_len=seq_len, seed=seed, mixture=None, split="held_out")
     known = [s.num_tokens for s in sources if s.num_tokens is not None]
     wanted = num_batches * batch_size * seq_len
     if len(known) == len(sources) and sum(known) < wanted:

@@ -154,8 +154,8 @@ class Checkpointing(Hook):
         self.clock: Callable[[], float] = time.monotonic  # of checkpoint.every_minutes
         self.last_save = self.clock()
 
-    def restore(self, like: Any) -> tuple[tuple[Any, dict[str, Any], int] | None, list[dict[str, Any]]]:
-        """(latest readable (state, data_state, step) or None, ``checkpoint_unreadable`` event
+    def restore(self, like: Any) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]]]:
+        """(latest readable (state, data states of every saving process, step) or None, ``checkpoint_unreadable`` event
         details of the ones moved to quarantine on the way)."""
         self.saver.finish()
         restored, unreadable = checkpoint.restore_training(

@@ -65,7 +65,7 @@ class _Resumed:
     first_step: int
     unreadable: list[dict[str, Any]]
     initialized: dict[str, Any] | None
-    data_state: dict[str, Any] | None = None  # the data position of the restored checkpoint
+    data_states: list[dict[str, Any]] | None = None  # the restored checkpoint's, one per saving process
 
 
 @dataclasses.dataclass
@@ -158,8 +158,8 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
     else:
         producer = BatchProducer(cfg, tokenizer, references)
         held_out = HeldOut(programs, tokenizer, watchdog, references)
-    if resumed.data_state is not None:
-        producer.set_state(resumed.data_state)
+    if resumed.data_states is not None:
+        producer.set_state(resumed.data_states)
     evaluation = Evaluation(held_out, cfg, writer, meter)
     logging = Logging(cfg, writer, meter, also_at=evaluation.due)
     every = [logging, evaluation, checkpoints, Profiling(cfg, run), *hooks]
@@ -246,10 +246,10 @@ def _resume(
     with ``train.init_from``, existing weights; else the fresh state."""
     restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
     if restored is not None:
-        state, data_state, restored_step = restored
+        state, data_states, restored_step = restored
         if primary:
             run.truncate_metrics(restored_step)  # before the writer opens the file
-        return _Resumed(state, restored_step + 1, unreadable, None, data_state)
+        return _Resumed(state, restored_step + 1, unreadable, None, data_states)
     if cfg.train.init_from:
         state, initialized = initialize_from(cfg.train.init_from, fresh)
         return _Resumed(state, 1, unreadable, initialized)

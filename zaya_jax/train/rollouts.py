@@ -135,8 +135,9 @@ class Rollouts:
     def get_state(self) -> dict[str, Any]:
         return dict(self.position)
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.position = {k: int(state[k]) for k in ("rollouts", "consumed", "tokens_seen")}
+    def set_state(self, saved: list[dict[str, Any]]) -> None:
+        """Continue from the position saved (by the one process a grpo run has)."""
+        self.position = {k: int(saved[0][k]) for k in ("rollouts", "consumed", "tokens_seen")}
         self.pending = []
 
     @property

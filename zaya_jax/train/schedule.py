@@ -12,7 +12,8 @@ import jax
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError
-from zaya_jax.data import load_tokenizer, make_row_iterator, next_batch
+from zaya_jax.data import DataError, load_tokenizer
+from zaya_jax.data.streams import make_batch_streams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,19 +82,23 @@ def final_batch_size(cfg: Config) -> int:
 class BatchProducer:
     """Produces (plan, host batch, data state) step after step, following the batch ramp and
     curriculum. The plan depends only on tokens already produced, so it is the same whether or not
-    batches are prefetched; the data state is the position after the batch (JSON-able)."""
+    batches are prefetched; the data state is the position after the batch (JSON-able). Batches
+    come from ``data.streams`` row streams (:mod:`zaya_jax.data.streams`), so the global batch of a
+    step is the same on any number of processes and a run resumes on another number."""
 
     def __init__(self, cfg: Config, tokenizer: Any, references: dict[str, np.ndarray] | None = None):
         self.cfg, self.tokenizer, self.references = cfg, tokenizer, references
         self.tokens_seen = 0
-        self.rows, self.stage = None, -1
+        self.streams, self.stage = None, -1
 
     def _open_stage(self, plan: StepPlan) -> None:
-        self.rows = make_row_iterator(
+        train = self.cfg.train
+        self.streams = make_batch_streams(
             self.cfg.data,
             self.tokenizer,
             seq_len=plan.seq_len,
-            seed=self.cfg.train.seed + plan.stage,
+            seed=train.seed + plan.stage,
+            batch_sizes=[train.batch_size, *(p.batch_size for p in train.batch_ramp)],
             mixture=plan.mixture,
             process_index=jax.process_index(),
             process_count=jax.process_count(),
@@ -106,25 +111,34 @@ class BatchProducer:
         producer, :class:`zaya_jax.train.rollouts.Rollouts`, samples from it)."""
 
     def get_state(self) -> dict[str, Any]:
-        """The data position after the last batch produced."""
-        rows = self.rows.get_state() if self.rows is not None else None
-        return {"tokens_seen": self.tokens_seen, "stage": self.stage, "rows": rows}
+        """The data position after the last batch produced (this process's streams)."""
+        streams = self.streams.get_state() if self.streams is not None else None
+        return {"tokens_seen": self.tokens_seen, "stage": self.stage, "streams": streams}
 
-    def set_state(self, state: dict[str, Any]) -> None:
-        self.tokens_seen = int(state["tokens_seen"])
-        self.rows, self.stage = None, -1
-        if state["rows"] is not None:
-            stage = int(state["stage"])
+    def set_state(self, saved: list[dict[str, Any]]) -> None:
+        """Continue from the data states every process of a run saved (any number of processes)."""
+        if any("streams" not in state for state in saved):
+            raise DataError(
+                "the checkpoint's data position was saved by an older zaya-jax (documents split by "
+                "process, not by data stream); continue it with that version or start a new run from "
+                "its weights (train.init_from)"
+            )
+        positions = {(int(s["tokens_seen"]), int(s["stage"])) for s in saved}
+        if len(positions) != 1:
+            raise DataError(f"the saved data positions disagree on (tokens_seen, stage): {sorted(positions)}")
+        ((self.tokens_seen, stage),) = positions
+        self.streams, self.stage = None, -1
+        if saved[0]["streams"] is not None:
             stages = self.cfg.train.stages
             seq_len = stages[stage].seq_len if stages else self.cfg.train.seq_len
             mixture = stages[stage].mixture if stages else None
             self._open_stage(StepPlan(0, seq_len, stage, mixture))
-            self.rows.set_state(state["rows"])
+            self.streams.set_state([state["streams"] for state in saved])
 
     def __call__(self) -> tuple[StepPlan, dict[str, np.ndarray], dict[str, Any]]:
         plan = plan_for(self.cfg, self.tokens_seen)
         if plan.stage != self.stage:  # a new curriculum stage: new sequence length and mixture
             self._open_stage(plan)
         self.tokens_seen += plan.tokens  # global tokens, all processes together
-        batch = next_batch(self.rows, plan.batch_size // jax.process_count())  # this process's rows
+        batch = self.streams.next_batch(plan.batch_size)  # this process's rows of the global batch
         return plan, batch, self.get_state()

@@ -22,7 +22,7 @@ def start_event(
     resumed_after: int,
     initialized: dict[str, Any] | None,
 ) -> None:
-    """The run's ``start`` event (peak FLOPs and their source, devices, mesh, XLA flags, runtime),
+    """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, XLA flags, runtime),
     and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
     > 0) or one from existing weights (``initialized``)."""
     origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
@@ -34,6 +34,7 @@ def start_event(
         peak_flops=peak,
         peak_source=peak_source,
         devices=jax.device_count(),
+        processes=jax.process_count(),
         mesh=layout.describe(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         runtime=to_dict(cfg.runtime),
