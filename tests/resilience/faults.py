@@ -110,15 +110,24 @@ def wait_for_file(path: Path, procs: list[subprocess.Popen] = (), timeout: float
 
 
 def signal_while_paused(
-    run: Path, step: int, procs: list[subprocess.Popen], sig: int, to: int = 0, processes: int = 1
+    run: Path,
+    step: int,
+    procs: list[subprocess.Popen],
+    sig: int | dict[int, int],
+    to: int = 0,
+    processes: int = 1,
 ) -> None:
     """Every one of ``processes`` waits after ``step`` (``pause_at_step``); ``sig`` goes to
-    ``procs[to]`` (a trainer, or a supervisor that forwards it), and once process ``to`` has
-    received it all go on: the signal lands at that step, whatever the timing."""
+    ``procs[to]`` (a trainer, or a supervisor that forwards it), or ``sig={process: signal}`` to
+    each process named, and once every one of them has received its signal all go on: the signals
+    land at that step, whatever the timing."""
     for process in range(processes):
         wait_for_file(paused_marker(run, step, process), procs)
-    procs[to].send_signal(sig)
-    wait_for_file(signalled_marker(run, step, to), procs)
+    signals = sig if isinstance(sig, dict) else {to: sig}
+    for process, signum in signals.items():
+        procs[process].send_signal(signum)
+    for process in signals:
+        wait_for_file(signalled_marker(run, step, process), procs)
     release(run, step)
 
 
