@@ -160,3 +160,33 @@ def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_pa
     assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
     (end,) = [e["detail"] for e in events if e["event"] == "end"]
     assert end["steps"] == 5 and not end["interrupted"]
+
+
+def test_srun_prepares_data_on_two_tasks_into_the_bytes_of_one(tmp_path):
+    rows = [f"row {i}: " + "lorem ipsum " * (i % 11) for i in range(300)]
+    jsonl = tmp_path / "rows.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": row}) + "\n" for row in rows))
+    command = [
+        sys.executable,
+        "-m",
+        "zaya_jax.cli",
+        "data",
+        "prepare",
+        str(jsonl),
+        "--shards",
+        "3",
+        "--unit-mb",
+    ]
+    command.append(str(4096 / 2**20))  # 6 units of 4 KB
+    outputs = {}
+    for tasks in ("1", "2"):
+        out = tmp_path / f"tasks{tasks}"
+        cmd = ["srun", "-n", tasks, f"--job-name=prep-{uuid.uuid4().hex[:8]}", *command, "--out", str(out)]
+        result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert result.returncode == 0, result.stderr[-4000:]
+        outputs[tasks] = {p.name: p.read_bytes() for p in sorted(out.iterdir())}
+        if (
+            tasks == "2"
+        ):  # the step's tasks split the units (SLURM_NTASKS / SLURM_PROCID), task 0 wrote the shards
+            assert "host 1: 3/3 units" in result.stderr and "host 0: 6/6 units of all hosts" in result.stderr
+    assert outputs["1"] == outputs["2"] and "manifest.json" in outputs["2"]

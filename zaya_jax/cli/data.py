@@ -43,6 +43,25 @@ def register(sub: Any) -> None:
         default="error",
         help="a document that cannot be read: stop with its name (default) or skip and count it",
     )
+    prepare.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="tokenizing processes on this host (default 1; e.g. the number of cores)",
+    )
+    prepare.add_argument(
+        "--num-hosts",
+        type=int,
+        help="hosts sharing the preparation, each running this command (default: the srun step's "
+        "SLURM_NTASKS, else 1); host 0 writes the output",
+    )
+    prepare.add_argument("--host-index", type=int, help="this host's index (default: SLURM_PROCID, else 0)")
+    prepare.add_argument(
+        "--unit-mb",
+        type=float,
+        default=32,
+        help="large uncompressed JSONL files are cut into units of about this many MB (default 32)",
+    )
     prepare.set_defaults(func=_cmd_data_prepare)
     example = data_sub.add_parser(
         "example-chat", help="write the built-in reverse-a-word chat task as JSONL (for SFT on tiny)"
@@ -62,12 +81,22 @@ def register(sub: Any) -> None:
 
 
 def _cmd_data_prepare(args: argparse.Namespace) -> int:
+    import os
+    import sys
     import time
 
     from zaya_jax.data import prepare
 
-    started = time.perf_counter()
-    manifest = prepare(
+    num_hosts, host_index = hosts(args.num_hosts, args.host_index, os.environ)
+    started, shown = time.perf_counter(), {"at": 0.0}
+
+    def progress(what: str, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done == total or now - shown["at"] > 10:
+            shown["at"] = now
+            print(f"zaya data prepare: host {host_index}: {done}/{total} {what}", file=sys.stderr, flush=True)
+
+    result = prepare(
         args.inputs,
         args.out,
         tokenizer_spec=args.tokenizer,
@@ -76,10 +105,25 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
         text_field=args.text_field,
         data_format=args.data_format,
         chat_template=args.chat_template,
+        workers=args.workers,
+        num_hosts=num_hosts,
+        host_index=host_index,
+        unit_bytes=max(1, int(args.unit_mb * 2**20)),
+        progress=progress,
     )
-    summary = {k: v for k, v in manifest.items() if k != "shards"}
+    summary = {k: v for k, v in result.items() if k != "shards"}
     print_json({**summary, "seconds": round(time.perf_counter() - started, 3)})
     return 0
+
+
+def hosts(num_hosts: int | None, host_index: int | None, env: Any) -> tuple[int, int]:
+    """(num_hosts, host_index): the flags, else an srun step's task count and rank, else (1, 0)."""
+    in_step = "SLURM_STEP_ID" in env and "SLURM_NTASKS" in env and "SLURM_PROCID" in env
+    if num_hosts is None:
+        num_hosts = int(env["SLURM_NTASKS"]) if in_step else 1
+    if host_index is None:
+        host_index = int(env["SLURM_PROCID"]) if in_step and num_hosts > 1 else 0
+    return num_hosts, host_index
 
 
 def _cmd_example(args: argparse.Namespace) -> int:

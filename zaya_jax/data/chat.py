@@ -62,7 +62,7 @@ BYTE_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_FIX_RECORD = 'write one {"messages": [{"role": ..., "content": "..."}, ...]} object per line'
+FIX_RECORD = 'write one {"messages": [{"role": ..., "content": "..."}, ...]} object per line'
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,17 +265,33 @@ def iter_encoded(
     refuses (ValueError: what is wrong) goes to ``bad`` (raise, or skip and count) with the file,
     line and ``fix``; none left at all is an error."""
     count = 0
-    for key, where, record in iter_records(resolve_files(source), bad):
+    for item in encode_records(iter_records(resolve_files(source), bad), encode, bad, fix):
+        count += 1
+        yield item
+    if count == 0:
+        raise DataError(no_records_message(source, bad, noun))
+
+
+def encode_records(
+    records: Iterator[tuple[str, str, dict[str, Any]]],
+    encode: Callable[[dict[str, Any]], np.ndarray],
+    bad: BadDocuments,
+    fix: str = "",
+) -> Iterator[tuple[str, np.ndarray]]:
+    """(key, ``encode(record)``) of JSONL ``records``; refused records go to ``bad``."""
+    for key, where, record in records:
         try:
             document = encode(record)
         except ValueError as err:
-            bad.report(f"{where}: {err}", fix)
+            bad.report(f"{where}: {err}", fix or FIX_RECORD)
             continue
-        count += 1
         yield key, document
-    if count == 0:
-        detail = f"; the first problem: {bad.problems[0]}" if bad.problems else ""
-        raise DataError(f"{source.kind} source {source.name!r} ({source.path}) has no {noun}{detail}")
+
+
+def no_records_message(source: DataSource, bad: BadDocuments, noun: str = "conversations") -> str:
+    """Why a chat or preference ``source`` is refused when none of its records could be used."""
+    detail = f"; the first problem: {bad.problems[0]}" if bad.problems else ""
+    return f"{source.kind} source {source.name!r} ({source.path}) has no {noun}{detail}"
 
 
 def read_encoded(
@@ -299,13 +315,13 @@ def iter_chat_documents(
 ) -> Iterator[tuple[str, np.ndarray]]:
     """(key, (2, n) document) for every conversation of the chat ``source``; bad records go to
     ``bad`` (raise, or skip and count) with the file, line and fix."""
-    return iter_encoded(source, encoder.encode_record, bad, _FIX_RECORD, "conversations")
+    return iter_encoded(source, encoder.encode_record, bad, FIX_RECORD, "conversations")
 
 
 def read_chat_documents(source: DataSource, tokenizer: Tokenizer, on_bad_document: str) -> ChatDocuments:
     """Every conversation of the chat ``source``, encoded (see :func:`iter_chat_documents`)."""
     encoder = ChatEncoder(tokenizer, find_chat_template_for(source, tokenizer))
-    return read_encoded(source, encoder.encode_record, on_bad_document, _FIX_RECORD, "conversations")
+    return read_encoded(source, encoder.encode_record, on_bad_document, FIX_RECORD, "conversations")
 
 
 def find_chat_template_for(source: DataSource, tokenizer: Tokenizer) -> ChatTemplate:

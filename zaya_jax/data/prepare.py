@@ -11,7 +11,9 @@ template (origin, sha256).
 
 The whole directory is written beside the destination and renamed into place when complete
 (:mod:`zaya_jax.staging`): a killed preparation leaves no output directory (only a hidden
-``.<name>.partial`` that the next run of the same command removes), and the manifest is written last,
+``.<name>.partial`` that the next run of the same command removes, and its finished work, which
+that run keeps: :mod:`zaya_jax.data.prepare_work` spreads the work over hosts and worker
+processes and resumes it), and the manifest is written last,
 so a directory without ``manifest.json`` is never read. A rerun of a preparation that had finished
 prepares again and succeeds when the result is byte-identical to what is there (the manifest holds
 no time or other varying field), and refuses otherwise. Reading verifies every shard's size and
@@ -24,19 +26,35 @@ document.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Iterator, Sequence
+import shutil
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+from array_record.python.array_record_module import ArrayRecordReader
 
 from zaya_jax.config import DataSource
-from zaya_jax.data.chat import ChatEncoder, find_chat_template_for, iter_chat_documents
-from zaya_jax.data.sources import BadDocuments, DataError, OnBadDocument, iter_documents, source_for_path
+from zaya_jax.data.chat import ChatEncoder, find_chat_template_for
+from zaya_jax.data.prepare_work import (
+    CHUNK_BYTES,
+    READER_OPTIONS,
+    Job,
+    Workers,
+    open_work,
+    piece_stats,
+    plan_of,
+    plan_units,
+    source_totals,
+    wait_for_pieces,
+    write_piece,
+    write_shard,
+)
+from zaya_jax.data.sources import DataError, OnBadDocument, source_for_path
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer, same_tokenizer, token_dtype
 from zaya_jax.files import InputFileError, read_json, sha256_file, write_atomic
 from zaya_jax.staging import StagedDirectory, StagingError, is_empty_dir, same_files
@@ -44,10 +62,6 @@ from zaya_jax.staging import StagedDirectory, StagingError, is_empty_dir, same_f
 FORMAT = "zaya-jax-tokens"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-# One record per chunk keeps random access to a single document to one read.
-_WRITER_OPTIONS = "group_size:1"
-_READER_OPTIONS = "readahead_buffer_size:0"
-_ENCODE_BATCH = 256
 # sha256 of shard files already verified by this process, keyed by (path, size, mtime_ns).
 _VERIFIED: dict[tuple[str, int, int], str] = {}
 
@@ -79,6 +93,13 @@ def prepare(
     text_field: str = "text",
     data_format: str = "auto",
     chat_template: str | None = None,
+    *,
+    workers: int = 1,
+    num_hosts: int = 1,
+    host_index: int = 0,
+    unit_bytes: int = CHUNK_BYTES,
+    wait_s: float = 24 * 3600.0,
+    progress: Callable[[str, int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Tokenize the documents of ``inputs`` into ``num_shards`` ArrayRecord shards in ``out_dir``.
 
@@ -89,31 +110,145 @@ def prepare(
     ``chat_template`` (a file) or the tokenizer's template; one preparation holds text or chats, not
     both. Returns the manifest (also written to ``out_dir/manifest.json``).
 
-    ``out_dir`` appears complete or not at all (see the module doc): on any error, or when the
-    process is killed, no output directory is left, and the same command can be rerun. When
-    ``out_dir`` already holds a finished preparation, it is prepared again beside it: a
-    byte-identical result leaves it as it is and succeeds; a different one is refused.
+    ``workers`` processes tokenize on this host; ``num_hosts`` hosts may share the work, each
+    running this with its ``host_index`` (:mod:`zaya_jax.data.prepare_work`): host 0 waits up to
+    ``wait_s`` for the others, writes the shards and returns the manifest, the others return
+    ``{"host_index", "units"}`` once their part is done. Work is cut into units of a file, or of
+    ``unit_bytes`` of a large JSONL file. The output is byte-identical whatever the split, and a killed preparation rerun with the same command redoes only unfinished work.
+    ``progress(what, done, total)`` is called as units and shards finish.
+
+    ``out_dir`` appears complete or not at all (see the module doc). When ``out_dir`` already holds
+    a finished preparation, it is prepared again beside it: a byte-identical result leaves it as it
+    is and succeeds; a different one is refused.
     """
     if not inputs:
         raise DataError("no inputs given; name the text, JSONL or Parquet files (or directories) to prepare")
-    if num_shards < 1:
-        raise DataError(f"num_shards={num_shards} must be >= 1")
+    for name, value, low in (
+        ("num_shards", num_shards, 1),
+        ("workers", workers, 1),
+        ("num_hosts", num_hosts, 1),
+    ):
+        if value < low:
+            raise DataError(f"{name}={value} must be >= {low}")
+    if not 0 <= host_index < num_hosts:
+        raise DataError(f"host_index={host_index} must be in [0, num_hosts={num_hosts})")
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(out_dir)
+    sources = [source_for_path(item, text_field=text_field, data_format=data_format) for item in inputs]
+    sources = [dataclasses.replace(s, chat_template=chat_template) for s in sources]
+    encoder = _chat_encoder(sources, tokenizer)
+    settings = {
+        "tokenizer": tokenizer.spec,
+        "num_shards": num_shards,
+        "on_bad_document": on_bad_document,
+        "template": encoder.template.sha256 if encoder else None,
+    }
+    units = plan_units(sources, unit_bytes)
+    report = progress or (lambda what, done, total: None)
+    if host_index != 0:
+        work = open_work(out, plan_of(sources, units, settings), primary=False)
+        job = Job(sources, units, num_shards, dtype.name, on_bad_document, work)
+        mine = [(i,) for i in range(host_index, len(units), num_hosts)]
+        with Workers(job, functools.partial(_tools, tokenizer_spec, sources), workers) as pool:
+            pool.map(write_piece, mine, lambda d, t: report("units", d, t))
+        return {"host_index": host_index, "units": len(mine)}
     _check_out_dir(out)
     try:
         with StagedDirectory(out, "zaya data prepare") as staged:
-            sources = [
-                source_for_path(item, text_field=text_field, data_format=data_format) for item in inputs
-            ]
-            sources = [dataclasses.replace(s, chat_template=chat_template) for s in sources]
-            manifest = _write_shards(sources, staged.path, tokenizer, dtype, num_shards, on_bad_document)
-            if not staged.publish_or_match(same_files):
-                verify_shards(out, read_manifest(out))
+            work = open_work(out, plan_of(sources, units, settings), primary=True)
+            job = Job(sources, units, num_shards, dtype.name, on_bad_document, work)
+            try:
+                tools = functools.partial(_tools, tokenizer_spec, sources)
+                manifest = _prepare_primary(
+                    job, staged.path, tools, tokenizer, workers, num_hosts, wait_s, report
+                )
+                if not staged.publish_or_match(same_files):
+                    verify_shards(out, read_manifest(out))
+            except Exception:
+                if num_hosts == 1:  # a failure, not a kill: nothing to resume (the inputs must change)
+                    shutil.rmtree(work, ignore_errors=True)
+                raise
+            shutil.rmtree(work, ignore_errors=True)
     except StagingError as err:
         raise DataError(str(err)) from None
     return manifest
+
+
+def _tools(tokenizer_spec: str, sources: Sequence[DataSource]) -> tuple[Tokenizer, ChatEncoder | None]:
+    """A worker's tokenizer and chat encoder (built in the worker: neither is picklable)."""
+    tokenizer = load_tokenizer(tokenizer_spec)
+    return tokenizer, _chat_encoder(sources, tokenizer)
+
+
+def _prepare_primary(
+    job: Job,
+    directory: Path,
+    tools: Callable[[], tuple[Tokenizer, ChatEncoder | None]],
+    tokenizer: Tokenizer,
+    workers: int,
+    num_hosts: int,
+    wait_s: float,
+    report: Callable[[str, int, int], None],
+) -> dict[str, Any]:
+    """Host 0's part: its units, then (every piece done) the shards, moved into ``directory``
+    beside the manifest."""
+    encoder = _chat_encoder(job.sources, tokenizer)
+    with Workers(job, tools, workers) as pool:
+        return _primary_phases(job, directory, pool, tokenizer, encoder, num_hosts, wait_s, report)
+
+
+def _primary_phases(
+    job: Job,
+    directory: Path,
+    pool: Workers,
+    tokenizer: Tokenizer,
+    encoder: ChatEncoder | None,
+    num_hosts: int,
+    wait_s: float,
+    report: Callable[[str, int, int], None],
+) -> dict[str, Any]:
+    mine = [(i,) for i in range(0, len(job.units), num_hosts)]
+    pool.map(write_piece, mine, lambda d, t: report("units", d, t))
+    if num_hosts > 1:
+        wait_for_pieces(job, wait_s, lambda d, t: report("units of all hosts", d, t))
+    stats = [piece_stats(job, i) for i in range(len(job.units))]  # all done: read back, in order
+    totals = source_totals(job, stats)
+    for source, total in zip(job.sources, totals, strict=True):
+        if total["documents"] == 0:
+            raise DataError(_no_documents(source, total))
+    counts = [stat["documents"] for stat in stats]
+    names = [shard_name(i, job.num_shards) for i in range(job.num_shards)]
+    tasks = [(i, counts, names[i], encoder is not None) for i in range(job.num_shards)]
+    shards = pool.map(write_shard, tasks, lambda d, t: report("shards", d, t))
+    for name in names:
+        os.replace(job.shard(name, "array_record"), directory / name)
+    inputs = [
+        {
+            "path": str(source.path),
+            "kind": source.kind,
+            "documents": total["documents"],
+            "skipped_documents": total["skipped"],
+            "problems": total["problems"],
+        }
+        for source, total in zip(job.sources, totals, strict=True)
+    ]
+    manifest = _manifest(shards, inputs, tokenizer, np.dtype(job.dtype), encoder)
+    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _no_documents(source: DataSource, total: dict[str, Any]) -> str:
+    """What reading ``source`` alone says when none of its documents could be used."""
+    if source.kind == "chat":
+        first = f"; the first problem: {total['problems'][0]}" if total["problems"] else ""
+        return f"chat source {source.name!r} ({source.path}) has no conversations{first}"
+    where = f" ({source.path})" if source.path else ""
+    if total["skipped"]:
+        detail = f"all {total['skipped']} bad documents were skipped; the first: {total['problems'][0]}"
+    else:
+        detail = "the files hold no text"
+    return f"data source {source.name!r}{where} has no documents: {detail}"
 
 
 def _chat_encoder(sources: Sequence[DataSource], tokenizer: Tokenizer) -> ChatEncoder | None:
@@ -134,94 +269,15 @@ def _chat_encoder(sources: Sequence[DataSource], tokenizer: Tokenizer) -> ChatEn
     return ChatEncoder(tokenizer, find_chat_template_for(sources[0], tokenizer))
 
 
-def _write_shards(
-    sources: Sequence[DataSource],
-    directory: Path,
-    tokenizer: Tokenizer,
-    dtype: np.dtype,
-    num_shards: int,
-    on_bad_document: OnBadDocument,
-) -> dict[str, Any]:
-    """Write the shards and then the manifest into the (new, empty) ``directory``."""
-    encoder = _chat_encoder(sources, tokenizer)
-    paths = [directory / shard_name(i, num_shards) for i in range(num_shards)]
-    writers: list[ArrayRecordWriter] = []
-    try:
-        writers = [ArrayRecordWriter(str(p), _WRITER_OPTIONS) for p in paths]
-        records = [0] * num_shards
-        tokens = [0] * num_shards
-        input_stats = []
-        document = 0
-
-        def write(arrays: Iterable[np.ndarray]) -> None:
-            nonlocal document
-            for ids in arrays:  # (n,) ids, or a chat's (2, n) ids and trained flags
-                if ids.size == 0:
-                    continue
-                shard = document % num_shards
-                writers[shard].write(ids.astype(dtype).tobytes())
-                records[shard] += 1
-                tokens[shard] += int(ids.shape[-1])
-                document += 1
-
-        for source in sources:
-            bad = BadDocuments(on_bad_document)
-            first = document
-            write(_source_arrays(source, encoder, tokenizer, bad))
-            input_stats.append(
-                {
-                    "path": str(source.path),
-                    "kind": source.kind,
-                    "documents": document - first,
-                    "skipped_documents": bad.count,
-                    "problems": bad.problems,
-                }
-            )
-    finally:
-        for writer in writers:
-            if writer.is_open():
-                writer.close()
-    manifest = _manifest(paths, records, tokens, input_stats, tokenizer, dtype, encoder)
-    write_atomic(directory / MANIFEST, json.dumps(manifest, indent=2))
-    return manifest
-
-
-def _source_arrays(
-    source: DataSource, encoder: ChatEncoder | None, tokenizer: Tokenizer, bad: BadDocuments
-) -> Iterator[np.ndarray]:
-    """One source's documents as token arrays (a chat's as (2, n) ids and trained flags)."""
-    if encoder is not None:
-        yield from (doc for _, doc in iter_chat_documents(source, encoder, bad))
-        return
-    batch: list[str] = []
-    for _, text in iter_documents(source, bad):
-        batch.append(text)
-        if len(batch) == _ENCODE_BATCH:
-            yield from tokenizer.encode_batch(batch)
-            batch = []
-    yield from tokenizer.encode_batch(batch)
-
-
 def _manifest(
-    paths: list[Path],
-    records: list[int],
-    tokens: list[int],
+    shards: list[dict[str, Any]],
     input_stats: list[dict[str, Any]],
     tokenizer: Tokenizer,
     dtype: np.dtype,
     encoder: ChatEncoder | None,
 ) -> dict[str, Any]:
-    """The manifest of written shards: counts, tokenizer, sha256 per shard, the inputs."""
-    shards = [
-        {
-            "file": p.name,
-            "records": records[i],
-            "tokens": tokens[i],
-            "bytes": p.stat().st_size,
-            "sha256": sha256_file(p),
-        }
-        for i, p in enumerate(paths)
-    ]
+    """The manifest of written shards (file, records, tokens, bytes, sha256 each): counts,
+    tokenizer, the inputs."""
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -230,9 +286,11 @@ def _manifest(
         "byte_order": "little",
         "layout": "round_robin",
         "eos_appended": False,
-        "shards": shards,
-        "documents": sum(records),
-        "tokens": sum(tokens),
+        "shards": [
+            {k: shard[k] for k in ("file", "records", "tokens", "bytes", "sha256")} for shard in shards
+        ],
+        "documents": sum(shard["records"] for shard in shards),
+        "tokens": sum(shard["tokens"] for shard in shards),
         "skipped_documents": sum(s["skipped_documents"] for s in input_stats),
         "inputs": input_stats,
     }
@@ -355,7 +413,7 @@ class PreparedDocuments:
                     f"{self.directory / MANIFEST} lists {shard['records']} records in {shard['file']} but the "
                     f"round-robin layout of {self._len} documents gives {expected}; prepare the data again"
                 )
-        self._readers = [ArrayRecordReader(str(path), _READER_OPTIONS) for path in self._paths]
+        self._readers = [ArrayRecordReader(str(path), READER_OPTIONS) for path in self._paths]
         for reader, shard in zip(self._readers, shards, strict=True):
             if reader.num_records() != shard["records"]:
                 raise DataError(

@@ -48,7 +48,7 @@ _GLOB_CHARS = frozenset("*?[")
 # anything else is text.
 _KIND_BY_SUFFIX = {".jsonl": "jsonl", ".parquet": "parquet"}
 # Text and JSONL files may be compressed: gzip (standard library) or zstandard (``zstandard``).
-_COMPRESSED = (".gz", ".zst")
+COMPRESSED = (".gz", ".zst")
 # Files a directory of a given kind contributes (text: every non-hidden file).
 _PATTERN_BY_KIND = {
     "text": "*",
@@ -59,7 +59,7 @@ _PATTERN_BY_KIND = {
 }
 # What reading a (possibly compressed) file raises when the file is unreadable, truncated or corrupt.
 _READ_ERRORS = (OSError, EOFError, ZstdError)
-_PROBLEMS_KEPT = 20
+PROBLEMS_KEPT = 20
 _SKIP_HINT = (
     "or set data.on_bad_document=skip (zaya data prepare --on-bad-document skip) to skip and count bad "
     "documents"
@@ -85,7 +85,7 @@ class BadDocuments:
         if self.policy == "error":
             raise DataError(f"{problem}; {fix}, {_SKIP_HINT}")
         self.count += 1
-        if len(self.problems) < _PROBLEMS_KEPT:
+        if len(self.problems) < PROBLEMS_KEPT:
             self.problems.append(problem)
 
 
@@ -128,7 +128,7 @@ def _holds_chats(path: str, text_field: str) -> bool:
     ``text_field``)."""
     try:
         files = resolve_files(DataSource(name=path, kind="jsonl", path=path))
-        with _open_bytes(files[0][1]) as f:
+        with open_bytes(files[0][1]) as f:
             for raw in f:
                 if raw.strip():
                     record = json.loads(raw)
@@ -138,7 +138,7 @@ def _holds_chats(path: str, text_field: str) -> bool:
     return False
 
 
-def _open_bytes(path: Path) -> IO[bytes]:
+def open_bytes(path: Path) -> IO[bytes]:
     """A binary file, decompressed on the fly when it ends in ``.gz`` or ``.zst``."""
     if path.name.endswith(".gz"):
         return gzip.open(path, "rb")
@@ -228,11 +228,11 @@ def _decode(data: bytes, where: str, bad: BadDocuments) -> str | None:
         return None
 
 
-def _text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[tuple[str, str]]:
+def text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[tuple[str, str]]:
     for key, path in files:
         try:
-            if path.name.endswith(_COMPRESSED):
-                with _open_bytes(path) as f:
+            if path.name.endswith(COMPRESSED):
+                with open_bytes(path) as f:
                     data = f.read()
             else:
                 data = path.read_bytes()
@@ -251,40 +251,63 @@ def iter_records(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[t
     """(key ``file:line``, where ``path:line``, object) for every JSON-object line of the JSONL
     ``files``; blank lines are skipped, anything else that is not a JSON object goes to ``bad``."""
     for key, path in files:
-        line_no = 0
-        try:
-            with _open_bytes(path) as f:
-                for line_no, raw in enumerate(f, 1):
-                    if not raw.strip():
-                        continue
-                    where = f"{path}:{line_no}"
-                    line = _decode(raw, where, bad)
-                    if line is None:
-                        continue
-                    try:
-                        record = json.loads(line)
-                    except json.JSONDecodeError as err:
-                        bad.report(f"{where}: not valid JSON ({err.msg})", "fix or delete the line")
-                        continue
-                    if not isinstance(record, dict):
-                        bad.report(
-                            f"{where}: a JSON {type(record).__name__}, not an object",
-                            "write one JSON object per line",
-                        )
-                        continue
-                    yield f"{key}:{line_no}", where, record
-        except _READ_ERRORS as err:
-            at = f" after line {line_no}" if line_no else ""
-            bad.report(
-                f"cannot read {path}{at} ({getattr(err, 'strerror', None) or err})",
-                "fix its permissions or remove it",
-            )
+        yield from iter_record_range(key, path, bad)
+
+
+def iter_record_range(
+    key: str, path: Path, bad: BadDocuments, start: int = 0, end: int | None = None, first_line: int = 1
+) -> Iterator[tuple[str, str, dict]]:
+    """:func:`iter_records` of one file, or of the lines of an uncompressed file that begin in bytes
+    ``[start, end)`` (``start`` at a line start, which is line ``first_line``): how ``zaya data
+    prepare`` splits a large file over workers (:mod:`zaya_jax.data.prepare_work`)."""
+    line_no = first_line - 1
+    try:
+        with open_bytes(path) as f:
+            if start:
+                f.seek(start)
+            offset = start
+            for raw in f:
+                if end is not None and offset >= end:
+                    break
+                offset += len(raw)
+                line_no += 1
+                if not raw.strip():
+                    continue
+                where = f"{path}:{line_no}"
+                line = _decode(raw, where, bad)
+                if line is None:
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as err:
+                    bad.report(f"{where}: not valid JSON ({err.msg})", "fix or delete the line")
+                    continue
+                if not isinstance(record, dict):
+                    bad.report(
+                        f"{where}: a JSON {type(record).__name__}, not an object",
+                        "write one JSON object per line",
+                    )
+                    continue
+                yield f"{key}:{line_no}", where, record
+    except _READ_ERRORS as err:
+        at = f" after line {line_no}" if line_no >= first_line else ""
+        bad.report(
+            f"cannot read {path}{at} ({getattr(err, 'strerror', None) or err})",
+            "fix its permissions or remove it",
+        )
 
 
 def _jsonl_documents(
     files: list[tuple[str, Path]], field: str, bad: BadDocuments
 ) -> Iterator[tuple[str, str]]:
-    for key, where, record in iter_records(files, bad):
+    return record_texts(iter_records(files, bad), field, bad)
+
+
+def record_texts(
+    records: Iterator[tuple[str, str, dict]], field: str, bad: BadDocuments
+) -> Iterator[tuple[str, str]]:
+    """(key, text) of JSONL ``records`` (:func:`iter_records`): their string field ``field``."""
+    for key, where, record in records:
         if field not in record:
             bad.report(
                 f"{where}: no field {field!r} (fields: {', '.join(map(repr, record)) or 'none'})",
@@ -302,7 +325,7 @@ def _jsonl_documents(
             yield key, value
 
 
-def _parquet_documents(
+def parquet_documents(
     files: list[tuple[str, Path]], field: str, bad: BadDocuments
 ) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
@@ -352,7 +375,7 @@ def _parquet_documents(
             )
 
 
-def _stdlib_documents(bad: BadDocuments) -> Iterator[tuple[str, str]]:
+def stdlib_documents(bad: BadDocuments) -> Iterator[tuple[str, str]]:
     keys, texts, skipped = corpus.read_stdlib()
     # Undecodable stdlib files are skipped under either policy (see corpus.read_stdlib).
     bad.count += len(skipped)
@@ -365,13 +388,13 @@ def iter_documents(source: DataSource, bad: BadDocuments | None = None) -> Itera
     (default: raise). Raises :class:`DataError` at the end when the source held no document."""
     bad = BadDocuments() if bad is None else bad
     if source.kind == "stdlib":
-        documents = _stdlib_documents(bad)
+        documents = stdlib_documents(bad)
     elif source.kind == "text":
-        documents = _text_documents(resolve_files(source), bad)
+        documents = text_documents(resolve_files(source), bad)
     elif source.kind == "jsonl":
         documents = _jsonl_documents(resolve_files(source), source.text_field, bad)
     elif source.kind == "parquet":
-        documents = _parquet_documents(resolve_files(source), source.text_field, bad)
+        documents = parquet_documents(resolve_files(source), source.text_field, bad)
     else:
         raise DataError(
             f"data source {source.name!r} of kind {source.kind!r} holds tokens, not text; "
