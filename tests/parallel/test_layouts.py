@@ -8,10 +8,12 @@ norms, the router-probability spread that sets the controller's gain, and the ba
 writes, so a statistic that depends on the layout (as the spread once did, through float32
 cancellation: 92% off on a data-parallel mesh) cannot hide behind a loose loss tolerance.
 
-Tolerances, with what was measured: gradients of the same parameters on the same batch agree to
-1e-5 of each leaf's largest entry (~1e-6, float32 summation order); per-step losses to 1e-6
-relative (2.6e-7); gradient norms to 1e-5 (8e-8); spreads to 1e-4 (2.9e-6); biases to 1e-9
-absolute (1e-11; the controller moves them by ~1e-6 per step at initialisation).
+First-step gradients are compared leaf by leaf for the layouts of ``GRADIENT_LAYOUTS`` (the others
+compute them laid out as one of those). Tolerances, with what was measured: gradients of the same
+parameters on the same batch agree to 1e-5 of each leaf's largest entry (~1e-6, float32 summation
+order); per-step losses to 1e-6 relative (2.6e-7); gradient norms to 1e-5 (8e-8); spreads to 1e-4
+(2.9e-6); biases to 1e-9 absolute (1e-11; the controller moves them by ~1e-6 per step at
+initialisation).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.parallel.layouts_worker import LAYOUTS, STEPS
+from tests.parallel.layouts_worker import GRADIENT_LAYOUTS, LAYOUTS, STEPS
 from tests.workers import run_worker
 
 
@@ -31,7 +33,7 @@ def results():
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name not in ("single", "expert_capped")])
 def test_layout_matches_the_single_device_run(results, layout):
     single, got = results["single"], results[layout]
-    assert got["grad_error"] < 1e-5
+    assert (got["grad_error"] < 1e-5) if layout in GRADIENT_LAYOUTS else got["grad_error"] is None
     assert len(got["losses"]) == STEPS
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-6)
     np.testing.assert_allclose(got["grad_norms"], single["grad_norms"], rtol=1e-5)

@@ -2,32 +2,47 @@
 
 ``sources`` (reading files) -> ``tokenizers`` -> ``prepare`` (ArrayRecord shards) -> ``documents``
 (token documents per source and split) -> ``packing`` (rows) -> ``pipeline`` (mixture, batches)
--> ``prefetch`` (a thread ahead of training); ``batch`` names the fields of a batch."""
+-> ``streams`` (batches independent of the process count) -> ``prefetch`` (a thread ahead of
+training); ``batch`` names the fields of a batch.
 
-from zaya_jax.data.batch import BATCH_FIELDS, BATCH_KEYS, batch_fields
-from zaya_jax.data.documents import tokenized_documents
-from zaya_jax.data.pipeline import RowIterator, eval_batches, make_row_iterator, next_batch
-from zaya_jax.data.prefetch import Prefetcher
+The names below load their module on first use (PEP 562): ``zaya data prepare``'s worker
+processes import the sources, tokenizers and preparation modules without Grain or JAX."""
+
+from typing import Any
+
+# Eager: the function ``prepare`` shares its name with its module, which would shadow it once imported.
 from zaya_jax.data.prepare import open_prepared, prepare, read_manifest
-from zaya_jax.data.sources import DataError, read_documents
-from zaya_jax.data.tokenizers import ByteTokenizer, HFTokenizer, load_tokenizer
 
-__all__ = [
-    "BATCH_FIELDS",
-    "BATCH_KEYS",
-    "ByteTokenizer",
-    "DataError",
-    "HFTokenizer",
-    "Prefetcher",
-    "RowIterator",
-    "batch_fields",
-    "eval_batches",
-    "load_tokenizer",
-    "make_row_iterator",
-    "next_batch",
+_LAZY = {
+    "BATCH_FIELDS": "batch",
+    "BATCH_KEYS": "batch",
+    "batch_fields": "batch",
+    "tokenized_documents": "documents",
+    "RowIterator": "pipeline",
+    "eval_batches": "pipeline",
+    "make_row_iterator": "pipeline",
+    "next_batch": "pipeline",
+    "Prefetcher": "prefetch",
+    "DataError": "sources",
+    "read_documents": "sources",
+    "ByteTokenizer": "tokenizers",
+    "HFTokenizer": "tokenizers",
+    "load_tokenizer": "tokenizers",
+}
+
+__all__ = [  # the lazy names, then the eager ones
+    *_LAZY,
     "open_prepared",
     "prepare",
-    "read_documents",
     "read_manifest",
-    "tokenized_documents",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(f"zaya_jax.data.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zaya_jax.data' has no attribute {name!r}")

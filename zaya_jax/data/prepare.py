@@ -121,17 +121,7 @@ def prepare(
     a finished preparation, it is prepared again beside it: a byte-identical result leaves it as it
     is and succeeds; a different one is refused.
     """
-    if not inputs:
-        raise DataError("no inputs given; name the text, JSONL or Parquet files (or directories) to prepare")
-    for name, value, low in (
-        ("num_shards", num_shards, 1),
-        ("workers", workers, 1),
-        ("num_hosts", num_hosts, 1),
-    ):
-        if value < low:
-            raise DataError(f"{name}={value} must be >= {low}")
-    if not 0 <= host_index < num_hosts:
-        raise DataError(f"host_index={host_index} must be in [0, num_hosts={num_hosts})")
+    _check_arguments(inputs, num_shards, workers, num_hosts, host_index)
     tokenizer = load_tokenizer(tokenizer_spec)
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(out_dir)
@@ -173,6 +163,18 @@ def prepare(
     except StagingError as err:
         raise DataError(str(err)) from None
     return manifest
+
+
+def _check_arguments(
+    inputs: Sequence[Any], num_shards: int, workers: int, num_hosts: int, host_index: int
+) -> None:
+    if not inputs:
+        raise DataError("no inputs given; name the text, JSONL or Parquet files (or directories) to prepare")
+    for name, value in (("num_shards", num_shards), ("workers", workers), ("num_hosts", num_hosts)):
+        if value < 1:
+            raise DataError(f"{name}={value} must be >= 1")
+    if not 0 <= host_index < num_hosts:
+        raise DataError(f"host_index={host_index} must be in [0, num_hosts={num_hosts})")
 
 
 def _tools(tokenizer_spec: str, sources: Sequence[DataSource]) -> tuple[Tokenizer, ChatEncoder | None]:
