@@ -43,7 +43,8 @@ CASES = {
     "tiny_8k": ("tiny", 1, [*TINY_LONG, "train.seq_len=8192"]),
     "tiny_vocab262k_4k": ("tiny", 1, [*TINY_LONG, "train.seq_len=4096", "model.vocab_size=262144"]),
     "zaya1_8b_4k_64dev": ("zaya1-8b", 64, ZAYA_4K),
-    "zaya1_8b_32k_cp8_64dev": ("zaya1-8b", 64, ZAYA_32K),
+    "zaya1_8b_32k_cp8_64dev": ("zaya1-8b", 64, ZAYA_32K),  # zig-zag, the default layout
+    "zaya1_8b_32k_cp8_64dev_contiguous": ("zaya1-8b", 64, [*ZAYA_32K, "mesh.context_layout=contiguous"]),
     "zaya1_8b_4k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1, "mesh.data=8", "train.micro_batches=32"]),
     "zaya1_8b_4k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1, "mesh.data=64", "train.micro_batches=4"]),
     "zaya1_8b_32k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_32K, "mesh.data=1", "train.micro_batches=32"]),

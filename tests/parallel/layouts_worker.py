@@ -34,7 +34,8 @@ LAYOUTS = {
     "data": ["mesh.data=8"],
     "fsdp": ["mesh.data=1", "mesh.fsdp=8"],
     "expert": ["mesh.data=2", "mesh.expert=4"],
-    "context": ["mesh.data=2", "mesh.context=4"],
+    "context": ["mesh.data=2", "mesh.context=4"],  # zig-zag, the default
+    "context_contiguous": ["mesh.data=2", "mesh.context=4", "mesh.context_layout=contiguous"],
     "combined": ["mesh.data=1", "mesh.fsdp=2", "mesh.expert=2", "mesh.context=2"],
     "expert_capped": ["mesh.data=2", "mesh.expert=4", "mesh.expert_capacity_factor=0.5"],
     "zero1": ["mesh.data=8", "mesh.optimizer_sharding=zero1"],

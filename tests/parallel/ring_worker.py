@@ -25,29 +25,31 @@ def main():
     real = np.ones((batch, seq), np.int32)
     real[1, :5] = 0  # left padding in row 1
     segments, real = jnp.asarray(segments), jnp.asarray(real)
-    attend = ring_attention(mesh)
     out = {}
-    for window in (None, 0, 6):  # None: a model without sliding layers
+    for layout, window in [
+        (layout, window) for layout in ("contiguous", "zigzag") for window in (None, 0, 6)
+    ]:
+        attend = ring_attention(mesh, layout=layout)
         w = None if window is None else jnp.int32(window)
         mask = self_attention_mask(seq, segments, real).replace(window=w).dense()
 
         def reference(q, k, v, mask=mask):
             return jnp.sum(jnp.sin(dot_product_attention(q, k, v, mask)))
 
-        def ring(q, k, v, w=w):
+        def ring(q, k, v, w=w, attend=attend):
             return jnp.sum(jnp.sin(attend(q, k, v, segments, real, w)))
 
         want = dot_product_attention(q, k, v, mask)
-        got = jax.jit(lambda q, k, v, w=w: attend(q, k, v, segments, real, w))(q, k, v)
+        got = jax.jit(lambda q, k, v, w=w, attend=attend: attend(q, k, v, segments, real, w))(q, k, v)
         g_want = jax.grad(reference, argnums=(0, 1, 2))(q, k, v)
         g_got = jax.jit(jax.grad(ring, argnums=(0, 1, 2)))(q, k, v)
         hlo = (
-            jax.jit(lambda q, k, v, w=w: attend(q, k, v, segments, real, w))
+            jax.jit(lambda q, k, v, w=w, attend=attend: attend(q, k, v, segments, real, w))
             .lower(q, k, v)
             .compile()
             .as_text()
         )
-        out[f"window={window}"] = {
+        out[f"{layout},window={window}"] = {
             "forward": float(np.max(np.abs(np.asarray(got) - np.asarray(want)))),  # padding rows: 0 in both
             "grad": max(
                 float(np.max(np.abs(np.asarray(a) - np.asarray(b))))

@@ -636,6 +636,10 @@ class MeshConfig:
     fsdp: int = 1  # parameter/optimizer sharding over the residual width
     expert: int = 1  # expert-parallel groups (divides num_experts)
     context: int = 1  # sequence split (ring attention, CCA halos)
+    # How a sequence is split over the context axis: "zigzag" (2 x context chunks, device i holding
+    # chunks i and 2 x context - 1 - i: every device does the same causal attention work; needs
+    # sequence lengths divisible by 2 x context) or "contiguous" (device i holds the i-th part).
+    context_layout: Literal["zigzag", "contiguous"] = "zigzag"
     # Expert parallelism: rows exchanged per device pair = factor x local tokens / |expert|;
     # 0 = all local tokens (dropless). Tokens beyond it are dropped and counted.
     expert_capacity_factor: float = 0.0
@@ -884,12 +888,17 @@ class Config:
                     f" = {split}; make every batch size a multiple of {split * self.train.micro_batches}"
                 )
         context = known.get("context", 1)
+        chunks = 2 * context if context > 1 and self.mesh.context_layout == "zigzag" else context
         seq_lens = {self.train.seq_len, *(s.seq_len for s in self.train.stages)}
         for seq_len in sorted(seq_lens):
-            if seq_len % context:
+            if seq_len % chunks:
+                layout = (
+                    f" in {chunks} zig-zag chunks (mesh.context_layout=zigzag)" if chunks != context else ""
+                )
                 raise ConfigError(
-                    f"sequence length {seq_len} is not divisible by mesh.context={context}; "
-                    "use sequence lengths that are multiples of the context axis"
+                    f"sequence length {seq_len} is not divisible by mesh.context={context}{layout}; "
+                    f"use sequence lengths that are multiples of {chunks}"
+                    + (" or set mesh.context_layout=contiguous" if layout else "")
                 )
 
 

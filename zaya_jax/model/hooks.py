@@ -58,6 +58,15 @@ class ContextParallelism(Protocol):
         window: jax.Array | None,
     ) -> jax.Array: ...
 
+    def reorder(self, x: jax.Array) -> jax.Array:
+        """(batch, seq, ...) in sequence order -> the order the devices hold it in (a zig-zag
+        layout balances the causal work); identity for contiguous shards."""
+        ...
+
+    def restore(self, x: jax.Array) -> jax.Array:
+        """The inverse of :meth:`reorder`."""
+        ...
+
 
 class ResidualNorm(Protocol):
     """The fused residual merge + RMSNorm (``zaya_jax.ops.residual_norm``), e.g. inside a

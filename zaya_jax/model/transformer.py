@@ -36,6 +36,15 @@ def _embedding_init(pad_token_id: int, std: float):
     return init
 
 
+def _reordered(layout: Any, tokens, token_mask, segment_ids, positions, routes) -> tuple[Any, ...]:
+    """The token inputs in the order the devices of a context layout hold the sequence
+    (positions computed first: they follow the documents in sequence order)."""
+    batch, seq = tokens.shape
+    positions = shared_inputs((batch, seq), token_mask, segment_ids, positions, None)["positions"]
+    inputs = (tokens, token_mask, segment_ids, positions, routes)
+    return tuple(None if x is None else layout.reorder(x) for x in inputs)
+
+
 class Zaya(nn.Module):
     """ZAYA1 causal LM.
 
@@ -80,22 +89,9 @@ class Zaya(nn.Module):
     cfg: ModelConfig
     hooks: ModelHooks = SINGLE_DEVICE
 
-    @nn.compact
-    def __call__(
-        self,
-        tokens: jax.Array,
-        *,
-        token_mask: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        positions: jax.Array | None = None,
-        cache: dict[str, jax.Array] | None = None,
-        routes: jax.Array | None = None,
-        replay_routes: bool = True,
-        return_hidden: bool = False,
-    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    def _input_params(self, pdtype: Any) -> tuple[jax.Array, ...]:
+        """The embedding, its input scale and bias, and the router's depth-averaging scales."""
         cfg = self.cfg
-        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        batch, seq = tokens.shape
         embed_shape = (cfg.hidden_size,)
         embedding = param_with_axes(
             self,
@@ -115,8 +111,32 @@ class Zaya(nn.Module):
         eda_scale = param_with_axes(
             self, "router_states_scale", nn.initializers.ones, eda_shape, ("layers", "router"), pdtype
         )
+        return embedding, input_scale, input_bias, eda_scale
+
+    @nn.compact
+    def __call__(
+        self,
+        tokens: jax.Array,
+        *,
+        token_mask: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        cache: dict[str, jax.Array] | None = None,
+        routes: jax.Array | None = None,
+        replay_routes: bool = True,
+        return_hidden: bool = False,
+    ) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+        batch, seq = tokens.shape
+        embedding, input_scale, input_bias, eda_scale = self._input_params(pdtype)
 
         per_layer = layer_inputs(cfg, eda_scale)
+        layout = self.hooks.context if cache is None else None  # a sequence split over devices
+        if layout is not None:
+            tokens, token_mask, segment_ids, positions, routes = _reordered(
+                layout, tokens, token_mask, segment_ids, positions, routes
+            )
         ctx = shared_inputs((batch, seq), token_mask, segment_ids, positions, cache)
         key_mask = ctx.pop("key_mask", None)
         if cache is not None:
@@ -137,7 +157,7 @@ class Zaya(nn.Module):
             stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": cache["index"] + seq}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
-        y = nn.with_logical_constraint(y, ACTIVATION_AXES)
+        y = nn.with_logical_constraint(y if layout is None else layout.restore(y), ACTIVATION_AXES)
         if return_hidden:  # the loss applies the head chunk by chunk (zaya_jax.ops.cross_entropy)
             return y, stats
         if cfg.tie_word_embeddings:

@@ -86,7 +86,9 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
         replicated(mesh),
         ModelHooks(
             moe_dispatch=dispatch,
-            context=ContextParallel(mesh, rows, block=cfg.model.attention_block)
+            context=ContextParallel(
+                mesh, rows, block=cfg.model.attention_block, layout=cfg.mesh.context_layout
+            )
             if mesh.shape["context"] > 1
             else None,
             residual_norm=sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
