@@ -6,12 +6,15 @@ from __future__ import annotations
 import hashlib
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from tests.data.corpora import write_jsonl, write_parquet
 from zaya_jax.cli.data import hosts
 from zaya_jax.data import DataError, prepare
+from zaya_jax.data.prepare_work import READER_THREAD, _prefetched
 
 ROWS = [f"row {i}: " + "lorem ipsum dolor " * (i % 9) for i in range(400)]
 
@@ -134,3 +137,26 @@ def test_hosts_come_from_the_flags_or_an_srun_step():
     assert hosts(None, None, {"SLURM_NTASKS": "4", "SLURM_PROCID": "2"}) == (1, 0)  # sbatch's shell, no step
     with pytest.raises(DataError, match=r"host_index=2 must be in \[0, num_hosts=2\)"):
         prepare(["x"], "y", num_hosts=2, host_index=2)
+
+
+def test_the_reader_thread_stops_with_its_consumer_and_hands_on_errors():
+    produced = []
+
+    def items(fail_at=None):
+        for i in range(1000):
+            if i == fail_at:
+                raise DataError(f"bad document {i}")
+            produced.append(i)
+            yield i
+
+    reader = _prefetched(items(), depth=2)
+    assert [next(reader), next(reader)] == [0, 1]
+    reader.close()  # the consumer stops early (an error while writing a piece)
+    for _ in range(200):  # the thread notices within a poll of 0.1 s
+        if not any(t.name == READER_THREAD for t in threading.enumerate()):
+            break
+        time.sleep(0.05)
+    assert not any(t.name == READER_THREAD for t in threading.enumerate())
+    assert len(produced) <= 6  # it stopped reading, two ahead at most
+    with pytest.raises(DataError, match="bad document 3"):
+        list(_prefetched(items(fail_at=3)))

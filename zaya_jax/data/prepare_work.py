@@ -62,6 +62,7 @@ CHUNK_BYTES = 32 << 20  # a unit of a large JSONL file
 WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access to a document is one read
 READER_OPTIONS = "readahead_buffer_size:0"
 _ENCODE_BATCH = 256
+READER_THREAD = "zaya-prepare-reader"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,27 +151,41 @@ def _batches(texts: Iterator[str], size: int) -> Iterator[list[str]]:
 def _prefetched(items: Iterator[Any], depth: int = 2) -> Iterator[Any]:
     """``items`` produced by a background thread, ``depth`` ahead (reading and JSON parsing hold
     the GIL, the HF tokenizer's ``encode_batch`` releases it: the two overlap); the producer's
-    exception is raised here, in order."""
+    exception is raised here, in order. A consumer that stops early (an error while writing) stops
+    the producer too."""
     slots: queue.Queue = queue.Queue(depth)
-    end = object()
+    end, closed = object(), threading.Event()
+
+    def put(entry: tuple[Any, BaseException | None]) -> bool:
+        while not closed.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
     def produce() -> None:
         try:
             for item in items:
-                slots.put((item, None))
+                if not put((item, None)):
+                    return
         except BaseException as err:  # handed to the consumer
-            slots.put((end, err))
+            put((end, err))
             return
-        slots.put((end, None))
+        put((end, None))
 
-    threading.Thread(target=produce, daemon=True).start()
-    while True:
-        item, err = slots.get()
-        if item is end:
-            if err is not None:
-                raise err
-            return
-        yield item
+    threading.Thread(target=produce, name=READER_THREAD, daemon=True).start()
+    try:
+        while True:
+            item, err = slots.get()
+            if item is end:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        closed.set()
 
 
 @dataclasses.dataclass
