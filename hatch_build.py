@@ -41,3 +41,4 @@ class KernelsBuildHook(BuildHookInterface):
             build_data["pure_python"] = False
             build_data["infer_tag"] = True
             build_data["artifacts"].extend(str(path.relative_to(root)) for path in built.values())
+            build_data["artifacts"].append(str((out / "build.json").relative_to(root)))  # targets per library

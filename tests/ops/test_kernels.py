@@ -27,6 +27,28 @@ def test_cpu_kernels_are_registered():
     assert status["cpu"] == "registered", status
 
 
+def test_a_rocm_library_without_the_devices_target_is_not_used(tmp_path, monkeypatch):
+    """A gfx90a-only library on a gfx942 device (MI300X) would fail at its first launch: it is
+    reported unusable with the rebuild command, and the pure-JAX reference runs instead."""
+    from zaya_jax.ops import _registry
+
+    (tmp_path / "build.json").write_text('{"rocm": {"archs": ["gfx90a"], "device_code_only": ["gfx942"]}}')
+    monkeypatch.setattr(_registry, "LIB_DIR", tmp_path)
+    monkeypatch.setattr(_registry, "_status", {"rocm": "registered", "cpu": "registered"})
+    device = type("Device", (), {"compute_capability": "gfx942:sramecc+:xnack-"})()
+    monkeypatch.setattr(_registry.jax, "devices", lambda platform=None: [device])
+    _registry.arch_mismatch.cache_clear()
+    try:
+        assert not _registry.registered("rocm")
+        assert "this device is gfx942" in _registry.arch_mismatch("rocm")
+        assert "ZAYA_HIP_ARCHS=gfx942" in _registry.arch_mismatch("rocm")
+        device.compute_capability = "gfx90a"
+        _registry.arch_mismatch.cache_clear()
+        assert _registry.registered("rocm")
+    finally:
+        _registry.arch_mismatch.cache_clear()
+
+
 def _inputs(shape, dtype, seed=0):
     k = jax.random.split(jax.random.key(seed), 7)
     width = shape[-1]

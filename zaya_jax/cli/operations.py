@@ -52,6 +52,11 @@ def _add_doctor_command(sub: Any) -> None:
         action="store_true",
         help="exit 1 if JAX runs on the CPU (a silent fallback from a GPU)",
     )
+    doctor.add_argument(
+        "--flags-for",
+        choices=["cuda", "rocm"],
+        help="print the XLA flags recommended on that GPU platform, with their reasons, and exit",
+    )
     doctor.set_defaults(func=_cmd_doctor)
 
 
@@ -91,6 +96,12 @@ def _run_dir_of(child: list[str]) -> Path:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from zaya_jax.parallel.platform import no_gpu_message, platform_report
 
+    if args.flags_for:
+        from zaya_jax.parallel.platform import RECOMMENDED_XLA_FLAGS
+
+        for flag, why in RECOMMENDED_XLA_FLAGS[args.flags_for].items():
+            print(f"{flag}\n    {why}")
+        return 0
     report = platform_report()
     if args.require_gpu and report["backend"] == "cpu":
         print(f"zaya doctor: {no_gpu_message(report['plugins'])}", file=sys.stderr)
@@ -102,6 +113,9 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         if key == "kernels":
             for platform, status in value.items():
                 print(f"kernels[{platform}]: {status}")
+        elif key == "recommended_xla_flags":
+            for flag, state in value.items():
+                print(f"{'set' if state['set'] else 'NOT SET'}: {flag}\n    {state['why']}")
         else:
             print(f"{key}: {value}")
     return 0

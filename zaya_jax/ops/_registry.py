@@ -2,12 +2,17 @@
 
 Each platform has its own library (``_lib/libzaya_kernels_{cpu,cuda,rocm}.so``) exporting the same
 handler symbols; they are registered with XLA under prefixed target names, per platform. A missing
-or unloadable library only means the pure-JAX reference runs on that platform.
+or unloadable library only means the pure-JAX reference runs on that platform. So does a GPU
+library built without the live device's target (``build.json`` beside the libraries lists the
+targets each was built for; e.g. a gfx90a-only ROCm library on an MI300X, gfx942): launching its
+kernels there would fail at run time.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import json
 import os
 import threading
 from pathlib import Path
@@ -56,6 +61,36 @@ def load() -> dict[str, str]:
         return dict(_status)
 
 
+def built_archs(platform: str) -> list[str] | None:
+    """The device targets the platform's library was built for (``build.json``), None if unknown."""
+    try:
+        record = json.loads((LIB_DIR / "build.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get(platform, {}).get("archs")
+
+
+@functools.cache
+def arch_mismatch(platform: str) -> str | None:
+    """Why the platform's library cannot run on the live device, or None: an AMD device whose
+    target (``gfx942``) the library was not built for."""
+    archs = built_archs(platform)
+    if platform != "rocm" or not archs:
+        return None
+    try:
+        device = jax.devices(platform)[0]
+    except RuntimeError:
+        return None
+    arch = str(getattr(device, "compute_capability", "") or "").split(":")[0]
+    if not arch.startswith("gfx") or arch in archs:
+        return None
+    return (
+        f"built for {', '.join(archs)}, this device is {arch}: rebuild with a hipcc that knows {arch} "
+        f"(ZAYA_HIP_ARCHS={arch} python custom_calls/build.py --gpu rocm)"
+    )
+
+
 def registered(platform: str) -> bool:
-    """Whether the custom calls are registered for a jax platform name (cpu, cuda, rocm)."""
-    return load().get(platform) == "registered"
+    """Whether the custom calls are registered for a jax platform name (cpu, cuda, rocm) and built
+    for its device."""
+    return load().get(platform) == "registered" and arch_mismatch(platform) is None

@@ -14,9 +14,30 @@ import jax
 from zaya_jax import ops
 from zaya_jax.ops._registry import LIB_DIR
 
-# Flags worth setting per platform (MoE on MI300X: ragged_dot as hipBLASLt grouped GEMM, bf16).
-RECOMMENDED_XLA_FLAGS: dict[str, list[str]] = {
-    "rocm": ["--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"],
+_LATENCY_HIDING = (
+    "schedules collectives (FSDP all-gathers, gradient reduce-scatters, the expert exchange) to "
+    "overlap compute"
+)
+# Flags worth setting per platform, each with its reason (``zaya doctor`` prints both). Every one is
+# a flag the pinned jaxlib knows (tests/test_cli.py starts JAX with all of them): an unknown flag in
+# XLA_FLAGS aborts the process.
+RECOMMENDED_XLA_FLAGS: dict[str, dict[str, str]] = {
+    "cuda": {
+        "--xla_gpu_unsupported_use_ragged_all_to_all_one_shot_kernel=false": (
+            "expert parallelism with mesh.expert_exchange ragged: the one-shot ragged all-to-all kernel "
+            "has crashed above 32 ranks, capped throughput and corrupted a backward pass "
+            "(openxla/xla#47283, #47146, #47868); the default kernel is used instead"
+        ),
+        "--xla_gpu_enable_latency_hiding_scheduler=true": _LATENCY_HIDING,
+    },
+    "rocm": {
+        "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true": (
+            "model.moe_impl sorted: ragged_dot becomes one hipBLASLt grouped GEMM (bf16/fp16 only) "
+            "instead of a dense product per expert; slower for small groups (openxla/xla#44097), "
+            "which is why moe_impl auto times both"
+        ),
+        "--xla_gpu_enable_latency_hiding_scheduler=true": _LATENCY_HIDING,
+    },
 }
 
 
@@ -31,14 +52,23 @@ def gpu_plugins() -> dict[str, str]:
 
 def kernel_report() -> dict[str, str]:
     """``ops.kernel_status()``, with a platform whose library is registered but that has no device
-    here reported as ``built, no device``."""
+    here reported as ``built, no device``, one built without the device's target as ``unusable:
+    <why>``, and each GPU library's targets (``registered (gfx90a)``)."""
+    from zaya_jax.ops._registry import arch_mismatch, built_archs
+
     kernels = ops.kernel_status()
     for name, status in kernels.items():
-        if status == "registered" and name != "cpu":
-            try:
-                jax.devices(name)
-            except RuntimeError:
-                kernels[name] = "built, no device"
+        if status != "registered" or name == "cpu":
+            continue
+        try:
+            jax.devices(name)
+        except RuntimeError:
+            status = "built, no device"
+        mismatch = arch_mismatch(name)
+        archs = built_archs(name)
+        kernels[name] = (
+            f"unusable: {mismatch}" if mismatch else status + (f" ({', '.join(archs)})" if archs else "")
+        )
     return kernels
 
 
@@ -62,7 +92,7 @@ def platform_report(xla_flags: str | None = None) -> dict[str, Any]:
     import optax
 
     flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
-    recommended = RECOMMENDED_XLA_FLAGS.get(device_platform(), [])
+    recommended = RECOMMENDED_XLA_FLAGS.get(device_platform(), {})
     return {
         "python": host.python_version(),
         "jax": jax.__version__,
@@ -74,7 +104,9 @@ def platform_report(xla_flags: str | None = None) -> dict[str, Any]:
         "plugins": gpu_plugins(),
         "kernels": kernel_report(),
         "kernels_dir": str(LIB_DIR),
-        "recommended_xla_flags": {flag: flag.split("=")[0] in flags for flag in recommended},
+        "recommended_xla_flags": {
+            flag: {"set": flag.split("=")[0] in flags, "why": why} for flag, why in recommended.items()
+        },
     }
 
 
