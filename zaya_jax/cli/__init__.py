@@ -67,6 +67,14 @@ def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Any])
         return _error(argv, f"configuration error: {err}", 2)
     except (CheckpointCorruptError, CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
         return _error(argv, err, 1)
+    except RuntimeError as err:  # out of memory, planned or at run time: one line with advice
+        from zaya_jax.train.fit import OutOfMemoryError, is_out_of_memory, out_of_memory_message
+
+        if isinstance(err, OutOfMemoryError):
+            return _error(argv, err, 1)
+        if is_out_of_memory(err):
+            return _error(argv, out_of_memory_message(err), 1)
+        raise
     except (FileNotFoundError, FileExistsError, ValueError) as err:
         return _error(argv, err, 2)
     except OSError as err:  # a full disk, a read-only or forbidden directory

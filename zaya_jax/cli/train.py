@@ -47,6 +47,12 @@ def register(sub: Any) -> None:
         help="with --compile-only: whose program to plan (default gpu: the GPU branch of every "
         "platform-dependent op, compiled by XLA:CPU with memory twins where needed)",
     )
+    train.add_argument(
+        "--fit-device",
+        metavar="KIND",
+        help="with --compile-only: compare the plan with one device of this kind ("
+        "h100, h200, b200, mi250x, mi300x, mi325x); exit 1 if it does not fit, warn under 20%% headroom",
+    )
     dist = train.add_argument_group(
         "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"
     )
@@ -67,7 +73,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = _train_config(args)
     if args.compile_only:
-        return _compile_only(cfg, args.devices, args.target)
+        return _compile_only(cfg, args.devices, args.target, args.fit_device)
     launch = Launch(args.coordinator, args.num_processes, args.process_id)
     summary = train(cfg, progress=not args.no_progress, hooks=args.hooks, launch=launch)
     print_json(summary)
@@ -86,8 +92,13 @@ def _train_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides, model=to_dict(source_model_config(cfg.train.init_from)))
 
 
-def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
-    """Plan ``target``'s program on ``devices`` fake CPU devices (set before JAX starts its backends)."""
+def _compile_only(cfg: Config, devices: int | None, target: str, fit_device: str | None = None) -> int:
+    """Plan ``target``'s program on ``devices`` fake CPU devices (set before JAX starts its backends);
+    with ``fit_device``, the plan's headroom on one device of that kind."""
+    from zaya_jax.train.fit import DEVICE_MEMORY_GB
+
+    if fit_device is not None and fit_device.lower() not in DEVICE_MEMORY_GB:
+        raise ValueError(f"--fit-device {fit_device!r} is not one of {', '.join(DEVICE_MEMORY_GB)}")
     if devices:
         os.environ["XLA_FLAGS"] = (
             os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"
@@ -96,7 +107,23 @@ def _compile_only(cfg: Config, devices: int | None, target: str) -> int:
     from zaya_jax.train.plan import compile_plan
 
     report = compile_plan(cfg, target)
+    if fit_device is not None:
+        capacity = DEVICE_MEMORY_GB[fit_device.lower()] * 1e9
+        peak = report["peak_bytes_per_device"]
+        report["fit"] = {
+            "device": fit_device.lower(),
+            "capacity_bytes": int(capacity),
+            "headroom": 1 - peak / capacity,
+        }
     print_json(report)
     for warning in report["gemm_tile_warnings"]:
         print(f"zaya train --compile-only: warning: {warning}", file=sys.stderr)
-    return 0
+    fit = report.get("fit")
+    if fit is not None and fit["headroom"] < 0.2:
+        print(
+            f"zaya train --compile-only: {'warning: ' if fit['headroom'] >= 0 else ''}the plan peaks at "
+            f"{report['peak_bytes_per_device'] / 1e9:.1f} GB per device, {1 - fit['headroom']:.0%} of one "
+            f"{fit['device']} ({fit['capacity_bytes'] / 1e9:.0f} GB); raise train.micro_batches or set model.remat",
+            file=sys.stderr,
+        )
+    return 1 if fit is not None and fit["headroom"] < 0 else 0

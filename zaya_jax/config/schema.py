@@ -694,6 +694,10 @@ class RuntimeConfig:
     init_timeout_s: int = 300  # multi-process start-up timeout
     heartbeat_timeout_s: int = 100  # a silent process is declared dead after this
     barrier_timeout_s: float = 3600.0  # limit of the trainer's barriers
+    # Before the first step, compare the compiled step's planned peak with the device's memory and
+    # stop with settings that fit when it is larger (zaya_jax.train.fit).
+    check_fit: bool = True
+    memory_limit_gb: float = 0.0  # per device, for that check (0: the device's, or the host's RAM on CPU)
 
     def validate(self) -> None:
         for name in ("all_reduce", "all_gather", "reduce_scatter"):
@@ -702,6 +706,10 @@ class RuntimeConfig:
                 raise ConfigError(
                     f"runtime.{name}_combine_threshold_bytes={value} must be >= 0 (0 = XLA default)"
                 )
+        if self.memory_limit_gb < 0:
+            raise ConfigError(
+                f"runtime.memory_limit_gb={self.memory_limit_gb} must be >= 0 (0 = the device's)"
+            )
         for name in ("init_timeout_s", "heartbeat_timeout_s", "barrier_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"runtime.{name}={getattr(self, name)} must be > 0 seconds")

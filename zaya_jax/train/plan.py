@@ -24,6 +24,7 @@ from zaya_jax.model import param_counts
 from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.parallel.distributed import apply_runtime
 from zaya_jax.programs import build_programs, fingerprint
+from zaya_jax.train.fit import peak_bytes
 
 
 def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> list[str]:
@@ -94,12 +95,7 @@ def compile_plan(cfg: Config, target: Target = "gpu") -> dict[str, Any]:
                 "argument_bytes_per_device": int(memory.argument_size_in_bytes),
                 "output_bytes_per_device": int(memory.output_size_in_bytes),
                 "temp_bytes_per_device": int(memory.temp_size_in_bytes),
-                "peak_bytes_per_device": int(
-                    memory.argument_size_in_bytes
-                    + memory.temp_size_in_bytes
-                    + memory.output_size_in_bytes
-                    - memory.alias_size_in_bytes
-                ),
+                "peak_bytes_per_device": peak_bytes(memory),
             }
         )
     return report

@@ -2,7 +2,9 @@
 shape, as the batch ramp and curriculum change it) and the held-out evaluation, both taken from the
 run's :class:`zaya_jax.programs.Programs`.
 
-Each is compiled ahead of its first call, then every process waits at a barrier: on CPU (gloo) a
+Each is compiled ahead of its first call and the train step's planned memory checked against the
+device's (:mod:`zaya_jax.train.fit`: a step that will not fit stops with settings that would),
+then every process waits at a barrier: on CPU (gloo) a
 process still compiling would otherwise trip its peers' collective timeout. Each compilation is
 recorded as a ``compiled`` event with the program's fingerprint, the one ``--compile-only`` reports
 for the same config and layout.
@@ -20,6 +22,13 @@ from zaya_jax.loss import average
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.programs import Programs, TrainState, fingerprint
 from zaya_jax.resilience import Watchdog
+from zaya_jax.train.fit import (
+    OutOfMemoryError,
+    check_fit,
+    is_out_of_memory,
+    out_of_memory_message,
+    peak_bytes,
+)
 
 
 class TrainStep:
@@ -43,10 +52,24 @@ class TrainStep:
                     flush=True,
                 )
             lowered = self.programs.lower_train_step(*shape)  # from abstract inputs, as planning does
-            self._compiled[shape] = lowered.compile()
-            self.event("compiled", program="train_step", batch=list(shape), fingerprint=fingerprint(lowered))
+            compiled = lowered.compile()
+            memory = compiled.memory_analysis()
+            self.event(
+                "compiled",
+                program="train_step",
+                batch=list(shape),
+                fingerprint=fingerprint(lowered),
+                **({"peak_bytes_per_device": peak_bytes(memory)} if memory is not None else {}),
+            )
+            check_fit(self.programs, shape, compiled)  # before the first step: stop with advice
+            self._compiled[shape] = compiled
             barrier(f"step {shape}", self.programs.cfg.runtime.barrier_timeout_s)
-        return self._compiled[shape](*args)
+        try:
+            return self._compiled[shape](*args)
+        except jax.errors.JaxRuntimeError as err:
+            if is_out_of_memory(err):
+                raise OutOfMemoryError(out_of_memory_message(err, self.programs.cfg)) from None
+            raise
 
 
 class HeldOut:
