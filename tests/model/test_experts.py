@@ -77,6 +77,63 @@ def test_capacity_path_drops_overflow_tokens_in_arrival_order_and_reports_them()
     np.testing.assert_allclose(np.asarray(out)[~dropped], np.asarray(ref)[~dropped], atol=1e-6)
 
 
+def _one_hot_capacity(x, choice, weight, wi, wo, capacity):
+    """The capacity path's definition as one-hot einsum dispatch and combine (its implementation
+    until the expert-major gather replaced it): the reference for outputs, drops and gradients."""
+    num_experts = wi.shape[0]
+    routed = jax.nn.one_hot(choice, num_experts, dtype=jnp.int32)
+    slot = jnp.cumsum(routed, axis=1) * routed - 1
+    kept = routed * (slot < capacity)
+    dispatch = (kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)).astype(x.dtype)
+    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
+    gate, up = jnp.split(jnp.einsum("egch,ehf->egcf", expert_in, wi), 2, axis=-1)
+    expert_out = jnp.einsum("egcf,efh->egch", jax.nn.silu(gate) * up, wo)
+    out = jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
+    return out, (choice < num_experts) & (kept.sum(-1) == 0)
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 7, 30])
+def test_expert_major_capacity_equals_the_one_hot_definition(capacity):
+    """Outputs, drops and gradients of the gather-based capacity path equal the one-hot einsum
+    dispatch, with drops (small capacities), skip tokens and several groups."""
+    groups = [_inputs(seed) for seed in range(3)]
+    x = jnp.stack([g[0] for g in groups])
+    choice = jnp.stack([g[1] for g in groups])
+    weight = jnp.stack([g[2] for g in groups])
+    _, _, _, wi, wo = groups[0]
+    out, dropped = capacity_experts(x, choice, weight, wi, wo, "silu", capacity)
+    ref, ref_dropped = _one_hot_capacity(x, choice, weight, wi, wo, capacity)
+    np.testing.assert_array_equal(dropped, ref_dropped)
+    assert bool(dropped.any()) == (capacity < T // 2)
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+
+    def loss(fn, *a):
+        return jnp.sum(jnp.sin(fn(*a)[0]))
+
+    ours = jax.grad(lambda x, w, wi, wo: loss(lambda *a: capacity_experts(*a, "silu", capacity), x, choice, w, wi, wo),
+                    argnums=(0, 1, 2, 3))(x, weight, wi, wo)  # fmt: skip
+    theirs = jax.grad(lambda x, w, wi, wo: loss(lambda *a: _one_hot_capacity(*a, capacity), x, choice, w, wi, wo),
+                      argnums=(0, 1, 2, 3))(x, weight, wi, wo)  # fmt: skip
+    for a, b in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_the_capacity_path_has_no_tokens_by_experts_by_slots_tensor():
+    """The compiled capacity path holds no (groups, tokens, E, C) dispatch tensor: its largest
+    buffer is an activation-sized one, not tokens x E x C."""
+    groups, tokens, experts, hidden, capacity = 2, 512, 16, 8, 64
+    x = jnp.zeros((groups, tokens, hidden))
+    choice = jnp.zeros((groups, tokens), jnp.int32)
+    wi, wo = jnp.zeros((experts, hidden, 2 * INNER)), jnp.zeros((experts, INNER, hidden))
+    compiled = (
+        jax.jit(lambda *a: capacity_experts(*a, "silu", capacity))
+        .lower(x, choice, x[..., 0], wi, wo)
+        .compile()
+    )
+    one_hot_bytes = groups * tokens * experts * capacity * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < one_hot_bytes / 8
+
+
 def test_capacity_from_config_rounds_up_per_group():
     from zaya_jax.config import ModelConfig
 

@@ -57,6 +57,14 @@ def _add_doctor_command(sub: Any) -> None:
         choices=["cuda", "rocm"],
         help="print the XLA flags recommended on that GPU platform, with their reasons, and exit",
     )
+    doctor.add_argument(
+        "--moe",
+        action="store_true",
+        help="time every dropless MoE path (forward + backward) at a config's per-device shapes on this "
+        "machine's first device, print the timings and moe_impl auto's choice, and cache it",
+    )
+    doctor.add_argument("--config", default="tiny", help="with --moe: the preset or YAML whose shapes to time")
+    doctor.add_argument("overrides", nargs="*", default=[], help="with --moe: dotted config overrides")
     doctor.set_defaults(func=_cmd_doctor)
 
 
@@ -102,6 +110,8 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         for flag, why in RECOMMENDED_XLA_FLAGS[args.flags_for].items():
             print(f"{flag}\n    {why}")
         return 0
+    if args.moe:
+        return _doctor_moe(args)
     report = platform_report()
     if args.require_gpu and report["backend"] == "cpu":
         print(f"zaya doctor: {no_gpu_message(report['plugins'])}", file=sys.stderr)
@@ -118,4 +128,22 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
                 print(f"{'set' if state['set'] else 'NOT SET'}: {flag}\n    {state['why']}")
         else:
             print(f"{key}: {value}")
+    return 0
+
+
+def _doctor_moe(args: argparse.Namespace) -> int:
+    """``zaya doctor --moe``: measure (never from the cache) and cache moe_impl auto's choice."""
+    from zaya_jax.parallel import make_layout
+    from zaya_jax.programs.moe import cache_path, resolve_moe_impl
+
+    cfg = load_config(args.config, [*args.overrides, "model.moe_impl=auto"])
+    _, choice = resolve_moe_impl(cfg, make_layout(cfg), remeasure=True)
+    report = {**choice.record(), "cache": str(cache_path())}
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"moe: {choice.key or args.config}")
+    for impl, seconds in sorted(choice.seconds.items(), key=lambda kv: kv[1]):
+        print(f"  {impl:8s} {seconds * 1e3:9.2f} ms per forward + backward")
+    print(f"moe_impl auto -> {choice.impl} ({choice.source}); cached in {cache_path()}")
     return 0

@@ -135,7 +135,10 @@ class ModelConfig:
     mod_skip_output: Literal["zero", "scaled_input"] = "zero"
     # MoE compute path: "dense" (every expert, a reference for tests), "sorted" (dropless,
     # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
-    moe_impl: Literal["dense", "sorted", "capacity"] = "sorted"
+    # MoE compute: "auto" (the fastest dropless path on the live device, measured once per device
+    # kind and shapes and cached), "sorted" (grouped matmul), "dense" (every expert on every token)
+    # or "capacity" (capacity_factor slots per expert per sequence; drops the overflow).
+    moe_impl: Literal["dense", "sorted", "capacity", "auto"] = "auto"
     capacity_factor: float = 1.25  # slots per expert = factor x tokens / E (moe_impl=capacity)
     # Attention kernel: "blocked" (flash-style, memory linear in the sequence, recomputing
     # backward) or "dense" (the definition: (seq, seq) scores; a reference for tests).

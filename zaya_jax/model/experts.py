@@ -4,8 +4,10 @@
 * ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU a
   blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed tokens sort after every real
   expert and fall outside all groups, so they cost nothing.
-* ``capacity``: per-sequence einsum dispatch/combine with ``capacity_factor``; tokens past an
-  expert's capacity get no expert output and are counted in ``dropped``.
+* ``capacity``: per sequence, ``capacity_factor`` x tokens / E slots per expert, filled in
+  arrival order; tokens gathered into an expert-major (E, C, embed) buffer and run as one batched
+  GEMM per projection (no one-hot dispatch tensor); tokens past an expert's capacity get no expert
+  output and are counted in ``dropped``.
 
 Tokens routed to the skip class (``choice == E``) get 0 from every path; ``Block`` adds the
 ``scaled_input`` variant on top when configured.
@@ -120,24 +122,38 @@ def sorted_experts(x, choice, weight, wi, wo, act):
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
+def _expert_major(x, choice, weight, wi, wo, act, capacity: int):
+    """One group: tokens (t, embed) gathered into an expert-major (E, C, embed) buffer, slots filled
+    in arrival order, then one batched GEMM per projection and a gather back. Returns
+    (out (t, embed), dropped (t,))."""
+    num_experts, tokens = wi.shape[0], x.shape[0]
+    order = jnp.argsort(choice, stable=True)  # by expert, arrival order within; skip class last
+    counts = jnp.bincount(choice, length=num_experts + 1)[:num_experts]
+    starts = jnp.cumsum(counts) - counts
+    slot = jnp.arange(capacity)
+    source = order[jnp.minimum(starts[:, None] + slot, tokens - 1)]  # (E, C) token in each slot
+    filled = slot < counts[:, None]
+    expert_in = jnp.where(filled[..., None], x[source], 0)  # (E, C, embed)
+    hidden = _swiglu(jnp.einsum("ech,ehf->ecf", expert_in, wi), act)
+    expert_out = jnp.einsum("ecf,efh->ech", hidden, wo)
+    expert = jnp.minimum(choice, num_experts - 1)
+    rank = jnp.zeros_like(choice).at[order].set(jnp.arange(tokens) - starts[expert[order]])
+    kept = (choice < num_experts) & (rank < capacity)
+    out = expert_out[expert, jnp.minimum(rank, capacity - 1)] * (weight * kept)[:, None]
+    return out.astype(x.dtype), (choice < num_experts) & ~kept
+
+
 def capacity_experts(x, choice, weight, wi, wo, act, capacity: int):
-    """Einsum dispatch with ``capacity`` slots per expert per group.
+    """``capacity`` slots per expert per group, expert-major: each group's tokens are gathered into
+    an (E, C, embed) buffer by their rank in their expert's queue (arrival order), the experts run
+    as one batched GEMM per projection over (groups x E) batches, and each token gathers its slot
+    back. No one-hot (tokens x E x C) dispatch tensor: buffers are (groups, E, C, embed), i.e.
+    ``capacity_factor`` x the tokens' activations.
 
     x: (groups, tokens, embed); choice, weight: (groups, tokens). Returns (out, dropped) where
     ``dropped`` (groups, tokens) marks routed tokens that found no free slot.
     """
-    num_experts = wi.shape[0]
-    routed = jax.nn.one_hot(choice, num_experts, dtype=jnp.int32)  # skip class -> all zeros
-    slot = jnp.cumsum(routed, axis=1) * routed - 1  # position of each token in its expert's queue
-    kept = routed * (slot < capacity)
-    dispatch = kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)  # (g, t, E, C)
-    dispatch = dispatch.astype(x.dtype)
-    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
-    hidden = _swiglu(jnp.einsum("egch,ehf->egcf", expert_in, wi), act)
-    expert_out = jnp.einsum("egcf,efh->egch", hidden, wo)
-    out = jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
-    dropped = (choice < num_experts) & (kept.sum(-1) == 0)
-    return out, dropped
+    return jax.vmap(lambda *a: _expert_major(*a, wi, wo, act, capacity))(x, choice, weight)
 
 
 class Experts(nn.Module):
@@ -170,5 +186,6 @@ class Experts(nn.Module):
         if cfg.moe_impl == "capacity":
             return capacity_experts(m, choice, weight, wi, wo, cfg.hidden_act, cfg.capacity(seq))
         flat = (m.reshape(batch * seq, embed), choice.reshape(-1), weight.reshape(-1), wi, wo, cfg.hidden_act)
+        # "auto" is resolved by the run's programs (zaya_jax.programs.moe); traced unresolved, sorted
         out = dense_experts(*flat) if cfg.moe_impl == "dense" else sorted_experts(*flat)
         return out.reshape(batch, seq, embed), jnp.zeros((batch, seq), bool)

@@ -27,8 +27,10 @@ from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import batch_fields, eval_batches
 from zaya_jax.loss import make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
+from zaya_jax.model.moe_auto import MoeChoice
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
+from zaya_jax.programs.moe import resolve_moe_impl
 from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
 
 
@@ -53,6 +55,7 @@ class Programs:
     cfg: Config
     layout: Layout
     groups: dict[str, LeafGroup] | None = None  # Muon/AdamW grouping (default: the model's)
+    moe: MoeChoice | None = None  # how model.moe_impl was resolved (auto: measured or cached)
 
     @functools.cached_property
     def tx(self) -> optax.GradientTransformation:
@@ -193,8 +196,12 @@ def build_programs(
     groups: dict[str, LeafGroup] | None = None,
 ) -> Programs:
     """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
-    when None). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW)."""
-    return Programs(cfg, layout if layout is not None else make_layout(cfg, devices), groups)
+    when None). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW).
+    ``model.moe_impl: auto`` is resolved here (:mod:`zaya_jax.programs.moe`), so every user of a
+    run's programs runs the same MoE path; ``Programs.cfg`` holds the resolved value."""
+    layout = layout if layout is not None else make_layout(cfg, devices)
+    resolved, moe = resolve_moe_impl(cfg, layout)
+    return Programs(resolved, layout, groups, moe)
 
 
 def single_device_programs(cfg: Config, device: Any | None = None) -> Programs:

@@ -146,7 +146,8 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
     if resumed.initialized:
         writer.event("init_from", **resumed.initialized)
     peak, peak_source = peak_flops(cfg.model.dtype)
-    start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized)
+    moe = programs.moe.record() if programs.moe is not None else None
+    start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized, moe)
     references = preference_references(
         cfg, run.path, programs, resumed.state, tokenizer, fresh_start=resumed.first_step == 1,
         event=writer.event, on_batch=lambda: watchdog.beat(0, "reference"),

@@ -84,6 +84,7 @@ def compile_plan(cfg: Config, target: Target = "gpu") -> dict[str, Any]:
         "planned_program": target,
         "train_step_fingerprint": fingerprint(lowered),
         "platform_paths": {name: about for name, about in PLATFORM_PATHS.items() if name in hlo},
+        "moe_impl": programs.moe.record() if programs.moe is not None else None,
         "mesh": dict(programs.layout.mesh.shape),
         **param_counts(cfg.model),
         "state_bytes_per_device": per_device(programs.abstract_state),

@@ -21,8 +21,10 @@ def start_event(
     peak_source: str,
     resumed_after: int,
     initialized: dict[str, Any] | None,
+    moe: dict[str, Any] | None = None,
 ) -> None:
-    """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, XLA flags, runtime),
+    """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, XLA flags, runtime,
+    how ``model.moe_impl`` was resolved with its timings),
     and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
     > 0) or one from existing weights (``initialized``)."""
     origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
@@ -38,6 +40,7 @@ def start_event(
         mesh=layout.describe(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         runtime=to_dict(cfg.runtime),
+        **({"moe": moe} if moe is not None else {}),
     )
     if writer.enabled:
         counts = param_counts(cfg.model)
