@@ -63,7 +63,9 @@ def _add_doctor_command(sub: Any) -> None:
         help="time every dropless MoE path (forward + backward) at a config's per-device shapes on this "
         "machine's first device, print the timings and moe_impl auto's choice, and cache it",
     )
-    doctor.add_argument("--config", default="tiny", help="with --moe: the preset or YAML whose shapes to time")
+    doctor.add_argument(
+        "--config", default="tiny", help="with --moe: the preset or YAML whose shapes to time"
+    )
     doctor.add_argument("overrides", nargs="*", default=[], help="with --moe: dotted config overrides")
     doctor.set_defaults(func=_cmd_doctor)
 

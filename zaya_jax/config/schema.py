@@ -133,8 +133,6 @@ class ModelConfig:
     # What a token routed to the MOD skip class receives from the MoE (spec §7 Q1):
     # "zero" (HF >= 5.13, ZAYA1-8B) or "scaled_input" (p_skip * normed input; legacy fork, SGLang).
     mod_skip_output: Literal["zero", "scaled_input"] = "zero"
-    # MoE compute path: "dense" (every expert, a reference for tests), "sorted" (dropless,
-    # ragged_dot over tokens sorted by expert) or "capacity" (einsum dispatch, may drop tokens).
     # MoE compute: "auto" (the fastest dropless path on the live device, measured once per device
     # kind and shapes and cached), "sorted" (grouped matmul), "dense" (every expert on every token)
     # or "capacity" (capacity_factor slots per expert per sequence; drops the overflow).
