@@ -27,8 +27,9 @@ of -inf in every implementation.
 
 Why not a library kernel: ``jax.nn.dot_product_attention`` has no document (segment id) masks
 except as a dense (seq, seq) mask, and its cuDNN path exists only on NVIDIA GPUs; Pallas/Triton
-kernels do not run on XLA:CPU. The portable version here is the default and the reference; a
-fused platform kernel can sit behind :func:`attention` (``impl``) with the same mask description.
+kernels do not run on XLA:CPU. The portable version here is the default and the reference; the
+fused GPU kernel (Pallas/Triton, :mod:`zaya_jax.ops.pallas_attention`) sits behind
+:func:`attention` (``impl="pallas"``) with the same mask description.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["blocked", "dense"]
+Impl = Literal["blocked", "dense", "pallas", "cudnn"]
 
 
 @flax.struct.dataclass
@@ -544,7 +545,9 @@ def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, impl: Impl = "blocked", block: int = 128
 ) -> jax.Array:
     """CCA's attention: (batch, seq_q, nq * d). ``impl``: "blocked" (default, memory linear in the
-    sequence) or "dense" (the definition; materialises the (seq_q, seq_k) scores).
+    sequence), "dense" (the definition; materialises the (seq_q, seq_k) scores), "pallas" (the
+    fused GPU kernel, :mod:`zaya_jax.ops.pallas_attention`) or "cudnn" (``jax.nn.dot_product_attention``,
+    causal masks only).
 
     A sequence attending to itself that fits in one block has no block to skip and no tile to
     loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
@@ -552,7 +555,48 @@ def attention(
     one block; 0.7x the CCA layer's time at 16 x 128 on CPU, where the kernel's layout changes
     around its custom_vjp do not fuse with their neighbours)."""
     batch, seq, nq, d = q.shape
+    if impl == "pallas":
+        out = _pallas_or_twin(q, k, v, mask, block)
+        return out.reshape(batch, seq, nq * d)
+    if impl == "cudnn":
+        return _library_attention(q, k, v, mask).reshape(batch, seq, nq * d)
     if impl == "dense" or (mask.aligned and seq <= block):
         return dot_product_attention(q, k, v, mask.dense())
     out, _ = blocked_attention(q, k, v, mask, block=block)
     return out.reshape(batch, seq, nq * d)
+
+
+def _library_attention(q, k, v, mask):
+    """``jax.nn.dot_product_attention`` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere) for
+    the masks it can express without a dense (seq, seq) array: causal self-attention with no
+    document ids, no padding keys and no sliding window."""
+    unexpressed = [
+        name
+        for name, present in (
+            ("not a sequence attending to itself", not mask.aligned),
+            ("document ids (packed documents)", mask.q_segments is not None),
+            ("padding keys", mask.k_valid is not None),
+            ("a sliding window", mask.window is not None),
+        )
+        if present
+    ]
+    if unexpressed:
+        raise ValueError(
+            f"model.attention_impl=cudnn cannot express this mask ({', '.join(unexpressed)}); "
+            "use attention_impl pallas or blocked"
+        )
+    on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn" if on_gpu else None)
+
+
+def _pallas_or_twin(q, k, v, mask, block):
+    """The fused Pallas kernel (:mod:`zaya_jax.ops.pallas_attention`; interpret mode on a CPU
+    backend); while planning a GPU program on CPU, which cannot compile Triton, the blocked kernel
+    stands in with the same linear memory."""
+    from zaya_jax.ops.pallas_attention import pallas_attention
+    from zaya_jax.ops.platform import planning_gpu_on_cpu
+
+    if planning_gpu_on_cpu():
+        with jax.named_scope("pallas_attention_gpu_twin"):
+            return blocked_attention(q, k, v, mask, block=block)[0]
+    return pallas_attention(q, k, v, mask, block_q=min(block, 128), block_k=min(block, 128))[0]
