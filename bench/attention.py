@@ -1,5 +1,8 @@
 """CCA attention, forward + backward: the blocked (flash-style) kernel against the dense definition
-(and, on a GPU, against ``jax.nn.dot_product_attention``, cuDNN where available), per shape.
+(and, on a GPU, the fused Pallas kernel and ``jax.nn.dot_product_attention``, cuDNN where
+available: with the document mask as a dense bias, and causal-only through ``attention_impl:
+cudnn``, a lighter mask than the others compute), per shape. ``--pallas`` adds the Pallas kernel
+on CPU too (interpret mode: a plumbing check, not a speed).
 
 Every variant is a jitted ``grad`` of ``sum(w * attention(q, k, v))`` with two packed documents per
 row (causal + document masks), timed alternately with the others (median of ``--repeats``), and
@@ -36,20 +39,24 @@ def make_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, 
     return q, k, v, w, jnp.asarray(segments)
 
 
-def variants(blocks: list[int], on_gpu: bool) -> dict:
+def variants(blocks: list[int], on_gpu: bool, pallas: bool = False) -> dict:
     out = {"dense": {"impl": "dense"}}
     for block in blocks:
         out[f"blocked_{block}"] = {"impl": "blocked", "block": block}
+    if on_gpu or pallas:
+        for block in sorted({min(b, 128) for b in blocks}):
+            out[f"pallas_{block}"] = {"impl": "pallas", "block": block}
     if on_gpu:
-        out["jax_nn_cudnn"] = {"impl": "cudnn"}
+        out["jax_nn_cudnn"] = {"impl": "cudnn_dense_mask"}
+        out["cudnn_causal_only"] = {"impl": "cudnn", "causal_only": True}
     return out
 
 
 def gradient_fn(spec: dict, segments: jax.Array, seq: int):
-    mask = self_attention_mask(seq, segments)
+    mask = self_attention_mask(seq, None if spec.get("causal_only") else segments)
 
     def loss(q, k, v, w):
-        if spec["impl"] == "cudnn":
+        if spec["impl"] == "cudnn_dense_mask":
             # Document masks only as a dense (seq, seq) bias for the library call.
             dense = mask.dense()[:, None]
             out = jax.nn.dot_product_attention(q, k, v, mask=dense, implementation="cudnn")
@@ -69,6 +76,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--heads", default=f"{HEADS},{KV_HEADS},{HEAD_DIM}", help="nq,nk,d")
     parser.add_argument("--max-dense-seq", type=int, default=8192, help="skip dense above this length")
+    parser.add_argument(
+        "--pallas", action="store_true", help="also the Pallas kernel on CPU (interpret mode)"
+    )
     args = parser.parse_args()
     nq, nk, d = (int(x) for x in args.heads.split(","))
     on_gpu = jax.default_backend() == "gpu"
@@ -77,7 +87,7 @@ def main() -> None:
         batch, seq = (int(x) for x in shape.split("x"))
         q, k, v, w, segments = make_inputs(batch, seq, nq, nk, d, jnp.dtype(args.dtype))
         runs, temps = {}, {}
-        for name, spec in variants(args.blocks, on_gpu).items():
+        for name, spec in variants(args.blocks, on_gpu, args.pallas).items():
             if spec["impl"] == "dense" and seq > args.max_dense_seq:
                 continue
             fn = gradient_fn(spec, segments, seq)

@@ -32,6 +32,7 @@ def best(fn, *args, repeats):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--small", action="store_true", help="small shapes (a plumbing check, not a speed)")
     args = parser.parse_args()
     backend = jax.default_backend()
     assert ops.registered("cuda" if backend == "gpu" else backend), (
@@ -39,7 +40,7 @@ def main() -> None:
     )
     out = {"backend": jax.default_backend()}
 
-    rows, width = 8192, 1024  # 4 sequences of 2048 tokens at ZAYA1-8B's half width
+    rows, width = (512, 256) if args.small else (8192, 1024)  # 4 x 2048 tokens at ZAYA1-8B's half width
     keys = jax.random.split(jax.random.key(0), 7)
     f = jax.random.normal(keys[0], (rows, width))
     h = jax.random.normal(keys[1], (rows, width))
@@ -58,7 +59,12 @@ def main() -> None:
         out[f"norm_fwd_bwd_{impl}_s"] = best(grad, f, h, *params, repeats=args.repeats)
 
     coeffs = NS_COEFFS
-    for name, shape in (("ns_8x256x512", (8, 256, 512)), ("ns_2x1024x1024", (2, 1024, 1024))):
+    shapes = (
+        (("ns_2x64x128", (2, 64, 128)),)
+        if args.small
+        else (("ns_8x256x512", (8, 256, 512)), ("ns_2x1024x1024", (2, 1024, 1024)))
+    )
+    for name, shape in shapes:
         x = jax.random.normal(keys[0], shape)
         x = x / jnp.linalg.norm(x, axis=(-2, -1), keepdims=True)
         for impl in ("custom", "reference"):

@@ -77,7 +77,7 @@ def test_auto_is_fixed_where_it_cannot_be_measured(monkeypatch):
     cfg = load_config("tiny")
     with planning_for("gpu"):
         resolved, choice = resolve_moe_impl(cfg, make_layout(cfg))
-    assert resolved.model.moe_impl == "sorted" and "not measured" in choice.source
+    assert resolved.model.moe_impl == "sorted" and "no --gpu-kind named" in choice.source
     explicit = load_config("tiny", overrides=["model.moe_impl=dense"])
     assert build_programs(explicit).moe.source == "configured"
     assert build_programs(explicit).cfg.model.moe_impl == "dense"
@@ -92,3 +92,26 @@ def test_doctor_moe_measures_and_prints_the_choice(tmp_path, monkeypatch, capsys
     assert report["impl"] in json.dumps(json.loads((tmp_path / "moe_auto.json").read_text()))
     assert main(["doctor", "--moe", *MINI]) == 0
     assert "moe_impl auto ->" in capsys.readouterr().out
+
+
+def test_a_gpu_plan_takes_the_choice_measured_on_the_named_gpu(tmp_path, monkeypatch):
+    """--compile-only --gpu-kind H200 plans the path auto measured on an H200 at these shapes (here
+    a cached ``dense``: no grouped GEMM in the program); without a measurement, ``sorted``."""
+    from zaya_jax.model.moe_auto import choice_key
+    from zaya_jax.programs.moe import tokens_per_device
+    from zaya_jax.train.plan import compile_plan
+
+    monkeypatch.setenv("ZAYA_CACHE_DIR", str(tmp_path))
+    cfg = load_config("tiny", overrides=MINI)
+    device = type("Device", (), {"platform": "gpu", "device_kind": "NVIDIA H200"})()
+    key = choice_key(cfg.model, tokens_per_device(cfg, make_layout(cfg)), device)
+    (tmp_path / "moe_auto.json").write_text(json.dumps({key: {"impl": "dense", "seconds": {"dense": 1e-3}}}))
+    h200 = compile_plan(cfg, "gpu", gpu_kind="h200")
+    assert h200["moe_impl"]["impl"] == "dense" and "NVIDIA H200" in h200["moe_impl"]["source"]
+    assert "ragged_dot_gpu_twin" not in h200["platform_paths"]
+    mi300x = compile_plan(cfg, "gpu", gpu_kind="MI300X")
+    assert (
+        mi300x["moe_impl"]["impl"] == "sorted"
+        and "no choice cached for 'MI300X'" in mi300x["moe_impl"]["source"]
+    )
+    assert "ragged_dot_gpu_twin" in mi300x["platform_paths"]

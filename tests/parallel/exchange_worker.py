@@ -79,7 +79,32 @@ def main():
     args = [jax.device_put(np.asarray(a, np.int32), jax.NamedSharding(two, spec)) for a in args]
     fn = jax.shard_map(example, mesh=two, in_specs=(spec,) * 6, out_specs=spec)
     report["example"] = np.asarray(jax.jit(fn)(*args)).tolist()
+    report["probe"] = run_probes(mesh)
     print("RESULT " + json.dumps(report))
+
+
+def run_probes(mesh):
+    """The correctness probe of mesh.expert_exchange auto: the emulated ragged exchange passes; one
+    that corrupts what it carries, and one that fails to run, fall back to padded, saying why."""
+    import warnings
+
+    from zaya_jax.parallel import expert
+
+    def corrupt(operand, output, *args, axis_name):  # scales the token rows, not the expert ids
+        scaled = operand * 1.5 if jnp.issubdtype(operand.dtype, jnp.floating) else operand
+        return emulated_ragged_all_to_all(scaled, output, *args, axis_name=axis_name)
+
+    def broken(*args, axis_name):
+        raise RuntimeError("UNIMPLEMENTED: ragged all-to-all on this platform")
+
+    expert.EXCHANGES.update(corrupt=corrupt, broken=broken)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        probes = {
+            name: list(expert.probed_exchange(mesh, name)) for name in ("emulated", "corrupt", "broken")
+        }
+    probes["warnings"] = [str(w.message) for w in caught]
+    return probes
 
 
 def run_lowering(mesh, inputs):

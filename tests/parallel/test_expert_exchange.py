@@ -37,6 +37,17 @@ def test_ragged_exchange_lowers_to_the_collective(result):
     assert result["ragged_lowered"] == 3
 
 
+def test_the_probe_passes_a_correct_exchange_and_falls_back_to_padded_otherwise(result):
+    """mesh.expert_exchange auto on an accelerator takes ragged only after a small layer through it
+    equals padded (outputs, drops, gradients) on the live mesh; here the probe machinery runs on 4
+    CPU devices with the emulated collective, a corrupting one and a failing one."""
+    probe = result["probe"]
+    assert probe["emulated"][0] == "emulated" and "equals padded" in probe["emulated"][1]
+    assert probe["corrupt"][0] == "padded" and "differs from padded" in probe["corrupt"][1]
+    assert probe["broken"][0] == "padded" and "UNIMPLEMENTED" in probe["broken"][1]
+    assert len(probe["warnings"]) == 2 and all("using the padded exchange" in w for w in probe["warnings"])
+
+
 def test_auto_exchange_is_padded_on_cpu():
     import jax
     import numpy as np

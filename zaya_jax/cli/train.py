@@ -48,6 +48,12 @@ def register(sub: Any) -> None:
         "platform-dependent op, compiled by XLA:CPU with memory twins where needed)",
     )
     train.add_argument(
+        "--gpu-kind",
+        metavar="KIND",
+        help="with --compile-only: plan the MoE path moe_impl auto measured on this GPU kind (a part of "
+        "its device name, e.g. H200 or MI300X; from the cache zaya doctor --moe fills), else sorted",
+    )
+    train.add_argument(
         "--fit-device",
         metavar="KIND",
         help="with --compile-only: compare the plan with one device of this kind ("
@@ -73,7 +79,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = _train_config(args)
     if args.compile_only:
-        return _compile_only(cfg, args.devices, args.target, args.fit_device)
+        return _compile_only(cfg, args.devices, args.target, args.fit_device, args.gpu_kind)
     launch = Launch(args.coordinator, args.num_processes, args.process_id)
     summary = train(cfg, progress=not args.no_progress, hooks=args.hooks, launch=launch)
     print_json(summary)
@@ -92,7 +98,9 @@ def _train_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, overrides, model=to_dict(source_model_config(cfg.train.init_from)))
 
 
-def _compile_only(cfg: Config, devices: int | None, target: str, fit_device: str | None = None) -> int:
+def _compile_only(
+    cfg: Config, devices: int | None, target: str, fit_device: str | None = None, gpu_kind: str | None = None
+) -> int:
     """Plan ``target``'s program on ``devices`` fake CPU devices (set before JAX starts its backends);
     with ``fit_device``, the plan's headroom on one device of that kind."""
     from zaya_jax.train.fit import DEVICE_MEMORY_GB
@@ -106,7 +114,7 @@ def _compile_only(cfg: Config, devices: int | None, target: str, fit_device: str
         os.environ["JAX_PLATFORMS"] = "cpu"
     from zaya_jax.train.plan import compile_plan
 
-    report = compile_plan(cfg, target)
+    report = compile_plan(cfg, target, gpu_kind)
     if fit_device is not None:
         capacity = DEVICE_MEMORY_GB[fit_device.lower()] * 1e9
         peak = report["peak_bytes_per_device"]

@@ -127,6 +127,15 @@ class ChoiceCache:
         except OSError:  # a read-only cache is not an error: the next run measures again
             pass
 
+    def find(self, device_kind: str, shapes: str) -> tuple[str, dict[str, Any]] | None:
+        """A choice measured on a device whose kind contains ``device_kind`` (any case) at the
+        shapes part of a key (what follows its first ``|``): (key, entry), or None."""
+        for key, entry in self._read().items():
+            device, _, rest = key.partition("|")
+            if rest == shapes and device_kind.lower() in device.lower():
+                return key, entry
+        return None
+
     def _read(self) -> dict[str, Any]:
         if self.path is None:
             return {}

@@ -21,19 +21,28 @@ import jax
 Target = Literal["cpu", "gpu"]
 
 _TARGET: contextvars.ContextVar[Target | None] = contextvars.ContextVar("zaya_planning_target", default=None)
+_KIND: contextvars.ContextVar[str | None] = contextvars.ContextVar("zaya_planning_device_kind", default=None)
 
 
 @contextlib.contextmanager
-def planning_for(target: Target) -> Iterator[None]:
+def planning_for(target: Target, device_kind: str | None = None) -> Iterator[None]:
     """Trace the programs built inside this block for ``target`` ("cpu" or "gpu"), whatever the
-    backend. Use around ``jit(...).lower(...)``: the choice is made while tracing."""
+    backend; ``device_kind`` (e.g. "H200", "MI300X") names the GPU whose measured choices (the
+    MoE path of ``moe_impl: auto``) the plan takes. Use around ``jit(...).lower(...)``: the choice
+    is made while tracing."""
     if target not in ("cpu", "gpu"):
         raise ValueError(f"planning target must be 'cpu' or 'gpu', got {target!r}")
-    token = _TARGET.set(target)
+    token, kind = _TARGET.set(target), _KIND.set(device_kind)
     try:
         yield
     finally:
         _TARGET.reset(token)
+        _KIND.reset(kind)
+
+
+def planning_device_kind() -> str | None:
+    """The device kind set by :func:`planning_for`, or None."""
+    return _KIND.get()
 
 
 def planning_target() -> Target | None:

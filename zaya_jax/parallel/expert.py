@@ -17,18 +17,25 @@ Two exchanges (``mesh.expert_exchange``):
   implement the collective: the CPU tests run this path with :func:`emulated_ragged_all_to_all`,
   which has the collective's exact semantics, and check that the real collective is lowered.
 
-``auto`` (the default) picks ``ragged`` on GPUs and TPUs and ``padded`` on CPU.
+``auto`` (the default) picks ``padded`` on CPU; on GPUs and TPUs ``ragged`` only once a
+correctness probe on the live mesh passed (:func:`probed_exchange`: a small expert layer's
+outputs, drops and gradients through ``ragged`` equal ``padded``'s): XLA:GPU's ragged all-to-all
+has crashed above 32 ranks and corrupted a backward pass (openxla/xla#47283, #47868), so a
+platform where it fails or differs falls back to ``padded`` with a warning, process 0's verdict
+on every process.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from zaya_jax.model.experts import sorted_experts
@@ -188,17 +195,78 @@ def _local_moe_padded(
 
 
 def resolve_exchange(mesh: Mesh, exchange: str) -> str:
-    """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all``, else ``padded``.
-    While a GPU program is planned on CPU (``zaya_jax.ops.platform.planning_for``), the ragged
-    exchange is ``planned``: :func:`ragged_all_to_all_memory_twin`, which XLA:CPU can compile."""
+    """``auto`` -> ``ragged`` where the platform implements ``ragged_all_to_all`` and the probe on
+    this mesh passed (:func:`probed_exchange`), else ``padded``. While a GPU program is planned on
+    CPU (``zaya_jax.ops.platform.planning_for``), the ragged exchange is ``planned``:
+    :func:`ragged_all_to_all_memory_twin`, which XLA:CPU can compile."""
     target = planning_target()
     if exchange == "ragged" or (exchange == "auto" and target == "gpu"):
         return "planned" if planning_gpu_on_cpu() else "ragged"
     if exchange != "auto":
         return exchange
-    if target == "cpu":
-        return "padded"
-    return "padded" if mesh.devices.flat[0].platform == "cpu" else "ragged"
+    return probed_exchange(mesh)[0] if probes_exchange(mesh, exchange) else "padded"
+
+
+def probes_exchange(mesh: Mesh, exchange: str) -> bool:
+    """Whether ``exchange`` on ``mesh`` is decided by :func:`probed_exchange`: ``auto`` on a live
+    accelerator (on CPU, or while planning, it is fixed)."""
+    return exchange == "auto" and planning_target() is None and mesh.devices.flat[0].platform != "cpu"
+
+
+def _probe_inputs(mesh: Mesh, experts: int, hidden: int = 32, ffn: int = 16):
+    rows = math.prod(size for axis, size in mesh.shape.items() if axis in ("data", "fsdp", "expert"))
+    rng = np.random.default_rng(0)
+    m = rng.standard_normal((2 * rows, 16, hidden)).astype(np.float32)
+    choice = rng.integers(0, experts + 1, size=(2 * rows, 16)).astype(np.int32)  # skip class included
+    weight = rng.random((2 * rows, 16)).astype(np.float32)
+    wi = (rng.standard_normal((experts, hidden, 2 * ffn)) / hidden**0.5).astype(np.float32)
+    wo = (rng.standard_normal((experts, ffn, hidden)) / ffn**0.5).astype(np.float32)
+    return m, choice, weight, wi, wo
+
+
+def _probe_run(mesh: Mesh, exchange: str, inputs) -> list[np.ndarray]:
+    dispatch = expert_dispatch(mesh, 0.0, exchange)
+    m, choice, weight, wi, wo = inputs
+
+    def loss(m, weight, wi, wo):
+        out, dropped = dispatch(m, choice, weight, wi, wo, "silu")
+        return jnp.sum(jnp.sin(out)), (out, dropped)
+
+    grads, (out, dropped) = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(m, weight, wi, wo)
+    return [np.asarray(x, np.float64) for x in (out, dropped, *grads)]
+
+
+@functools.cache
+def probed_exchange(mesh: Mesh, candidate: str = "ragged", tolerance: float = 1e-4) -> tuple[str, str]:
+    """(exchange, why): ``candidate`` if a small dropless expert layer on ``mesh`` runs through it
+    with the outputs, drops and gradients of ``padded`` (each within ``tolerance`` of its largest
+    entry), else ``padded`` with the failure or the difference. Once per mesh and process; every
+    process takes process 0's verdict."""
+    experts = 2 * mesh.shape["expert"]
+    inputs = _probe_inputs(mesh, experts)
+    try:
+        want = _probe_run(mesh, "padded", inputs)
+        got = _probe_run(mesh, candidate, inputs)
+        worst = max(
+            float(np.max(np.abs(a - b))) / max(float(np.max(np.abs(b))), 1e-30)
+            for a, b in zip(got, want, strict=True)
+        )
+        ok, why = worst <= tolerance, f"{candidate} equals padded to {worst:.1e}"
+        if not ok:
+            why = f"{candidate} differs from padded by {worst:.1e} of the largest entry"
+    except Exception as err:  # a collective this platform cannot compile or run
+        ok, why = False, f"{candidate} failed: {' '.join(str(err).split())[:300]}"
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        agreed = bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+        why, ok = (
+            (why if agreed == ok else f"process 0's verdict ({'passed' if agreed else 'failed'})"),
+            agreed,
+        )
+    if not ok:
+        warnings.warn(f"mesh.expert_exchange auto: {why}; using the padded exchange", stacklevel=2)
+    return (candidate if ok else "padded"), why
 
 
 def expert_dispatch(

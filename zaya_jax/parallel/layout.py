@@ -12,7 +12,7 @@ from zaya_jax.config import Config
 from zaya_jax.model import abstract_variables
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.ops import sharded_residual_rms_norm
-from zaya_jax.parallel.expert import expert_dispatch
+from zaya_jax.parallel.expert import expert_dispatch, probed_exchange, probes_exchange, resolve_exchange
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.ring import ContextParallel
 from zaya_jax.parallel.rules import (
@@ -39,6 +39,8 @@ class Layout:
     # ZeRO-1 (mesh.optimizer_sharding: zero1): the shardings of the optimizer state, the gradients
     # and the update, per parameter; None: they follow the parameters.
     update: Any = None
+    # With expert parallelism: the exchange mesh.expert_exchange resolved to (padded, ragged) and why
+    expert_exchange: dict[str, str] | None = None
 
     @property
     def step_hooks(self) -> dict[str, Any]:
@@ -68,11 +70,13 @@ class Layout:
 def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
-    dispatch = (
-        expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, cfg.mesh.expert_exchange, rules)
-        if mesh.shape["expert"] > 1
-        else None
-    )
+    dispatch, exchange = None, None
+    if mesh.shape["expert"] > 1:
+        resolved = resolve_exchange(mesh, cfg.mesh.expert_exchange)
+        dispatch = expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, resolved, rules)
+        exchange = {"configured": cfg.mesh.expert_exchange, "exchange": resolved}
+        if probes_exchange(mesh, cfg.mesh.expert_exchange):
+            exchange["why"] = probed_exchange(mesh)[1]  # cached: the probe ran once
     rows, seq = batch_spec(mesh, rules)
     variables = variable_shardings(cfg.model, mesh, rules)
     update = None
@@ -96,4 +100,5 @@ def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
             else None,
         ),
         update,
+        exchange,
     )

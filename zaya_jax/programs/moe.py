@@ -14,8 +14,8 @@ import jax
 import numpy as np
 
 from zaya_jax.config import Config
-from zaya_jax.model.moe_auto import FALLBACK, PATHS, ChoiceCache, MoeChoice, choose
-from zaya_jax.ops.platform import planning_target
+from zaya_jax.model.moe_auto import FALLBACK, PATHS, ChoiceCache, MoeChoice, choice_key, choose
+from zaya_jax.ops.platform import planning_device_kind, planning_target
 from zaya_jax.parallel import Layout
 
 
@@ -48,6 +48,28 @@ def _agreed(choice: MoeChoice) -> MoeChoice:
     return MoeChoice(names[index], "process 0's choice", choice.key, choice.seconds)
 
 
+def _planned_choice(cfg: Config, layout: Layout) -> MoeChoice:
+    """While planning another platform's program: the choice cached for the named device kind
+    (``--gpu-kind``) at these shapes, else ``sorted``, saying which."""
+    kind = planning_device_kind()
+    shapes = choice_key(cfg.model, tokens_per_device(cfg, layout), _Device()).partition("|")[2]
+    found = ChoiceCache(cache_path()).find(kind, shapes) if kind else None
+    if found is not None and found[1].get("impl") in PATHS:
+        key, entry = found
+        return MoeChoice(entry["impl"], f"cached for {key.partition('|')[0]}", key, entry.get("seconds", {}))
+    why = f"no choice cached for {kind!r} at these shapes" if kind else "no --gpu-kind named"
+    return MoeChoice(
+        FALLBACK,
+        f"planned for {planning_target()} on {jax.default_backend()}: {why} (zaya doctor --moe on it)",
+    )
+
+
+class _Device:
+    """A blank device for a cache key whose shapes part alone is compared."""
+
+    platform, device_kind = "", ""
+
+
 def resolve_moe_impl(cfg: Config, layout: Layout, remeasure: bool = False) -> tuple[Config, MoeChoice]:
     """``cfg`` with ``model.moe_impl: auto`` replaced by its choice, and the choice; other values
     are kept as configured."""
@@ -57,9 +79,7 @@ def resolve_moe_impl(cfg: Config, layout: Layout, remeasure: bool = False) -> tu
     if dict(layout.mesh.shape).get("expert", 1) > 1:
         choice = MoeChoice(FALLBACK, "expert parallelism (the exchange runs the grouped matmul)")
     elif planning_target() is not None and planning_target() != jax.default_backend():
-        choice = MoeChoice(
-            FALLBACK, f"planned for {planning_target()} on {jax.default_backend()}: not measured"
-        )
+        choice = _planned_choice(cfg, layout)
     else:
         device = jax.local_devices()[0]
         choice = _agreed(

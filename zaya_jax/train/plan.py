@@ -57,14 +57,16 @@ PLATFORM_PATHS = {
 }
 
 
-def compile_plan(cfg: Config, target: Target = "gpu") -> dict[str, Any]:
+def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = None) -> dict[str, Any]:
     """Lower and compile the train step on the current devices (usually fake CPU devices), tracing
     ``target``'s program ("gpu" or "cpu"). Where ``target`` is the backend's own platform, the
     program is exactly the one ``zaya train`` compiles for the same config and layout: the report's
-    ``train_step_fingerprint`` equals the ``compiled`` event's in the run's ``events.jsonl``."""
+    ``train_step_fingerprint`` equals the ``compiled`` event's in the run's ``events.jsonl``.
+    ``gpu_kind`` (e.g. "H200"): plan the MoE path ``moe_impl: auto`` chose on that GPU (its cached
+    measurement), reported under ``moe_impl``."""
     apply_runtime(cfg.runtime)
     native = (target == "cpu") == (jax.default_backend() == "cpu")
-    with contextlib.nullcontext() if native else planning_for(target):
+    with contextlib.nullcontext() if native else planning_for(target, gpu_kind):
         programs = build_programs(cfg)
         lowered = programs.lower_train_step()
         compiled = lowered.compile()

@@ -24,7 +24,7 @@ def start_event(
     moe: dict[str, Any] | None = None,
 ) -> None:
     """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, XLA flags, runtime,
-    how ``model.moe_impl`` was resolved with its timings),
+    how ``model.moe_impl`` was resolved with its timings, the expert exchange and its probe),
     and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
     > 0) or one from existing weights (``initialized``)."""
     origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
@@ -41,6 +41,7 @@ def start_event(
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         runtime=to_dict(cfg.runtime),
         **({"moe": moe} if moe is not None else {}),
+        **({"expert_exchange": layout.expert_exchange} if getattr(layout, "expert_exchange", None) else {}),
     )
     if writer.enabled:
         counts = param_counts(cfg.model)
