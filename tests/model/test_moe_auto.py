@@ -115,3 +115,14 @@ def test_a_gpu_plan_takes_the_choice_measured_on_the_named_gpu(tmp_path, monkeyp
         and "no choice cached for 'MI300X'" in mi300x["moe_impl"]["source"]
     )
     assert "ragged_dot_gpu_twin" in mi300x["platform_paths"]
+
+
+def test_an_option_variant_is_timed_with_its_compiler_option():
+    """doctor --moe on ROCm also times ``sorted`` compiled with the grouped-GEMM option (never
+    chosen by auto: the flag is process-wide); the option reaches the compiler (XLA:CPU ignores a
+    GPU option, so here it only has to compile and run)."""
+    import jax
+
+    cfg = load_config("tiny", overrides=MINI).model
+    seconds = measure(cfg, 64, jax.devices()[0], ("sorted",), rounds=1, variants=("sorted_grouped_gemm",))
+    assert set(seconds) == {"sorted", "sorted_grouped_gemm"} and all(0 < s < 60 for s in seconds.values())

@@ -135,17 +135,33 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def _doctor_moe(args: argparse.Namespace) -> int:
     """``zaya doctor --moe``: measure (never from the cache) and cache moe_impl auto's choice."""
+    import jax
+
+    from zaya_jax.model.moe_auto import measure
     from zaya_jax.parallel import make_layout
-    from zaya_jax.programs.moe import cache_path, resolve_moe_impl
+    from zaya_jax.parallel.platform import device_platform
+    from zaya_jax.programs.moe import cache_path, resolve_moe_impl, tokens_per_device
 
     cfg = load_config(args.config, [*args.overrides, "model.moe_impl=auto"])
-    _, choice = resolve_moe_impl(cfg, make_layout(cfg), remeasure=True)
+    layout = make_layout(cfg)
+    _, choice = resolve_moe_impl(cfg, layout, remeasure=True)
     report = {**choice.record(), "cache": str(cache_path())}
+    if device_platform() == "rocm":  # the grouped-GEMM flag is process-wide: timed here, set by the user
+        device = jax.local_devices()[0]
+        extra = measure(
+            cfg.model, tokens_per_device(cfg, layout), device, ("sorted",), variants=("sorted_grouped_gemm",)
+        )
+        report["seconds"] = {**report["seconds"], "sorted_grouped_gemm": extra["sorted_grouped_gemm"]}
+        report["xla_flag"] = "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
     print(f"moe: {choice.key or args.config}")
-    for impl, seconds in sorted(choice.seconds.items(), key=lambda kv: kv[1]):
+    for impl, seconds in sorted(report["seconds"].items(), key=lambda kv: kv[1]):
         print(f"  {impl:8s} {seconds * 1e3:9.2f} ms per forward + backward")
     print(f"moe_impl auto -> {choice.impl} ({choice.source}); cached in {cache_path()}")
+    if "xla_flag" in report:
+        print(
+            f"sorted_grouped_gemm is sorted compiled with {report['xla_flag']} (process-wide: set it in XLA_FLAGS)"
+        )
     return 0

@@ -59,7 +59,16 @@ def choice_key(cfg: ModelConfig, tokens: int, device: Any) -> str:
     )
 
 
-def _program(impl: str, cfg: ModelConfig, tokens: int, device: Any) -> tuple[Any, tuple[jax.Array, ...]]:
+# Variants timed by ``zaya doctor --moe`` but never chosen by ``auto``: a path compiled with an XLA
+# option that is process-wide (set in XLA_FLAGS), reported so that the user can set it.
+OPTION_VARIANTS = {
+    "sorted_grouped_gemm": ("sorted", {"xla_gpu_experimental_use_ragged_dot_grouped_gemm": True}),
+}
+
+
+def _program(
+    impl: str, cfg: ModelConfig, tokens: int, device: Any, options: dict[str, Any] | None = None
+) -> tuple[Any, tuple[jax.Array, ...]]:
     """``impl``'s forward + backward (gradients of the inputs and both weights), compiled for
     ``device``, and its arguments: random tokens routed uniformly over the experts and the skip class."""
     dtype = jnp.dtype(cfg.dtype)
@@ -83,18 +92,28 @@ def _program(impl: str, cfg: ModelConfig, tokens: int, device: Any) -> tuple[Any
     def step(x, choice, weight, wi, wo):
         return jax.grad(loss, argnums=(0, 1, 2, 3))(x, weight, wi, wo, choice)
 
-    return jax.jit(step).lower(*args).compile(), args
+    lowered = jax.jit(step).lower(*args)
+    return (lowered.compile(compiler_options=options) if options else lowered.compile()), args
 
 
 def measure(
-    cfg: ModelConfig, tokens: int, device: Any, candidates: Sequence[str] = tuple(PATHS), rounds: int = 3
+    cfg: ModelConfig,
+    tokens: int,
+    device: Any,
+    candidates: Sequence[str] = tuple(PATHS),
+    rounds: int = 3,
+    variants: Sequence[str] = (),
 ) -> dict[str, float]:
-    """Seconds per forward + backward of each candidate at ``tokens`` tokens on ``device``: each
-    compiled and run once, then ``rounds`` rounds over all candidates in turn, best round kept."""
+    """Seconds per forward + backward of each candidate (and of each of ``variants``, names of
+    :data:`OPTION_VARIANTS`) at ``tokens`` tokens on ``device``: each compiled and run once, then
+    ``rounds`` rounds over all of them in turn, best round kept."""
     programs = {impl: _program(impl, cfg, tokens, device) for impl in candidates}
+    for name in variants:
+        impl, options = OPTION_VARIANTS[name]
+        programs[name] = _program(impl, cfg, tokens, device, options)
     for compiled, args in programs.values():
         jax.block_until_ready(compiled(*args))
-    best = dict.fromkeys(candidates, float("inf"))
+    best = dict.fromkeys(programs, float("inf"))
     for _ in range(rounds):
         for impl, (compiled, args) in programs.items():
             start = time.perf_counter()
