@@ -4,11 +4,12 @@ experts, hidden 2048, ``moe_intermediate_size`` 2048, top-1, bf16) on this machi
 Paths: ``sorted`` (``jax.lax.ragged_dot`` on GPUs, the blocked batched matmul on CPU), on ROCm also
 ``sorted`` compiled with ``xla_gpu_experimental_use_ragged_dot_grouped_gemm`` (hipBLASLt grouped
 GEMM), ``blocked`` (the CPU's blocked batched matmul, on any device), ``dense`` (every expert on
-every token) and ``capacity`` (expert-major gather, ``--capacity-factor`` slots; drops). Tokens are
+every token), ``capacity`` (expert-major gather, ``--capacity-factor`` slots; drops) and
+``capacity_one_hot`` (the same slots through one-hot dispatch einsums, as before). Tokens are
 routed uniformly over the experts and the skip class. Each path is compiled once and timed in
 rounds that interleave the paths (best round kept); the table reports ms, useful TFLOP/s (18 · h ·
 I per routed token: three matmuls of the SwiGLU expert, forward and backward) and the ratio to
-``sorted``. Prints one JSON object.
+``sorted``, and each program's planned temporaries. Prints one JSON object.
 
     python bench/moe_paths.py [--tokens 8192] [--hidden 2048] [--inner 2048] [--experts 16] [--dtype bfloat16]
 """
@@ -44,12 +45,30 @@ def paths(capacity_factor: float, experts: int, tokens: int) -> dict:
     def capacity_path(x, choice, weight, wi, wo, act):
         return capacity_experts(x[None], choice[None], weight[None], wi, wo, act, capacity)[0][0]
 
+    def capacity_one_hot(x, choice, weight, wi, wo, act):
+        return _one_hot_capacity(x[None], choice[None], weight[None], wi, wo, capacity)[0]
+
     return {
         "sorted": sorted_experts,
         "blocked": _blocked_experts,
         "dense": dense_experts,
         "capacity": capacity_path,
+        "capacity_one_hot": capacity_one_hot,
     }
+
+
+def _one_hot_capacity(x, choice, weight, wi, wo, capacity):
+    """The capacity path as it was before the expert-major gather: one-hot (tokens, E, C) dispatch
+    and combine einsums (the reference ``capacity`` is measured against)."""
+    experts = wi.shape[0]
+    routed = jax.nn.one_hot(choice, experts, dtype=jnp.int32)
+    slot = jnp.cumsum(routed, axis=1) * routed - 1
+    kept = routed * (slot < capacity)
+    dispatch = (kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)).astype(x.dtype)
+    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
+    gate, up = jnp.split(jnp.einsum("egch,ehf->egcf", expert_in, wi), 2, axis=-1)
+    expert_out = jnp.einsum("egcf,efh->egch", jax.nn.silu(gate) * up, wo)
+    return jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
 
 
 def compile_path(fn, args, options=None):
@@ -61,6 +80,11 @@ def compile_path(fn, args, options=None):
 
     lowered = jax.jit(step).lower(*args)
     return lowered.compile(compiler_options=options) if options else lowered.compile()
+
+
+def _temp_mib(program) -> float | None:
+    memory = program.memory_analysis()
+    return None if memory is None else round(memory.temp_size_in_bytes / 2**20, 1)
 
 
 def main() -> None:
@@ -115,6 +139,7 @@ def main() -> None:
         "ms": {n: round(s * 1e3, 3) for n, s in best.items()},
         "useful_tflops": {n: round(useful / s / 1e12, 2) for n, s in best.items()},
         "vs_sorted": {n: round(s / reference, 3) for n, s in best.items()} if reference else None,
+        "temp_mib": {n: _temp_mib(program) for n, program in compiled.items()},
         "skipped": skipped,
     }
     print(json.dumps(report, indent=2))
