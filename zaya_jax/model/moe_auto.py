@@ -33,9 +33,8 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.experts import dense_experts, sorted_experts
 
 PATHS: dict[str, Callable[..., jax.Array]] = {"sorted": sorted_experts, "dense": dense_experts}
-FALLBACK = (
-    "sorted"  # what an unresolved ``auto`` runs (a model traced outside a run), and with expert parallelism
-)
+# What an unresolved ``auto`` runs (a model traced outside a run), and auto with expert parallelism.
+FALLBACK = "sorted"
 
 
 @dataclasses.dataclass(frozen=True)

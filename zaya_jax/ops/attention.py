@@ -585,8 +585,8 @@ def _library_attention(q, k, v, mask):
             f"model.attention_impl=cudnn cannot express this mask ({', '.join(unexpressed)}); "
             "use attention_impl pallas or blocked"
         )
-    on_gpu = jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn" if on_gpu else None)
+    # implementation=None: JAX takes cuDNN where it applies (NVIDIA GPUs, bf16/fp16), XLA elsewhere
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
 
 
 def _pallas_or_twin(q, k, v, mask, block):

@@ -8,7 +8,8 @@ time as one line with the same kind of advice.
   backend's ``bytes_limit`` on a GPU, else on CPU the host's available RAM (``MemAvailable``) plus
   the step's arguments already in memory, shared by the host's devices.
 - **Advice**: more micro-batches (the smallest power-of-two multiple the batch and mesh allow whose
-  compiled plan fits) and ``model.remat: full``. Each suggestion is compiled and its plan measured,
+  compiled plan fits), ``model.moe_impl: sorted`` where the run computes every expert on every
+  token (``dense``, which ``auto`` may have chosen for speed) and ``model.remat: full``. Each suggestion is compiled and its plan measured,
   not estimated from a formula, so what the message names fits; compiling costs seconds, and only
   on this failure path.
 """
@@ -21,6 +22,7 @@ import os
 from typing import Any
 
 import jax
+import numpy as np
 
 from zaya_jax.config import Config
 
@@ -132,6 +134,10 @@ def advice(programs: Any, shape: tuple[int, int], memory: Any, capacity: int) ->
         if need <= capacity:
             found.append(f"train.micro_batches={m} (plans {size(need)})")
             break
+    if cfg.model.moe_impl == "dense":  # e.g. auto's choice: E times the expert activations of sorted
+        need = _plan(programs, replaced(model={"moe_impl": "sorted"}), shape)
+        if need <= capacity:
+            found.append(f"model.moe_impl=sorted (plans {size(need)})")
     if cfg.model.remat != "full":
         need = _plan(programs, replaced(model={"remat": "full"}), shape)
         if need <= capacity:
@@ -149,7 +155,16 @@ def check_fit(programs: Any, shape: tuple[int, int], compiled: Any) -> None:
         return
     capacity, source = device_capacity(cfg, memory)
     need = peak_bytes(memory)
-    if capacity is None or need <= capacity:
+    over = capacity is not None and need > capacity
+    if jax.process_count() > 1:  # every process stops if one must (hosts' free RAM can differ)
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.int32(over))
+        if flags.any() and not over:
+            raise OutOfMemoryError(
+                f"process {int(np.argmax(flags))} has too little memory for the train step; see its message"
+            )
+    if not over:
         return
     fits = advice(programs, shape, memory, capacity)
     raise OutOfMemoryError(
