@@ -112,7 +112,11 @@ def _moe_choice(out: Path) -> list[str]:
                 return [
                     f"| moe_impl auto ({name.split('_events')[0]}) | {moe['impl']} ({moe['source']}) | {timings} | |"
                 ]
-    return ["| moe_impl auto | (no start event) | | |"]
+    report = last_json(out / "doctor_moe.json")  # zaya doctor --moe, when no train run started
+    if report:
+        timings = ", ".join(f"{k} {v * 1e3:.2f} ms" for k, v in report.get("seconds", {}).items())
+        return [f"| moe_impl auto (doctor --moe) | {report['impl']} ({report['source']}) | {timings} | |"]
+    return ["| moe_impl auto | (no result) | | |"]
 
 
 def table(out: Path) -> str:
