@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.model.experts import blocked_grouped_matmul, capacity_experts, dense_experts, sorted_experts
+from zaya_jax.model.experts import (
+    blocked_grouped_matmul,
+    capacity_experts,
+    dense_experts,
+    one_hot_capacity_experts,
+    sorted_experts,
+)
 
 GROUPED_GEMM = {"xla_gpu_experimental_use_ragged_dot_grouped_gemm": True}
 
@@ -46,7 +52,7 @@ def paths(capacity_factor: float, experts: int, tokens: int) -> dict:
         return capacity_experts(x[None], choice[None], weight[None], wi, wo, act, capacity)[0][0]
 
     def capacity_one_hot(x, choice, weight, wi, wo, act):
-        return _one_hot_capacity(x[None], choice[None], weight[None], wi, wo, capacity)[0]
+        return one_hot_capacity_experts(x[None], choice[None], weight[None], wi, wo, act, capacity)[0]
 
     return {
         "sorted": sorted_experts,
@@ -55,20 +61,6 @@ def paths(capacity_factor: float, experts: int, tokens: int) -> dict:
         "capacity": capacity_path,
         "capacity_one_hot": capacity_one_hot,
     }
-
-
-def _one_hot_capacity(x, choice, weight, wi, wo, capacity):
-    """The capacity path as it was before the expert-major gather: one-hot (tokens, E, C) dispatch
-    and combine einsums (the reference ``capacity`` is measured against)."""
-    experts = wi.shape[0]
-    routed = jax.nn.one_hot(choice, experts, dtype=jnp.int32)
-    slot = jnp.cumsum(routed, axis=1) * routed - 1
-    kept = routed * (slot < capacity)
-    dispatch = (kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)).astype(x.dtype)
-    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
-    gate, up = jnp.split(jnp.einsum("egch,ehf->egcf", expert_in, wi), 2, axis=-1)
-    expert_out = jnp.einsum("egcf,efh->egch", jax.nn.silu(gate) * up, wo)
-    return jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
 
 
 def compile_path(fn, args, options=None):

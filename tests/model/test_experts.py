@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from zaya_jax.model.experts import blocked_grouped_matmul, capacity_experts, dense_experts, sorted_experts
+from zaya_jax.model.experts import (
+    blocked_grouped_matmul,
+    capacity_experts,
+    dense_experts,
+    one_hot_capacity_experts,
+    sorted_experts,
+)
 
 E, H, INNER, T = 4, 8, 6, 24
 
@@ -78,18 +84,11 @@ def test_capacity_path_drops_overflow_tokens_in_arrival_order_and_reports_them()
 
 
 def _one_hot_capacity(x, choice, weight, wi, wo, capacity):
-    """The capacity path's definition as one-hot einsum dispatch and combine (its implementation
-    until the expert-major gather replaced it): the reference for outputs, drops and gradients."""
-    num_experts = wi.shape[0]
-    routed = jax.nn.one_hot(choice, num_experts, dtype=jnp.int32)
+    """The one-hot definition's outputs and the drops it implies (a routed token with no slot)."""
+    out = one_hot_capacity_experts(x, choice, weight, wi, wo, "silu", capacity)
+    routed = jax.nn.one_hot(choice, wi.shape[0], dtype=jnp.int32)
     slot = jnp.cumsum(routed, axis=1) * routed - 1
-    kept = routed * (slot < capacity)
-    dispatch = (kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)).astype(x.dtype)
-    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
-    gate, up = jnp.split(jnp.einsum("egch,ehf->egcf", expert_in, wi), 2, axis=-1)
-    expert_out = jnp.einsum("egcf,efh->egch", jax.nn.silu(gate) * up, wo)
-    out = jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
-    return out, (choice < num_experts) & (kept.sum(-1) == 0)
+    return out, (choice < wi.shape[0]) & ((routed * (slot < capacity)).sum(-1) == 0)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 7, 30])

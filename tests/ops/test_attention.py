@@ -109,9 +109,9 @@ def test_a_sliding_window_of_one_slot_attends_to_itself_only():
     np.testing.assert_allclose(np.asarray(out).reshape(1, 20, 2, 8), np.asarray(v), rtol=1e-6, atol=1e-6)
 
 
-def test_queries_at_other_slots_than_the_keys_decode_and_prefill():
+def prefill_case():
     """Not aligned: 6 new tokens at slots 17..22 of a 29-slot cache whose first slots are padding
-    (the prefill/decode shape), with a sliding window."""
+    (the prefill/decode shape), with a sliding window: (q, k, v, w, mask)."""
     q, k, v, w = _inputs(2, 6, 4, 2, seq_k=29)
     valid = np.ones((2, 29), bool)
     valid[1, :4] = False
@@ -121,7 +121,11 @@ def test_queries_at_other_slots_than_the_keys_decode_and_prefill():
         k_valid=jnp.asarray(valid),
         window=jnp.int32(9),
     )
-    _compare(q, k, v, w, mask, block=8)
+    return q, k, v, w, mask
+
+
+def test_queries_at_other_slots_than_the_keys_decode_and_prefill():
+    _compare(*prefill_case(), block=8)
 
 
 def test_log_sum_exp_and_its_gradient_are_exact():

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error
-from zaya_jax.ops.attention import AttentionMask, attention, dot_product_attention, self_attention_mask
+from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error, prefill_case
+from zaya_jax.ops.attention import attention, dot_product_attention, self_attention_mask
 from zaya_jax.ops.pallas_attention import _key_block_range, pallas_attention
 
 
@@ -46,16 +46,7 @@ def test_gqa_groupings_read_their_kv_head_without_repeating_it(nq, nk):
 
 
 def test_queries_at_other_slots_than_the_keys_prefill():
-    q, k, v, w = _inputs(2, 6, 4, 2, seq_k=29)
-    valid = np.ones((2, 29), bool)
-    valid[1, :4] = False
-    mask = AttentionMask(
-        q_slots=jnp.arange(17, 23, dtype=jnp.int32),
-        k_slots=jnp.arange(29, dtype=jnp.int32),
-        k_valid=jnp.asarray(valid),
-        window=jnp.int32(9),
-    )
-    _compare(q, k, v, w, mask)
+    _compare(*prefill_case())
 
 
 def test_fully_padded_rows_are_zero_with_a_log_sum_exp_of_minus_infinity():

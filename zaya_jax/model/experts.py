@@ -156,6 +156,19 @@ def capacity_experts(x, choice, weight, wi, wo, act, capacity: int):
     return jax.vmap(lambda *a: _expert_major(*a, wi, wo, act, capacity))(x, choice, weight)
 
 
+def one_hot_capacity_experts(x, choice, weight, wi, wo, act, capacity: int):
+    """The capacity path's definition as one-hot (groups, tokens, E, C) dispatch and combine
+    einsums, as it was computed before :func:`capacity_experts`: the reference its tests and
+    ``bench/moe_paths.py`` compare against (outputs only; drops are :func:`capacity_experts`')."""
+    routed = jax.nn.one_hot(choice, wi.shape[0], dtype=jnp.int32)
+    slot = jnp.cumsum(routed, axis=1) * routed - 1
+    kept = routed * (slot < capacity)
+    dispatch = (kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)).astype(x.dtype)
+    expert_in = jnp.einsum("gtec,gth->egch", dispatch, x)
+    expert_out = jnp.einsum("egcf,efh->egch", _swiglu(jnp.einsum("egch,ehf->egcf", expert_in, wi), act), wo)
+    return jnp.einsum("gtec,egch->gth", dispatch * weight[..., None, None], expert_out)
+
+
 class Experts(nn.Module):
     """E SwiGLU experts; m: (batch, seq, embed); choice, weight: (batch, seq) -> (out, dropped (batch, seq))."""
 
