@@ -94,7 +94,8 @@ def test_resuming_with_another_model_is_refused(tmp_path, model_change):
     assert os.path.isdir(run / "checkpoints" / "2")
 
 
-def test_time_based_checkpoints_and_keep_policy(tmp_path):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_time_based_checkpoints_and_keep_policy(tmp_path, ahead):
     from zaya_jax.config import load_config
     from zaya_jax.train.loop import train
 
@@ -104,11 +105,16 @@ def test_time_based_checkpoints_and_keep_policy(tmp_path):
         f"run.dir={run}",
         "train.steps=5",
         "checkpoint.every_minutes=1e-9",
-        "checkpoint.keep=2",
+        "checkpoint.keep=3",
+        f"train.dispatch_ahead={ahead}",
     ]
     train(load_config("tiny", overrides), progress=False)
     steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps == [4, 5]  # a save after every step (the interval is tiny), the last two kept
+    if not ahead:
+        assert steps == [3, 4, 5]  # a save after every step (the interval is tiny), the last three kept
+    else:  # a save agreed at a step the next one was dispatched past is taken at that next step:
+        # step 1's at 2, step 3 (evaluated: finished before dispatching on) its own, step 4's at 5
+        assert steps == [2, 3, 5]
 
 
 def test_restarting_a_finished_run_changes_nothing(tmp_path):

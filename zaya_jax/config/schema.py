@@ -479,6 +479,11 @@ class TrainConfig:
     loss_chunk: int = 0
     batch_ramp: tuple[RampPoint, ...] = ()  # batch-size schedule by tokens seen (see below)
     stages: tuple[Stage, ...] = ()  # curriculum stages: sequence length and mixture by tokens (see below)
+    # Dispatch step t+1 before reading step t's outcome (loss, skipped flag, metrics), so the host's
+    # work overlaps the device's; a rollback or stop decided from step t then acts one step later,
+    # and the loss-spike limit leaves out the previous step's loss. Steps whose state a hook reads
+    # (saves, evaluations, the profile's end, the last step) and every GRPO step are finished first.
+    dispatch_ahead: bool = True
 
     def validate(self) -> None:
         for name in (

@@ -24,6 +24,7 @@ from zaya_jax.loss import Batch, objective_for, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.optim import current_learning_rates
 from zaya_jax.resilience.routing import within_limits
 
 
@@ -111,6 +112,8 @@ def make_train_step(
             new_state = kept.replace(step=state.step + 1)
             metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
             metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
+        metrics["lr"], metrics["muon_lr"] = rates["adam_lr"], rates["muon_lr"]
         return new_state, metrics
 
     return under_axis_rules(step, axis_rules)

@@ -20,20 +20,26 @@ class NonFiniteLossError(RuntimeError):
 
 
 class LossGuard:
-    def __init__(self, cfg: ResilienceConfig):
-        self.cfg = cfg
-        self.history: collections.deque[float] = collections.deque(maxlen=cfg.spike_window)
+    """The spike limit over the last ``spike_window`` accepted losses. With ``lag`` (the loop's
+    ``train.dispatch_ahead``: step t is dispatched before step t-1's loss is read) the limit for
+    step t leaves out the losses of steps t-lag .. t-1 whether or not they have been read yet, so
+    it does not depend on which steps the loop happened to finish early."""
 
-    def limit(self) -> float:
-        if self.cfg.on_spike == "none" or len(self.history) < self.cfg.spike_warmup:
+    def __init__(self, cfg: ResilienceConfig, lag: int = 0):
+        self.cfg, self.lag = cfg, lag
+        self.history: collections.deque[tuple[int, float]] = collections.deque(maxlen=cfg.spike_window + lag)
+
+    def limit(self, step: int = 0) -> float:
+        values = [loss for s, loss in self.history if not step - self.lag <= s < step][-self.cfg.spike_window :]
+        if self.cfg.on_spike == "none" or len(values) < self.cfg.spike_warmup:
             return math.inf
-        values = np.asarray(self.history)
+        values = np.asarray(values)
         median = float(np.median(values))
         mad = max(float(np.median(np.abs(values - median))), 1e-3 * abs(median), 1e-12)
         return median + self.cfg.spike_zscore * 1.4826 * mad
 
-    def accept(self, loss: float) -> None:
-        self.history.append(loss)
+    def accept(self, loss: float, step: int = 0) -> None:
+        self.history.append((step, loss))
 
 
 def classify_runtime_error(err: BaseException) -> str:

@@ -21,7 +21,6 @@ import numpy as np
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config
-from zaya_jax.optim import current_learning_rates
 from zaya_jax.resilience import Watchdog
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.metrics import MetricsWriter, metric_record
@@ -49,7 +48,7 @@ class StepEnd:
     it, what the step reported, and what earlier hooks measured (``eval_loss``)."""
 
     step: int
-    state: Any  # TrainState
+    state: Any  # TrainState; None when the next step was dispatched first (Hook.needs_state)
     data_state: dict[str, Any]
     metrics: dict[str, Any]  # the step's outputs (device arrays)
     plan: Any  # the StepPlan the batch was drawn for (schedule.py)
@@ -63,8 +62,17 @@ class Hook:
     """A collaborator of the loop. Every method is optional (the defaults do nothing):
     ``start`` once the run is set up; ``before_step`` may replace the host batch; ``wants_save``
     proposes a save for this step (agreed across processes, with Checkpointing's clock);
-    ``after_step`` may return a new :class:`StepEnd` for the hooks after it; ``end_run`` after the
-    last step when the loop ends normally; ``close`` always, last."""
+    ``needs_state`` says that ``after_step`` reads ``end.state`` at this step; ``after_step`` may
+    return a new :class:`StepEnd` for the hooks after it; ``end_run`` after the last step when the
+    loop ends normally; ``close`` always, last.
+
+    With ``train.dispatch_ahead`` (the default) the loop dispatches step t+1 before it reads step
+    t's outcome, so ``before_step(t + 1)`` runs before ``after_step(t)``, and step t+1 consumes
+    (donates) step t's state: ``end.state`` is None unless some hook's ``needs_state(t)`` was True,
+    in which case step t is finished before step t+1 is dispatched."""
+
+    def needs_state(self, step: int) -> bool:
+        return False
 
     def start(self, run: RunContext) -> None:
         pass
@@ -97,12 +105,9 @@ class Logging(Hook):
         plan = end.plan
         self.meter.add(plan.tokens, plan.tokens * flops_per_token(self.cfg.model, plan.seq_len))
         if end.step % self.cfg.log.every == 0 or self.also_at(end.step):
-            lrs = current_learning_rates(end.state.opt_state)
             self.last = metric_record(
                 end.step,
-                end.metrics,
-                lr=lrs["adam_lr"],
-                muon_lr=lrs["muon_lr"],
+                end.metrics,  # the learning rates included: a record never waits for the state
                 **self.meter.fields(),
                 tokens_seen=end.data_state["tokens_seen"],
                 **plan.fields(),
@@ -123,6 +128,9 @@ class Evaluation(Hook):
 
     def due(self, step: int) -> bool:
         return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
+
+    def needs_state(self, step: int) -> bool:
+        return self.due(step)
 
     def after_step(self, end: StepEnd) -> StepEnd | None:
         if not self.due(end.step):
@@ -172,6 +180,12 @@ class Checkpointing(Hook):
         minutes = self.cfg.checkpoint.every_minutes
         return bool(minutes and self.clock() - self.last_save >= 60 * minutes)
 
+    def needs_state(self, step: int) -> bool:
+        """A step-count save (a time-based one is agreed after the step: taken at the next step the
+        loop finishes before dispatching on; ``keep_best`` saves evaluated steps, finished anyway)."""
+        every = self.cfg.checkpoint.every_steps
+        return bool(every and step % every == 0)
+
     def due(self, end: StepEnd) -> bool:
         ckpt = self.cfg.checkpoint
         return bool(
@@ -216,6 +230,9 @@ class Profiling(Hook):
             jax.profiler.start_trace(str(self.directory))
             self.active = True
         return batch
+
+    def needs_state(self, step: int) -> bool:
+        return bool(self.window) and step == self.window[1]
 
     def after_step(self, end: StepEnd) -> None:
         if self.active and end.step >= self.window[1]:

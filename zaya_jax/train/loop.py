@@ -173,66 +173,170 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> _Run:
     )  # fmt: skip
 
 
+@dataclasses.dataclass(frozen=True)
+class _Drawn:
+    """A batch as the data stream gave it (before the hooks): a step dispatched ahead and then
+    discarded by a rollback decided on its predecessor trains the same batch again."""
+
+    plan: Any
+    host_batch: dict[str, Any]
+    data_state: dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dispatched:
+    """A step whose program is running (or done) and whose outcome has not been read yet."""
+
+    step: int
+    drawn: _Drawn
+    metrics: dict[str, Any]
+    limit: float
+
+
+@dataclasses.dataclass(frozen=True)
+class _Finished:
+    """What reading a step's outcome decided: the step as the hooks saw it, or a rollback (the
+    restored state and step), plus what every process agreed to do next."""
+
+    end: StepEnd | None = None
+    restored: tuple[TrainState, int] | None = None
+    stop: str | None = None
+    stopped_by: tuple[int, ...] = ()
+    time_save: bool = False
+
+
 def _loop(r: _Run, batches: Prefetcher, stop: StopRequest) -> tuple[int, dict[str, Any]]:
     """Steps from the first to ``train.steps`` (or to an agreed stop); returns the last step and
-    the data position after it."""
-    cfg, writer, every = r.cfg, r.writer, r.hooks
-    guard, routing = LossGuard(cfg.resilience), RoutingMonitor(cfg)
+    the data position after it.
+
+    With ``train.dispatch_ahead``, step t+1 is dispatched before step t's outcome is read, unless
+    step t must be finished first (:func:`_finish_now`). A rollback decided from step t discards
+    step t+1 (its batch is trained again after the restore); a stop or time-based save agreed at
+    step t is acted on at step t+1, which is then finished before the next dispatch."""
+    cfg = r.cfg
+    ahead = cfg.train.dispatch_ahead
+    guard, routing = LossGuard(cfg.resilience, lag=int(ahead)), RoutingMonitor(cfg)
     data_state = r.producer.get_state()  # read before the prefetch thread runs ahead of training
     state, step, end = r.resumed.state, r.resumed.first_step, None
     counts = {"skipped_steps": 0, "rollbacks": 0}
+    pending: _Dispatched | None = None
+    replay: _Drawn | None = None
     while step <= cfg.train.steps:
-        wait_start = time.perf_counter()
-        r.producer.observe(state)  # GRPO samples its rollouts from the current weights
-        plan, host_batch, data_state = next(batches)
-        r.meter.data_wait += time.perf_counter() - wait_start
-        for hook in every:
-            host_batch = hook.before_step(step, host_batch)
-        lr_scale = batch_lr_scale(plan.batch_size, final_batch_size(cfg), cfg.optim.lr_batch_scaling)
-        limit = guard.limit()
-        batch = put_batch(host_batch, r.programs.layout.batch)
-        state, metrics = r.train_step(step, state, batch, lr_scale, limit)
-        r.watchdog.beat(step)
-
-        outcome = Outcome.of(step, metrics, limit)
-        decision = decide(outcome, cfg.resilience, counts["rollbacks"])
-        alarm = routing.observe(step, metrics["routing"]) if decision.action is Action.ACCEPT else None
-        if alarm is not None:
-            decision = decide_routing(alarm, cfg.resilience, counts["rollbacks"])
-            action = cfg.resilience.on_routing_alarm
-            writer.event("routing_alarm", at_step=step, **alarm.detail(), action=action)
-            if jax.process_index() == 0:
-                print(f"zaya train: {alarm.message} (on_routing_alarm={action})", file=sys.stderr)
-        time_due = any(hook.wants_save(step) for hook in every)
-        agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
-        if outcome.skipped:
-            counts["skipped_steps"] += 1
-            writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=limit)
-        if decision.action is Action.STOP:
-            raise (RoutingAlarmError if alarm else NonFiniteLossError)(decision.message)
-        if decision.action is Action.ROLLBACK:
-            state, to_step = _rollback(r.checkpoints, writer, state, decision.reason or outcome.reason, step)
-            routing.reset()
-            if to_step is not None:
-                counts["rollbacks"] += 1
+        drawn, replay = replay or _draw(r, batches, state), None
+        state, current = _dispatch(r, step, state, drawn, guard)
+        late = _Finished()
+        if pending is not None:
+            late = _finish(r, pending, None, state, guard, routing, counts, stop)
+            pending = None
+            if late.restored is not None:
+                (state, to_step), replay = late.restored, drawn
                 step = to_step + 1
                 continue
-        if decision.action is Action.ACCEPT:
-            guard.accept(outcome.loss)
-
-        last = step == cfg.train.steps
-        end = StepEnd(step, state, data_state, metrics, plan, dict(counts), last, agreed.time_save)
-        for hook in every:
-            end = hook.after_step(end) or end
-        writer.advance(r.logging.last)
-        if agreed.stop:
-            writer.event("stop", signal=agreed.stop, received_by=list(agreed.stopped_by))
-            break
+            end, data_state = late.end, late.end.data_state
+        if not ahead or late.stop or late.time_save or _finish_now(r, step):
+            done = _finish(r, current, state, state, guard, routing, counts, stop, late.time_save)
+            if done.restored is not None:
+                state, to_step = done.restored
+                step = to_step + 1
+                continue
+            end, data_state = done.end, done.end.data_state
+            signalled = late if late.stop else done
+            if signalled.stop:
+                r.writer.event("stop", signal=signalled.stop, received_by=list(signalled.stopped_by))
+                break
+        else:
+            pending = current
         step += 1
     if end is not None:
-        for hook in every:
+        for hook in r.hooks:
             hook.end_run(end)
     return min(step, cfg.train.steps), data_state
+
+
+def _finish_now(r: _Run, step: int) -> bool:
+    """Whether ``step`` is read before the next one is dispatched: the last step, a step whose
+    state a hook reads (a save, an evaluation, the profile's end), and every GRPO step (its
+    rollouts are sampled from the weights the step produced)."""
+    last = step == r.cfg.train.steps
+    return last or isinstance(r.producer, Rollouts) or any(hook.needs_state(step) for hook in r.hooks)
+
+
+def _draw(r: _Run, batches: Prefetcher, state: TrainState) -> _Drawn:
+    wait_start = time.perf_counter()
+    r.producer.observe(state)  # GRPO samples its rollouts from the current weights
+    plan, host_batch, data_state = next(batches)
+    r.meter.data_wait += time.perf_counter() - wait_start
+    return _Drawn(plan, host_batch, data_state)
+
+
+def _dispatch(
+    r: _Run, step: int, state: TrainState, drawn: _Drawn, guard: LossGuard
+) -> tuple[TrainState, _Dispatched]:
+    """Run the hooks' ``before_step`` and start step ``step``; returns its (future) state."""
+    host_batch = drawn.host_batch
+    for hook in r.hooks:
+        host_batch = hook.before_step(step, host_batch)
+    lr_scale = batch_lr_scale(drawn.plan.batch_size, final_batch_size(r.cfg), r.cfg.optim.lr_batch_scaling)
+    limit = guard.limit(step)
+    batch = put_batch(host_batch, r.programs.layout.batch)
+    state, metrics = r.train_step(step, state, batch, lr_scale, limit)
+    Outcome.prefetch(metrics)
+    r.watchdog.beat(step)
+    return state, _Dispatched(step, drawn, metrics, limit)
+
+
+def _finish(
+    r: _Run,
+    done: _Dispatched,
+    state: TrainState | None,
+    latest: TrainState,
+    guard: LossGuard,
+    routing: RoutingMonitor,
+    counts: dict[str, int],
+    stop: StopRequest,
+    time_save: bool = False,
+) -> _Finished:
+    """Read step ``done``'s outcome, act on it as every process agreed, run the hooks' ``after_step``.
+    ``state`` is the state after the step (None: the next step has consumed it); ``latest`` the
+    newest state (the template a rollback restores into); ``time_save`` a time-based save agreed
+    at the previous step."""
+    cfg, writer, step = r.cfg, r.writer, done.step
+    outcome = Outcome.of(step, done.metrics, done.limit)
+    decision = decide(outcome, cfg.resilience, counts["rollbacks"])
+    alarm = routing.observe(step, done.metrics["routing"]) if decision.action is Action.ACCEPT else None
+    if alarm is not None:
+        decision = decide_routing(alarm, cfg.resilience, counts["rollbacks"])
+        action = cfg.resilience.on_routing_alarm
+        writer.event("routing_alarm", at_step=step, **alarm.detail(), action=action)
+        if jax.process_index() == 0:
+            print(f"zaya train: {alarm.message} (on_routing_alarm={action})", file=sys.stderr)
+    time_due = any(hook.wants_save(step) for hook in r.hooks)
+    agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
+    if outcome.skipped:
+        counts["skipped_steps"] += 1
+        writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=done.limit)
+    if decision.action is Action.STOP:
+        raise (RoutingAlarmError if alarm else NonFiniteLossError)(decision.message)
+    if decision.action is Action.ROLLBACK:
+        restored, to_step = _rollback(r.checkpoints, writer, latest, decision.reason or outcome.reason, step)
+        routing.reset()
+        if to_step is not None:
+            counts["rollbacks"] += 1
+            return _Finished(restored=(restored, to_step))
+    if decision.action is Action.ACCEPT:
+        guard.accept(outcome.loss, step)
+
+    last = step == cfg.train.steps
+    end = StepEnd(
+        step, state, done.drawn.data_state, done.metrics, done.drawn.plan, dict(counts), last,
+        time_save or (agreed.time_save and state is not None),  # else taken at the next step
+    )  # fmt: skip
+    for hook in r.hooks:
+        end = hook.after_step(end) or end
+    writer.advance(r.logging.last)
+    return _Finished(
+        end, stop=agreed.stop, stopped_by=agreed.stopped_by, time_save=agreed.time_save and state is None
+    )
 
 
 def _resume(

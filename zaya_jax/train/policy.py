@@ -35,6 +35,13 @@ class Outcome:
     limit: float  # the loss limit the step ran under
     routing: bool = False  # the step undid itself for its routing (on_routing_alarm: skip)
 
+    @staticmethod
+    def prefetch(metrics: dict[str, Any]) -> None:
+        """Start copying the values :meth:`of` reads to the host as soon as the step computes them."""
+        for name in ("skipped", "nonfinite", "loss", "routing_rejected"):
+            if isinstance(metrics.get(name), jax.Array):
+                metrics[name].copy_to_host_async()
+
     @classmethod
     def of(cls, step: int, metrics: dict[str, Any], limit: float) -> Outcome:
         skipped, nonfinite, loss, routing = (float(x) for x in jax.device_get(
