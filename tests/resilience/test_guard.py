@@ -62,7 +62,9 @@ def test_loss_guard_limit_is_a_robust_zscore_bound():
     assert limit < 3.5  # a jump of 0.5 nats is flagged
     guard.accept(100.0)  # one outlier in the window barely moves a median-based bound
     assert abs(guard.limit() - limit) < 0.01
-    lagged = LossGuard(ResilienceConfig(on_spike="skip", spike_zscore=6.0, spike_window=50, spike_warmup=10), lag=1)
+    lagged = LossGuard(
+        ResilienceConfig(on_spike="skip", spike_zscore=6.0, spike_window=50, spike_warmup=10), lag=1
+    )
     for step, loss in enumerate(losses[:20], start=1):
         lagged.accept(float(loss), step)
     lagged.accept(100.0, 21)

@@ -183,3 +183,29 @@ def barrier(name: str, timeout_s: float = 3600.0) -> None:
         multihost_utils.sync_global_devices(name)
         return
     client.wait_at_barrier(f"zaya:{_barriers}:{name}", timeout_in_ms=int(timeout_s * 1000))
+
+
+_gathers = 0
+
+
+def gather_strings(name: str, value: str, timeout_s: float = 3600.0) -> list[str] | None:
+    """Every process's ``value``, in process order, through the coordination service's key-value
+    store: a host-side exchange (three small RPCs per process), never queued behind the device's
+    work as a collective would be. Every process must call it the same number of times. None
+    where there is no coordination service (multi-process without ``jax.distributed``)."""
+    global _gathers
+    if jax.process_count() == 1:
+        return [value]
+    from jax._src import distributed as jax_distributed
+
+    client = jax_distributed.global_state.client
+    if client is None:  # pragma: no cover - e.g. TPU pods
+        return None
+    _gathers += 1
+    directory = f"zaya_gather/{_gathers}/"
+    client.key_value_set(f"{directory}{jax.process_index()}", value)
+    client.wait_at_barrier(f"zaya_gather:{_gathers}:{name}", timeout_in_ms=int(timeout_s * 1000))
+    table = dict(client.key_value_dir_get(directory))
+    # every process read the previous round before it set its key of this one: drop ours from it
+    client.key_value_delete(f"zaya_gather/{_gathers - 1}/{jax.process_index()}")
+    return [table[f"{directory}{i}"] for i in range(jax.process_count())]

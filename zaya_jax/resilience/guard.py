@@ -30,7 +30,9 @@ class LossGuard:
         self.history: collections.deque[tuple[int, float]] = collections.deque(maxlen=cfg.spike_window + lag)
 
     def limit(self, step: int = 0) -> float:
-        values = [loss for s, loss in self.history if not step - self.lag <= s < step][-self.cfg.spike_window :]
+        values = [loss for s, loss in self.history if not step - self.lag <= s < step][
+            -self.cfg.spike_window :
+        ]
         if self.cfg.on_spike == "none" or len(values) < self.cfg.spike_warmup:
             return math.inf
         values = np.asarray(values)

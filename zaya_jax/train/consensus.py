@@ -3,8 +3,10 @@
 Orbax's save begins with a barrier that is a device collective, so a save that one process starts
 and another does not deadlocks both; the same holds for stopping. Each process therefore only
 *proposes*: "a time-based save is due by my clock", "I received SIGTERM/SIGINT", "my step outcome
-says accept/skip/rollback/stop". One ``process_allgather`` of these three integers per step makes
-every process act on the same combined value: a save is taken when any clock says it is due, a stop
+says accept/skip/rollback/stop". One gather of these three integers per step (through the
+coordination service's key-value store, host to host: the next step is already running on the
+devices, and a device collective would queue behind it) makes every process act on the same
+combined value: a save is taken when any clock says it is due, a stop
 when any process was signalled; the outcome must already agree (it comes from replicated values),
 and a disagreement is an error rather than a hang.
 
@@ -23,10 +25,10 @@ from __future__ import annotations
 import dataclasses
 import signal
 
-import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from zaya_jax.parallel.distributed import gather_strings
 from zaya_jax.train.policy import Action
 
 _ACTIONS = list(Action)
@@ -45,12 +47,19 @@ class Agreed:
     stopped_by: tuple[int, ...] = ()  # the processes that received it
 
 
-def agree(step: int, *, time_due: bool, stop: str | None, action: Action) -> Agreed:
-    """Combine this process's proposals with every other process's (a collective: every process
-    must call it once per step)."""
+def agree(
+    step: int, *, time_due: bool, stop: str | None, action: Action, timeout_s: float = 3600.0
+) -> Agreed:
+    """Combine this process's proposals with every other process's (every process must call it
+    once per finished step). The exchange goes through the coordination service, not the devices:
+    with the next step already dispatched, a device collective would wait for that step to end."""
     signum = int(signal.Signals[stop]) if stop else 0
     mine = np.asarray([int(time_due), signum, _ACTIONS.index(action)], np.int32)
-    table = mine[None] if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(mine))
+    gathered = gather_strings("agree", ",".join(map(str, mine.tolist())), timeout_s)
+    if gathered is not None:
+        table = np.asarray([[int(x) for x in row.split(",")] for row in gathered], np.int32)
+    else:  # pragma: no cover - no coordination service: a device gather
+        table = np.asarray(multihost_utils.process_allgather(mine))
     actions = set(table[:, 2].tolist())
     if len(actions) > 1:
         per_process = {i: _ACTIONS[int(a)].value for i, a in enumerate(table[:, 2])}

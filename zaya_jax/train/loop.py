@@ -311,7 +311,8 @@ def _finish(
         if jax.process_index() == 0:
             print(f"zaya train: {alarm.message} (on_routing_alarm={action})", file=sys.stderr)
     time_due = any(hook.wants_save(step) for hook in r.hooks)
-    agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action)
+    timeout = cfg.runtime.barrier_timeout_s
+    agreed = agree(step, time_due=time_due, stop=stop.requested, action=decision.action, timeout_s=timeout)
     if outcome.skipped:
         counts["skipped_steps"] += 1
         writer.event("skip", reason=outcome.reason, at_step=step, loss=outcome.loss, limit=done.limit)
