@@ -64,7 +64,7 @@ def compile_commands(platform: str, out: Path, archs: list[str] | None = None) -
     target = str(out / LIBRARIES[platform])
     if platform == "cpu":
         compiler = os.environ.get("CXX", "g++")
-        source = str(HERE / "cpu" / "kernels_cpu.cc")
+        sources = [str(path) for path in sorted((HERE / "cpu").glob("*.cc"))]
         return [
             compiler,
             "-std=c++17",
@@ -74,7 +74,7 @@ def compile_commands(platform: str, out: Path, archs: list[str] | None = None) -
             "-fopenmp-simd",
             *QUIET,
             *includes,
-            source,
+            *sources,
             "-o",
             target,
         ]

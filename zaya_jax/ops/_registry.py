@@ -32,9 +32,14 @@ TARGETS = {
     "zaya_residual_rms_norm_bwd": "ZayaResidualRmsNormBwd",
     "zaya_newton_schulz": "ZayaNewtonSchulz",
 }
+# targets only some platforms' libraries export: platform -> {target name -> symbol}
+PLATFORM_TARGETS = {
+    "cpu": {"zaya_attention_fwd": "ZayaAttentionFwd", "zaya_attention_bwd": "ZayaAttentionBwd"},
+}
 
 _lock = threading.Lock()
 _status: dict[str, str] = {}
+_targets: dict[str, set[str]] = {}  # platform -> the targets registered for it
 
 
 def load() -> dict[str, str]:
@@ -54,6 +59,13 @@ def load() -> dict[str, str]:
                     jax.ffi.register_ffi_target(
                         target, jax.ffi.pycapsule(getattr(lib, symbol)), platform=xla_platform
                     )
+                _targets[platform] = set(TARGETS)
+                for target, symbol in PLATFORM_TARGETS.get(platform, {}).items():
+                    if hasattr(lib, symbol):  # a library built before the target existed lacks it
+                        jax.ffi.register_ffi_target(
+                            target, jax.ffi.pycapsule(getattr(lib, symbol)), platform=xla_platform
+                        )
+                        _targets[platform].add(target)
             except (OSError, AttributeError, RuntimeError, ValueError) as err:  # e.g. no ROCm runtime here
                 _status[platform] = f"failed: {err}"
                 continue
@@ -94,3 +106,9 @@ def registered(platform: str) -> bool:
     """Whether the custom calls are registered for a jax platform name (cpu, cuda, rocm) and built
     for its device."""
     return load().get(platform) == "registered" and arch_mismatch(platform) is None
+
+
+def registered_target(platform: str, target: str) -> bool:
+    """Whether one target is registered for a jax platform name (a platform-specific one may be
+    missing from an older build of the library)."""
+    return registered(platform) and target in _targets.get(platform, set())

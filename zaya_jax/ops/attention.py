@@ -42,7 +42,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["blocked", "dense", "pallas", "cudnn"]
+Impl = Literal["blocked", "dense", "pallas", "cudnn", "cpu"]
 
 
 @flax.struct.dataclass
@@ -134,6 +134,49 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
 HIDDEN = -1e30
 """The additive score bias of a hidden key: exp(HIDDEN - max) is exactly 0 in float32 for any
 finite score, and unlike -inf it keeps a row of only hidden keys finite (its output is zeroed)."""
+
+
+FAR = 2**30  # a slot bound no real slot reaches
+NO_DOCUMENT = -(2**30)  # the segment of a padding key
+
+
+def _pad_to(x: jax.Array, axis: int, size: int, value) -> jax.Array:
+    if x.shape[axis] == size:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def mask_rows(mask, batch: int, seq_q: int, seq_k: int, padded_q: int, padded_k: int):
+    """The mask as per-row int32 vectors, padded to ``padded_q``/``padded_k`` rows, for the fused
+    kernels (Pallas on GPUs, the CPU custom call): (q_slot (sq), q_low (sq), q_seg (batch, sq),
+    k_slot (sk), k_high (sk), k_seg (batch, sk)). Key j is visible to query i when
+    ``q_low[i] <= k_slot[j] <= q_slot[i]`` and ``q_seg[i] == k_seg[j]``; ``q_low`` is the window's
+    first slot (``-FAR`` without one), ``k_high`` a key's last query slot; a padding key's segment
+    is ``NO_DOCUMENT``."""
+    q_slot = jnp.broadcast_to(mask.q_slots.astype(jnp.int32), (seq_q,))
+    k_slot = jnp.broadcast_to(mask.k_slots.astype(jnp.int32), (seq_k,))
+    window = jnp.asarray(0 if mask.window is None else mask.window, jnp.int32)
+    limited = window > 0
+    q_low = jnp.where(limited, q_slot - window + 1, -FAR)
+    k_high = jnp.where(limited, k_slot + window - 1, FAR)
+    q_seg = (
+        jnp.zeros((batch, seq_q), jnp.int32) if mask.q_segments is None else mask.q_segments.astype(jnp.int32)
+    )
+    k_seg = (
+        jnp.zeros((batch, seq_k), jnp.int32) if mask.k_segments is None else mask.k_segments.astype(jnp.int32)
+    )
+    if mask.k_valid is not None:
+        k_seg = jnp.where(mask.k_valid, k_seg, NO_DOCUMENT)
+    return (
+        _pad_to(q_slot, 0, padded_q, -1),  # padded queries see nothing
+        _pad_to(q_low, 0, padded_q, FAR),
+        _pad_to(q_seg, 1, padded_q, 0),
+        _pad_to(k_slot, 0, padded_k, FAR),  # padded keys are seen by nothing
+        _pad_to(k_high, 0, padded_k, -FAR),
+        _pad_to(k_seg, 1, padded_k, NO_DOCUMENT),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -546,8 +589,9 @@ def attention(
 ) -> jax.Array:
     """CCA's attention: (batch, seq_q, nq * d). ``impl``: "blocked" (default, memory linear in the
     sequence), "dense" (the definition; materialises the (seq_q, seq_k) scores), "pallas" (the
-    fused GPU kernel, :mod:`zaya_jax.ops.pallas_attention`) or "cudnn" (``jax.nn.dot_product_attention``,
-    causal masks only).
+    fused GPU kernel, :mod:`zaya_jax.ops.pallas_attention`), "cpu" (the fused CPU custom call,
+    :mod:`zaya_jax.ops.cpu_attention`; the blocked kernel on other devices) or "cudnn"
+    (``jax.nn.dot_product_attention``, causal masks only).
 
     A sequence attending to itself that fits in one block has no block to skip and no tile to
     loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
@@ -562,6 +606,10 @@ def attention(
         return _library_attention(q, k, v, mask).reshape(batch, seq, nq * d)
     if impl == "dense" or (mask.aligned and seq <= block):
         return dot_product_attention(q, k, v, mask.dense())
+    if impl == "cpu":
+        from zaya_jax.ops.cpu_attention import cpu_attention
+
+        return cpu_attention(q, k, v, mask, block=block)[0].reshape(batch, seq, nq * d)
     out, _ = blocked_attention(q, k, v, mask, block=block)
     return out.reshape(batch, seq, nq * d)
 

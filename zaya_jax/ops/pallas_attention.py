@@ -34,6 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from zaya_jax.ops.attention import FAR, mask_rows
+
 
 class _Static(NamedTuple):
     block_q: int
@@ -41,10 +43,6 @@ class _Static(NamedTuple):
     aligned: bool
     interpret: bool
     scale: float
-
-
-FAR = 2**30  # a slot bound no real slot reaches
-NO_DOCUMENT = -(2**30)  # the segment of a padding key
 
 
 def _visible(q_slot, q_low, q_seg, k_slot, k_seg):
@@ -255,32 +253,6 @@ def _pad(x, axis: int, size: int, value):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _mask_rows(mask, batch: int, seq_q: int, seq_k: int, padded_q: int, padded_k: int):
-    """The mask as padded per-row vectors: (q_slot, q_low, q_seg, k_slot, k_high, k_seg)."""
-    q_slot = jnp.broadcast_to(mask.q_slots.astype(jnp.int32), (seq_q,))
-    k_slot = jnp.broadcast_to(mask.k_slots.astype(jnp.int32), (seq_k,))
-    window = jnp.asarray(0 if mask.window is None else mask.window, jnp.int32)
-    limited = window > 0
-    q_low = jnp.where(limited, q_slot - window + 1, -FAR)
-    k_high = jnp.where(limited, k_slot + window - 1, FAR)
-    q_seg = (
-        jnp.zeros((batch, seq_q), jnp.int32) if mask.q_segments is None else mask.q_segments.astype(jnp.int32)
-    )
-    k_seg = (
-        jnp.zeros((batch, seq_k), jnp.int32) if mask.k_segments is None else mask.k_segments.astype(jnp.int32)
-    )
-    if mask.k_valid is not None:
-        k_seg = jnp.where(mask.k_valid, k_seg, NO_DOCUMENT)
-    return (
-        _pad(q_slot, 0, padded_q, -1),  # padded queries see nothing
-        _pad(q_low, 0, padded_q, FAR),
-        _pad(q_seg, 1, padded_q, 0),
-        _pad(k_slot, 0, padded_k, FAR),  # padded keys are seen by nothing
-        _pad(k_high, 0, padded_k, -FAR),
-        _pad(k_seg, 1, padded_k, NO_DOCUMENT),
-    )
-
-
 def pallas_attention(q, k, v, mask, *, block_q: int = 64, block_k: int = 64, interpret: bool | None = None):
     """Fused attention. q: (batch, seq_q, nq, d); k, v: (batch, seq_k, nk, d); ``mask``: an
     :class:`zaya_jax.ops.attention.AttentionMask`. Returns (out (batch, seq_q, nq, d) in q's dtype,
@@ -298,7 +270,7 @@ def pallas_attention(q, k, v, mask, *, block_q: int = 64, block_k: int = 64, int
     )
     padded_q, padded_k = (math.ceil(s / b) * b for s, b in ((seq_q, block_q), (seq_k, block_k)))
     padded_width = max(16, pl.next_power_of_2(width))  # Triton's dot needs >= 16 and a power of 2
-    rows = _mask_rows(mask, batch, seq_q, seq_k, padded_q, padded_k)
+    rows = mask_rows(mask, batch, seq_q, seq_k, padded_q, padded_k)
     q_p = _pad(_pad(q, 1, padded_q, 0), 3, padded_width, 0)
     k_p, v_p = (_pad(_pad(x, 1, padded_k, 0), 3, padded_width, 0) for x in (k, v))
     static = _Static(block_q, block_k, bool(mask.aligned), bool(interpret), width**-0.5)
