@@ -49,12 +49,28 @@ def _time(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure_jax(shapes, heads, repeats) -> dict[str, dict[str, float]]:
+def _time_jax_shape(batch, seq, heads, repeats) -> dict[str, float]:
     import jax
     import jax.numpy as jnp
 
     from zaya_jax.ops.attention import blocked_attention, self_attention_mask
-    from zaya_jax.ops.cpu_attention import available, cpu_attention
+    from zaya_jax.ops.cpu_attention import cpu_attention
+
+    q, k, v, w = (jnp.asarray(x) for x in _inputs(batch, seq, *heads))
+    mask = self_attention_mask(seq)
+    kernels = {
+        "cpu": lambda q, k, v: cpu_attention(q, k, v, mask)[0],
+        "blocked": lambda q, k, v: blocked_attention(q, k, v, mask, block=128)[0],
+    }
+    times = {}
+    for name, kernel in kernels.items():
+        step = jax.jit(jax.grad(lambda q, k, v, f=kernel: jnp.sum(w * f(q, k, v)), argnums=(0, 1, 2)))
+        times[name] = _time(lambda: jax.block_until_ready(step(q, k, v)), repeats)  # noqa: B023 - called now
+    return times
+
+
+def measure_jax(shapes, heads, repeats) -> dict[str, dict[str, float]]:
+    from zaya_jax.ops.cpu_attention import available
 
     if not available():
         raise SystemExit(
@@ -62,15 +78,8 @@ def measure_jax(shapes, heads, repeats) -> dict[str, dict[str, float]]:
         )
     results: dict[str, dict[str, float]] = {"cpu": {}, "blocked": {}}
     for batch, seq in shapes:
-        q, k, v, w = (jnp.asarray(x) for x in _inputs(batch, seq, *heads))
-        mask = self_attention_mask(seq)
-        kernels = {
-            "cpu": lambda q, k, v: cpu_attention(q, k, v, mask)[0],
-            "blocked": lambda q, k, v: blocked_attention(q, k, v, mask, block=128)[0],
-        }
-        for name, kernel in kernels.items():
-            step = jax.jit(jax.grad(lambda q, k, v, f=kernel: jnp.sum(w * f(q, k, v)), argnums=(0, 1, 2)))
-            results[name][f"{batch}x{seq}"] = _time(lambda s=step: jax.block_until_ready(s(q, k, v)), repeats)
+        for name, ms in _time_jax_shape(batch, seq, heads, repeats).items():
+            results[name][f"{batch}x{seq}"] = ms
     return results
 
 
