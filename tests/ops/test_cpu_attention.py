@@ -22,7 +22,8 @@ def test_the_custom_call_is_built_and_in_the_program():
     assert available(), "the CPU library lacks zaya_attention_*: rebuild with python custom_calls/build.py"
     q, k, v, w = _inputs(1, 70, 4, 2)
     mask = self_attention_mask(70)
-    text = jax.jit(jax.grad(lambda q: jnp.sum(w * attention(q, k, v, mask, impl="cpu")))).lower(q).as_text()
+    loss = lambda q: jnp.sum(w * attention(q, k, v, mask, impl="cpu", block=32))  # noqa: E731
+    text = jax.jit(jax.grad(loss)).lower(q).as_text()
     assert FORWARD in text and "zaya_attention_bwd" in text
 
 
@@ -126,3 +127,21 @@ def test_a_model_trains_with_the_cpu_kernel_to_the_blocked_kernels_loss():
     assert abs(float(fused) - float(blocked)) <= 1e-5 * abs(float(blocked))
     for a, b in zip(jax.tree.leaves(g_fused), jax.tree.leaves(g_blocked), strict=True):
         assert _max_rel_error(a, b) <= 1e-4
+
+
+def test_auto_takes_the_custom_call_for_a_one_device_cpu_program_only():
+    from types import SimpleNamespace
+
+    from zaya_jax.config import load_config
+    from zaya_jax.ops.platform import planning_for
+    from zaya_jax.programs.build import resolve_attention_impl
+
+    cfg = load_config("tiny", [])
+    assert cfg.model.attention_impl == "auto"
+    one, two = (SimpleNamespace(mesh=SimpleNamespace(size=n)) for n in (1, 2))
+    assert resolve_attention_impl(cfg, one).model.attention_impl == "cpu"
+    assert resolve_attention_impl(cfg, two).model.attention_impl == "blocked"  # XLA cannot split it
+    with planning_for("gpu"):  # a GPU program planned on this CPU
+        assert resolve_attention_impl(cfg, one).model.attention_impl == "blocked"
+    pinned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="blocked"))
+    assert resolve_attention_impl(pinned, one) is pinned

@@ -138,12 +138,13 @@ class ModelConfig:
     # or "capacity" (capacity_factor slots per expert per sequence; drops the overflow).
     moe_impl: Literal["dense", "sorted", "capacity", "auto"] = "auto"
     capacity_factor: float = 1.25  # slots per expert = factor x tokens / E (moe_impl=capacity)
-    # Attention kernel: "blocked" (flash-style, memory linear in the sequence, recomputing
+    # Attention kernel: "auto" (the fused CPU custom call for a one-device CPU program where it is
+    # built, else blocked), "blocked" (flash-style, memory linear in the sequence, recomputing
     # backward), "dense" (the definition: (seq, seq) scores; a reference for tests), "pallas" (the
     # fused Pallas/Triton GPU kernel, every mask; interpret mode on CPU, slow), "cpu" (the fused
     # CPU custom call, every mask; blocked on other devices or without the built library) or
     # "cudnn" (jax.nn.dot_product_attention: causal only, no packed documents, padding or window).
-    attention_impl: Literal["blocked", "dense", "pallas", "cudnn", "cpu"] = "blocked"
+    attention_impl: Literal["auto", "blocked", "dense", "pallas", "cudnn", "cpu"] = "auto"
     # Key block length of the blocked kernel (a sequence attending to itself is cut into a power
     # of two of blocks of about this length). 128 was fastest on CPU (bench/attention.py).
     attention_block: int = 128

@@ -197,11 +197,29 @@ def build_programs(
 ) -> Programs:
     """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
     when None). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW).
-    ``model.moe_impl: auto`` is resolved here (:mod:`zaya_jax.programs.moe`), so every user of a
-    run's programs runs the same MoE path; ``Programs.cfg`` holds the resolved value."""
+    ``model.moe_impl: auto`` (:mod:`zaya_jax.programs.moe`) and ``model.attention_impl: auto``
+    (:func:`resolve_attention_impl`) are resolved here, so every user of a run's programs runs the
+    same paths; ``Programs.cfg`` holds the resolved values."""
     layout = layout if layout is not None else make_layout(cfg, devices)
-    resolved, moe = resolve_moe_impl(cfg, layout)
+    resolved, moe = resolve_moe_impl(resolve_attention_impl(cfg, layout), layout)
     return Programs(resolved, layout, groups, moe)
+
+
+def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
+    """``cfg`` with ``model.attention_impl: auto`` replaced: the fused CPU custom call
+    (:mod:`zaya_jax.ops.cpu_attention`; 1.3x PyTorch's SDPA and 2.5-3x the blocked kernel at 2k-8k
+    tokens, bench/RESULTS.md) for a one-device CPU program where the library is built, else the
+    blocked kernel. On a mesh of several devices XLA's partitioner cannot split a custom call (it
+    would gather every operand), and on GPUs the Pallas kernel is unmeasured, so both keep blocked."""
+    from zaya_jax.ops.cpu_attention import available
+    from zaya_jax.ops.platform import planning_target
+
+    if cfg.model.attention_impl != "auto":
+        return cfg
+    target = planning_target() or jax.default_backend()
+    one_cpu = target == "cpu" and jax.default_backend() == "cpu" and layout.mesh.size == 1
+    impl = "cpu" if one_cpu and available() else "blocked"
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
 def single_device_programs(cfg: Config, device: Any | None = None) -> Programs:
