@@ -106,6 +106,22 @@ Range key_span(const Mask& m, int64_t c0, int64_t c1) {
 
 bool overlaps(Range reach, Range span) { return span.lo <= reach.hi && span.hi >= reach.lo; }
 
+// Whether every query of rows [r0, r1) sees every key of [c0, c1) (batch b): such a block pair (most
+// of a causal triangle) needs no mask at all.
+bool all_visible(const Mask& m, int64_t b, int64_t seq_q, int64_t seq_k, int64_t r0, int64_t r1, int64_t c0,
+                 int64_t c1) {
+  const int32_t seg = m.q_seg[b * seq_q + r0];
+  int32_t first_slot = std::numeric_limits<int32_t>::max(), last_low = std::numeric_limits<int32_t>::min();
+  for (int64_t i = r0; i < r1; ++i) {
+    if (m.q_seg[b * seq_q + i] != seg) return false;
+    first_slot = std::min(first_slot, m.q_slot[i]);
+    last_low = std::max(last_low, m.q_low[i]);
+  }
+  for (int64_t j = c0; j < c1; ++j)
+    if (m.k_slot[j] > first_slot || m.k_slot[j] < last_low || m.k_seg[b * seq_k + j] != seg) return false;
+  return true;
+}
+
 // Runs work(item, worker) for every item on up to pool.num_threads() + 1 workers; returns after all.
 template <typename Work>
 void parallel_items(ffi::ThreadPool& pool, int64_t items, int workers, Work work) {
@@ -264,6 +280,13 @@ ZAYA_CLONES float mask_row(float* __restrict s, const KeyBlock& kb, int32_t slot
   return m;
 }
 
+ZAYA_CLONES float max_row(const float* __restrict s) {
+  float m = kNegInf;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < kBlockK; ++j) m = std::max(m, s[j]);
+  return m;
+}
+
 ZAYA_CLONES float exp_row(float* __restrict s, float shift) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
@@ -312,12 +335,15 @@ struct Forward {
           vb[j * w + c] = j < nc ? zaya::Elem<T>::load(v, at) : 0.f;
         }
       load_key_block(mask, b, d.seq_k, c0, nc, keys);
+      const bool full = nc == kBlockK && all_visible(mask, b, d.seq_q, d.seq_k, r0, r0 + nr, c0, c0 + nc);
       scores(qt.data(), kt.data(), rows, w, s.data());
       for (int64_t i = 0; i < rows; ++i) {
         const int64_t r = i % kBlockQ;
         float* si = s.data() + i * kBlockK;
-        const float m = r < nr ? std::max(row_max[i], mask_row(si, keys, mask.q_slot[r0 + r], mask.q_low[r0 + r], qseg[r]))
-                               : kNegInf;
+        const float block_max = r >= nr ? kNegInf
+                                : full  ? max_row(si)
+                                        : mask_row(si, keys, mask.q_slot[r0 + r], mask.q_low[r0 + r], qseg[r]);
+        const float m = std::max(row_max[i], block_max);
         if (m == kNegInf) {  // nothing visible in this block or before: no contribution
           std::fill(si, si + kBlockK, 0.f);
           continue;
@@ -381,6 +407,7 @@ struct Backward {
     for (int64_t qb = 0; qb < d.q_blocks(); ++qb) {
       const int64_t r0 = qb * kBlockQ, nr = std::min(kBlockQ, d.seq_q - r0);
       if (!overlaps(query_reach(mask, r0, r0 + nr), span)) continue;
+      const bool full = nc == kBlockK && all_visible(mask, b, d.seq_q, d.seq_k, r0, r0 + nr, c0, c0 + nc);
       for (int64_t g = 0; g < d.groups; ++g) {
         const int64_t h = kh * d.groups + g;
         std::fill(qt.begin(), qt.end(), 0.f);
@@ -398,7 +425,7 @@ struct Backward {
             std::fill(dpr, dpr + kBlockK, 0.f);
             continue;
           }
-          mask_row(pr, keys, mask.q_slot[r0 + r], mask.q_low[r0 + r], mask.q_seg[b * d.seq_q + r0 + r]);
+          if (!full) mask_row(pr, keys, mask.q_slot[r0 + r], mask.q_low[r0 + r], mask.q_seg[b * d.seq_q + r0 + r]);
           exp_row(pr, lse[row]);
           const float dl = delta[row];
 #pragma omp simd
