@@ -463,8 +463,16 @@ ffi::Error dims_of(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::
 
 using I32 = ffi::Buffer<ffi::S32>;
 
-Mask mask_of(const I32& q_slot, const I32& q_low, const I32& q_seg, const I32& k_slot, const I32& k_seg) {
-  return Mask{q_slot.typed_data(), q_low.typed_data(), q_seg.typed_data(), k_slot.typed_data(), k_seg.typed_data()};
+ffi::Error mask_of(const Dims& d, const I32& q_slot, const I32& q_low, const I32& q_seg, const I32& k_slot,
+                   const I32& k_seg, Mask& m) {
+  const auto n = [](const I32& x) { return static_cast<int64_t>(x.element_count()); };
+  if (n(q_slot) != d.seq_q || n(q_low) != d.seq_q || n(k_slot) != d.seq_k || n(q_seg) != d.batch * d.seq_q ||
+      n(k_seg) != d.batch * d.seq_k)
+    return ffi::Error::InvalidArgument(
+        "zaya_attention: the mask vectors must be q_slot, q_low (seq_q), q_seg (batch, seq_q), k_slot (seq_k), "
+        "k_seg (batch, seq_k)");
+  m = Mask{q_slot.typed_data(), q_low.typed_data(), q_seg.typed_data(), k_slot.typed_data(), k_seg.typed_data()};
+  return ffi::Error::Success();
 }
 
 template <typename T>
@@ -478,7 +486,8 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
                             ffi::Result<ffi::Buffer<ffi::F32>> lse) {
   Dims d;
   if (auto err = dims_of(q, k, v, scale, d); err.failure()) return err;
-  const Mask m = mask_of(q_slot, q_low, q_seg, k_slot, k_seg);
+  Mask m;
+  if (auto err = mask_of(d, q_slot, q_low, q_seg, k_slot, k_seg, m); err.failure()) return err;
   switch (q.element_type()) {
     case ffi::F32:
       run_forward(pool, Forward<float>{q.typed_data<float>(), k.typed_data<float>(), v.typed_data<float>(), m, d,
@@ -531,7 +540,8 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
   if (auto err = dims_of(q, k, v, scale, d); err.failure()) return err;
   if (out.element_type() != q.element_type() || d_out.element_type() != q.element_type())
     return ffi::Error::InvalidArgument("zaya_attention_bwd: out and d_out must have q's dtype");
-  const Mask m = mask_of(q_slot, q_low, q_seg, k_slot, k_seg);
+  Mask m;
+  if (auto err = mask_of(d, q_slot, q_low, q_seg, k_slot, k_seg, m); err.failure()) return err;
   switch (q.element_type()) {
     case ffi::F32:
       run_backward(pool,

@@ -145,3 +145,20 @@ def test_auto_takes_the_custom_call_for_a_one_device_cpu_program_only():
         assert resolve_attention_impl(cfg, one).model.attention_impl == "blocked"
     pinned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="blocked"))
     assert resolve_attention_impl(pinned, one) is pinned
+
+
+def test_the_handler_names_mismatched_mask_vectors():
+    from zaya_jax.ops.cpu_attention import _ffi_forward
+
+    q, k, v, _ = _inputs(1, 20, 4, 2)
+    slots = jnp.arange(20, dtype=jnp.int32)
+    rows = (
+        slots,
+        slots - 2**30,
+        jnp.zeros((1, 20), jnp.int32),
+        slots[:10],
+        slots,
+        jnp.zeros((1, 20), jnp.int32),
+    )
+    with pytest.raises(Exception, match=r"mask vectors must be q_slot"):
+        jax.block_until_ready(jax.jit(lambda q, k, v: _ffi_forward(q, k, v, rows, 0.5))(q, k, v))
