@@ -567,33 +567,26 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
 
 }  // namespace
 
+// Both handlers take the pool, the scale, q, k, v and the five mask vectors first.
+static auto bind_inputs() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Attr<float>("scale")
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<I32>()
+      .Arg<I32>()
+      .Arg<I32>()
+      .Arg<I32>()
+      .Arg<I32>();
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaAttentionFwd, AttentionFwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<float>("scale")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                              bind_inputs().Ret<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaAttentionBwd, AttentionBwdImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<float>("scale")
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
-                                  .Arg<I32>()
+                              bind_inputs()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()

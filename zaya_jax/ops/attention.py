@@ -148,6 +148,15 @@ def _pad_to(x: jax.Array, axis: int, size: int, value) -> jax.Array:
     return jnp.pad(x, widths, constant_values=value)
 
 
+def check_fused_inputs(q: jax.Array, k: jax.Array, mask: AttentionMask) -> None:
+    """The fused kernels' argument checks: document ids on both sides or neither, and query heads a
+    multiple of the key/value heads."""
+    if (mask.q_segments is None) != (mask.k_segments is None):
+        raise ValueError("AttentionMask needs both q_segments and k_segments, or neither")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
+
+
 def mask_rows(mask, batch: int, seq_q: int, seq_k: int, padded_q: int, padded_k: int):
     """The mask as per-row int32 vectors, padded to ``padded_q``/``padded_k`` rows, for the fused
     kernels (Pallas on GPUs, the CPU custom call): (q_slot (sq), q_low (sq), q_seg (batch, sq),

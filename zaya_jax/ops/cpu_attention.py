@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.ops._registry import registered_target
-from zaya_jax.ops.attention import AttentionMask, blocked_attention, mask_rows
+from zaya_jax.ops.attention import AttentionMask, blocked_attention, check_fused_inputs, mask_rows
 
 FORWARD, BACKWARD = "zaya_attention_fwd", "zaya_attention_bwd"
 
@@ -87,12 +87,9 @@ def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask,
     bfloat16. Returns (out (batch, seq_q, nq, d) in q's dtype, lse (batch, seq_q, nq) float32),
     equal to :func:`zaya_jax.ops.attention.blocked_attention` in value and gradient. On a device
     that is not a CPU, or without the built library, the blocked kernel (``block``) runs instead."""
-    if (mask.q_segments is None) != (mask.k_segments is None):
-        raise ValueError("AttentionMask needs both q_segments and k_segments, or neither")
-    batch, seq_q, heads, width = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    check_fused_inputs(q, k, mask)
+    batch, seq_q, _, width = q.shape
+    seq_k = k.shape[1]
     if not available():
         return blocked_attention(q, k, v, mask, block=block)
     rows = mask_rows(mask, batch, seq_q, seq_k, seq_q, seq_k)

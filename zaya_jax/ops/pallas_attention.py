@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from zaya_jax.ops.attention import FAR, mask_rows
+from zaya_jax.ops.attention import FAR, check_fused_inputs, mask_rows
 
 
 class _Static(NamedTuple):
@@ -258,12 +258,9 @@ def pallas_attention(q, k, v, mask, *, block_q: int = 64, block_k: int = 64, int
     :class:`zaya_jax.ops.attention.AttentionMask`. Returns (out (batch, seq_q, nq, d) in q's dtype,
     lse (batch, seq_q, nq) float32), equal to the blocked kernel in value and gradient.
     ``interpret``: Pallas interpret mode (default: on a CPU backend)."""
-    if (mask.q_segments is None) != (mask.k_segments is None):
-        raise ValueError("AttentionMask needs both q_segments and k_segments, or neither")
-    batch, seq_q, heads, width = q.shape
-    seq_k, kv_heads = k.shape[1], k.shape[2]
-    if heads % kv_heads:
-        raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    check_fused_inputs(q, k, mask)
+    batch, seq_q, _, width = q.shape
+    seq_k = k.shape[1]
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     block_q, block_k = (
         min(b, max(16, pl.next_power_of_2(s))) for b, s in ((block_q, seq_q), (block_k, seq_k))
