@@ -261,9 +261,9 @@ void accumulate(float* acc, const float* coef, int64_t si, int64_t sj, const flo
   }
 }
 
-// Row i of a score tile, masked and exponentiated: s <- visible ? s - shift : -inf, then exp; keys past
-// the block's end (j >= n) are hidden. Returns the row's max of the masked scores when `shift` is NaN
-// (the caller then calls again with the shift), else the row's sum of exps.
+// One key block's slots and segments (keys past the sequence's end get a slot no query reaches).
+// A score row is masked by mask_row (hidden keys -> -inf, returns the row's max), or only reduced by
+// max_row where the whole block is visible, then exponentiated by exp_row (returns the sum).
 struct KeyBlock {
   int32_t slot[kBlockK];
   int32_t seg[kBlockK];
