@@ -10,7 +10,13 @@ batch of random token ids (next-token loss) and the same initial weights, float3
   balancing controller), per MoE path;
 * ``zaya_adamw_<impl>``: the same step with every leaf on AdamW (the optimizer HF is run with);
 * ``dense_muon``: zaya-jax with one expert instead of E (the dense model whose per-token active
-  size equals the MoE's).
+  size equals the MoE's);
+* ``hf_adamw_tcmalloc``: ``hf_adamw`` under tcmalloc, where it is installed.
+
+Allocators: each zaya worker runs under the allocator the ``zaya`` command would use
+(``zaya_jax.allocator``: tcmalloc where installed, ``ZAYA_ALLOCATOR=system`` for the C library's);
+``hf_adamw`` runs under the C library's malloc, as ``python`` starts PyTorch, and
+``hf_adamw_tcmalloc`` under tcmalloc, so the ratios are given against both.
 
 Timing JAX and PyTorch in one process distorts both on a small machine (each framework's thread
 pools compete: PyTorch ran 4-9x and JAX 1.2-2x slower than alone), so every variant is a worker
@@ -39,6 +45,8 @@ from pathlib import Path
 
 import numpy as np
 
+from zaya_jax.allocator import find_tcmalloc, wanted_library
+
 
 def _config(args):
     import zaya_jax
@@ -55,6 +63,9 @@ def _ids(cfg, args) -> np.ndarray:
 
 
 def _serve(run, info: dict) -> None:
+    from zaya_jax.allocator import loaded_allocator
+
+    info["allocator"] = loaded_allocator() or "system"
     print("READY " + json.dumps(info), flush=True)
     for line in sys.stdin:
         command = line.split()
@@ -80,7 +91,8 @@ def hf_worker(args) -> None:
     torch.manual_seed(0)
     model = transformers.ZayaForCausalLM(transformers.ZayaConfig(**model_to_hf_config(cfg.model)))
     model = model.train().to(device)
-    np.savez(args.weights, **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
+    if not Path(args.weights).exists():  # the first HF worker writes the weights every worker loads
+        np.savez(args.weights, **{k: v.detach().cpu().numpy() for k, v in model.state_dict().items()})
     try:
         opt = torch.optim.AdamW(
             model.parameters(), lr=cfg.optim.adam_lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True
@@ -176,6 +188,11 @@ def _start(variant: str, args, weights: Path) -> subprocess.Popen:
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
     if tree:
         env["PYTHONPATH"] = str(Path(tree).resolve())
+    # zaya workers: the allocator the zaya command runs under; HF: the C library's, or tcmalloc
+    library = find_tcmalloc() if variant == "hf_adamw_tcmalloc" else None
+    library = wanted_library() if variant.startswith(("zaya", "dense")) else library
+    if library:
+        env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -211,7 +228,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker == "hf_adamw":
+    if args.worker.startswith("hf_adamw") if args.worker else False:
         return hf_worker(args)
     if args.worker:
         return zaya_worker(args, args.worker)
@@ -220,7 +237,7 @@ def main() -> None:
         parser.error("HF runs in float32 here; compare like with like: --set model.dtype=float32")
     if args.device == "auto":
         args.device = "gpu"  # PyTorch on the GPU when it sees one, as JAX
-    variants = ["hf_adamw"]
+    variants = ["hf_adamw"] + (["hf_adamw_tcmalloc"] if find_tcmalloc() and not args.no_hf else [])
     variants += [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
     variants += [] if args.no_dense else ["dense_muon"]
     if args.baseline:
@@ -232,7 +249,7 @@ def main() -> None:
         if args.no_hf:
             workers.pop("hf_adamw").communicate("QUIT\n", timeout=60)
             variants.remove("hf_adamw")
-        for variant in [v for v in variants if v != "hf_adamw"]:  # set up (compile) one at a time
+        for variant in variants[variants.index("hf_adamw") + 1 :]:  # set up (compile) one at a time
             workers[variant] = _start(variant, args, weights)
             info[variant] = _expect(workers[variant], "READY", variant)
         rounds = {v: [] for v in variants}
@@ -248,7 +265,7 @@ def main() -> None:
 
     step_s = {v: statistics.median(r) for v, r in rounds.items()}
     tokens = args.batch * args.seq
-    zaya = next(v for v in variants if v != "hf_adamw")
+    zaya = next(v for v in variants if not v.startswith("hf_adamw"))
     peak = info[zaya]["peak"]
     moe_flops = info[zaya]["flops_per_token"]
     report = {
@@ -256,6 +273,7 @@ def main() -> None:
         f"{info[zaya]['backend']}, torch {info['hf_adamw']['torch']} on {info['hf_adamw']['device']} "
         f"({info['hf_adamw']['threads']} threads); one process per variant, run in turn",
         "shape": {"config": args.config, "batch": args.batch, "seq": args.seq, "set": args.set},
+        "allocator": {v: info[v]["allocator"] for v in variants},
         "peak_gflops": round(peak / 1e9, 1),
         "peak_source": info[zaya]["peak_source"],
         "step_s": {v: round(t, 4) for v, t in step_s.items()},
@@ -266,8 +284,10 @@ def main() -> None:
             for v, t in step_s.items()
         },
     }
-    if "hf_adamw" in step_s:
-        report["ratio_vs_hf"] = {v: round(step_s["hf_adamw"] / t, 3) for v, t in step_s.items()}
+    for hf in ("hf_adamw", "hf_adamw_tcmalloc"):
+        if hf in step_s:
+            key = "ratio_vs_hf" + hf[len("hf_adamw") :]
+            report[key] = {v: round(step_s[hf] / t, 3) for v, t in step_s.items()}
     if args.baseline:  # < 1: this tree's step is faster than the baseline's
         report["time_vs_baseline"] = {
             v: round(step_s[v] / step_s[BASELINE + v], 3) for v in variants if BASELINE + v in step_s

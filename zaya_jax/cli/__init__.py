@@ -1,96 +1,38 @@
-"""The ``zaya`` command line: one module per command group (``train``; ``evaluate``: eval and
-generate; ``data``; ``convert``: convert and inspect; ``operations``: supervise and doctor), the argv
-dialects in ``argv``; this module builds the parser and maps errors to exit codes (2: the input is
-wrong; 1: the run failed or storage did)."""
+"""The ``zaya`` command line. ``zaya`` and ``python -m zaya_jax.cli`` start in :func:`entry`, which
+first re-executes the process under tcmalloc (``zaya_jax.allocator``) and only then imports JAX
+and the commands (``zaya_jax.cli.commands``); ``main(argv)`` runs one command in this process (the
+tests and the Python API), and loads the commands on first use."""
 
 from __future__ import annotations
 
-import argparse
 import sys
-import warnings
-from collections.abc import Sequence
 from typing import Any
 
-from zaya_jax.checkpoint import CheckpointCorruptError, CheckpointSaveError
-from zaya_jax.cli import convert, data, evaluate, operations, train
-from zaya_jax.cli.argv import command_name, inspect_positionals, parse, positional_config
-from zaya_jax.config import ConfigError
-from zaya_jax.files import storage_error_message
-from zaya_jax.resilience import NonFiniteLossError, RoutingAlarmError
+__all__ = ["build_parser", "entry", "main"]
 
-# Older names, kept for code that imported them from zaya_jax.cli.
-_parse, _positional_config = parse, positional_config
-
-__all__ = ["build_parser", "main"]
+_COMMANDS = {"main", "build_parser", "parse", "positional_config"}
+_OLD_NAMES = {"_parse": "parse", "_positional_config": "positional_config"}  # kept for older imports
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zaya", description="ZAYA1-style MoE language models in JAX.")
-    parser.add_argument("--version", action="version", version=f"zaya-jax {_version()}")
-    sub = parser.add_subparsers(dest="subcommand", required=True)
-    for group in (train, evaluate, data, convert, operations):
-        group.register(sub)
-    return parser
-
-
-def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int:
-    """Run one ``zaya`` command; returns its exit code. ``hooks`` are passed to ``zaya train``'s
-    loop (:class:`zaya_jax.train.hooks.Hook`; the tests' fault injection)."""
-    parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    with warnings.catch_warnings():
-        warnings.showwarning = _one_line_warning(command_name(argv))
-        return _run(parser, argv, hooks)
-
-
-def _one_line_warning(command: str) -> Any:
-    """Warnings (a checkpoint set aside, a fallback taken) as one ``zaya CMD: warning:`` line each."""
-
-    def show(
-        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
-    ) -> None:
-        text = " ".join(str(message).split())
-        print(f"zaya {command}: warning: {text}", file=file or sys.stderr, flush=True)
-
-    return show
-
-
-def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Any]) -> int:
-    try:
-        args = parse(parser, argv)
-        args.hooks = tuple(hooks)
-        if args.subcommand == "inspect":
-            inspect_positionals(args)
-        positional_config(args)
-        return args.func(args)
-    except ConfigError as err:
-        return _error(argv, f"configuration error: {err}", 2)
-    except (CheckpointCorruptError, CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
-        return _error(argv, err, 1)
-    except RuntimeError as err:  # out of memory, planned or at run time: one line with advice
-        from zaya_jax.train.fit import OutOfMemoryError, is_out_of_memory, out_of_memory_message
-
-        if isinstance(err, OutOfMemoryError):
-            return _error(argv, err, 1)
-        if is_out_of_memory(err):
-            return _error(argv, out_of_memory_message(err), 1)
-        raise
-    except (FileNotFoundError, FileExistsError, ValueError) as err:
-        return _error(argv, err, 2)
-    except OSError as err:  # a full disk, a read-only or forbidden directory
-        return _error(argv, storage_error_message(err), 1)
-
-
-def _error(argv: list[str], message: object, code: int) -> int:
-    """The command's error as one line on stderr; returns its exit code."""
-    print(f"zaya {command_name(argv)}: {' '.join(str(message).split())}", file=sys.stderr)
-    return code
-
-
-def _version() -> str:
-    import importlib.metadata as metadata
+def entry() -> int:
+    """The ``zaya`` script: the command line in ``sys.argv``, under the preferred allocator."""
+    from zaya_jax.allocator import AllocatorError, reexec_with_allocator
 
     try:
-        return metadata.version("zaya-jax")
-    except metadata.PackageNotFoundError:
-        return "unknown"
+        reexec_with_allocator()
+    except AllocatorError as err:
+        print(f"zaya: {err}", file=sys.stderr)
+        return 2
+    from zaya_jax.cli.commands import main as run
+
+    return run()
+
+
+def __getattr__(name: str) -> Any:
+    if name in _COMMANDS or name in _OLD_NAMES:
+        from zaya_jax.cli import commands
+
+        value = getattr(commands, _OLD_NAMES.get(name, name))
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'zaya_jax.cli' has no attribute {name!r}")

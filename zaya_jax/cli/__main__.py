@@ -2,6 +2,6 @@
 
 import sys
 
-from zaya_jax.cli import main
+from zaya_jax.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -1,6 +1,7 @@
 """What this machine runs on, for ``zaya doctor``: the JAX backend and devices, the installed GPU
 plugins, the versions of the libraries a run depends on, which custom-call kernels are built for
-each platform (and whether a device is there to run them), and the XLA flags worth setting on it."""
+each platform (and whether a device is there to run them), the host memory allocator, and the XLA
+flags worth setting on it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any
 
 import jax
 
-from zaya_jax import ops
+from zaya_jax import allocator, ops
 from zaya_jax.ops._registry import LIB_DIR
 
 _LATENCY_HIDING = (
@@ -104,6 +105,7 @@ def platform_report(xla_flags: str | None = None) -> dict[str, Any]:
         "plugins": gpu_plugins(),
         "kernels": kernel_report(),
         "kernels_dir": str(LIB_DIR),
+        "allocator": allocator.describe(),
         "recommended_xla_flags": {
             flag: {"set": flag.split("=")[0] in flags, "why": why} for flag, why in recommended.items()
         },
