@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zaya_jax"
 
 # Lowest first. The parts of one layer do not import each other.
 LAYERS: list[set[str]] = [
-    {"files", "staging"},
+    {"allocator", "files", "staging"},
     {"config"},
     {"ops"},
     {"model"},
