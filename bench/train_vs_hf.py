@@ -241,7 +241,7 @@ def main() -> None:
     variants += [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
     variants += [] if args.no_dense else ["dense_muon"]
     if args.baseline:
-        variants += [BASELINE + v for v in variants[1:]]
+        variants += [BASELINE + v for v in variants if not v.startswith("hf_adamw")]
     with tempfile.TemporaryDirectory() as tmp:
         weights = Path(tmp) / "weights.npz"
         workers = {"hf_adamw": _start("hf_adamw", args, weights)}  # writes the weights first
@@ -249,7 +249,7 @@ def main() -> None:
         if args.no_hf:
             workers.pop("hf_adamw").communicate("QUIT\n", timeout=60)
             variants.remove("hf_adamw")
-        for variant in variants[variants.index("hf_adamw") + 1 :]:  # set up (compile) one at a time
+        for variant in [v for v in variants if v not in workers]:  # set up (compile) one at a time
             workers[variant] = _start(variant, args, weights)
             info[variant] = _expect(workers[variant], "READY", variant)
         rounds = {v: [] for v in variants}
