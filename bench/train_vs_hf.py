@@ -45,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax.allocator import find_tcmalloc, wanted_library
+from zaya_jax.allocator import find_tcmalloc, wanted_library, with_preload
 
 
 def _config(args):
@@ -191,8 +191,7 @@ def _start(variant: str, args, weights: Path) -> subprocess.Popen:
     # zaya workers: the allocator the zaya command runs under; HF: the C library's, or tcmalloc
     library = find_tcmalloc() if variant == "hf_adamw_tcmalloc" else None
     library = wanted_library() if variant.startswith(("zaya", "dense")) else library
-    if library:
-        env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
+    env = with_preload(env, library) if library else env
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
 
 
@@ -228,7 +227,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.worker.startswith("hf_adamw") if args.worker else False:
+    if args.worker and args.worker.startswith("hf_adamw"):
         return hf_worker(args)
     if args.worker:
         return zaya_worker(args, args.worker)

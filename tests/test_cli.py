@@ -108,7 +108,9 @@ def test_version(capsys):
 
 
 def test_flags_may_follow_overrides_and_configs_come_in_every_shape(tmp_path):
-    from zaya_jax.cli import _parse, _positional_config, build_parser
+    from zaya_jax.cli import build_parser
+    from zaya_jax.cli.argv import parse as _parse
+    from zaya_jax.cli.argv import positional_config as _positional_config
 
     def parsed(*argv):
         args = _parse(build_parser(), list(argv))

@@ -26,13 +26,6 @@ from pathlib import Path
 
 ENV = "ZAYA_ALLOCATOR"
 _REEXECUTED = "ZAYA_ALLOCATOR_REEXECUTED"  # set in the re-executed process: never loop
-# Where Debian/Ubuntu (libtcmalloc-minimal4), Fedora/RHEL (gperftools-libs) and conda put it.
-_CANDIDATES = (
-    "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4",
-    "/usr/lib64/libtcmalloc_minimal.so.4",
-    "/usr/lib/libtcmalloc_minimal.so.4",
-)
 _NAMES = ("tcmalloc_minimal", "tcmalloc")
 # gperftools reports every allocation over 1 GiB on stderr; a large model's host arrays are.
 _QUIET = {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)}
@@ -43,17 +36,13 @@ class AllocatorError(ValueError):
 
 
 def find_tcmalloc() -> str | None:
-    """The path of an installed tcmalloc library, or None."""
-    prefix = os.environ.get("CONDA_PREFIX")
-    extra = [f"{prefix}/lib/libtcmalloc_minimal.so.4"] if prefix else []
-    for path in [*extra, *_CANDIDATES]:
-        if Path(path).is_file():
-            return path
-    for name in _NAMES:  # the loader's cache: a bare soname, which LD_PRELOAD accepts
-        found = ctypes.util.find_library(name)
-        if found:
-            return found
-    return None
+    """An installed tcmalloc library (Debian/Ubuntu ``libtcmalloc-minimal4``, Fedora/RHEL
+    ``gperftools-libs``, or conda's in ``$CONDA_PREFIX/lib``), or None. The loader's cache gives a
+    bare soname, which ``LD_PRELOAD`` accepts."""
+    conda = Path(os.environ.get("CONDA_PREFIX", "/nonexistent")) / "lib" / "libtcmalloc_minimal.so.4"
+    if conda.is_file():
+        return str(conda)
+    return next(filter(None, map(ctypes.util.find_library, _NAMES)), None)
 
 
 def loaded_allocator() -> str | None:
@@ -86,7 +75,12 @@ def wanted_library() -> str | None:
     return choice
 
 
-def reexec_with_allocator(argv: list[str] | None = None) -> None:
+def with_preload(env: dict[str, str], library: str) -> dict[str, str]:
+    """A copy of the environment ``env`` with ``library`` first in ``LD_PRELOAD``."""
+    return {**env, "LD_PRELOAD": " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)}
+
+
+def reexec_with_allocator() -> None:
     """Replace this process with the same command under the allocator ``ZAYA_ALLOCATOR`` asks for,
     unless it already runs under one, the choice is the system's malloc, or this process is the
     re-executed one. Call before JAX is imported; returns only when nothing is to be done."""
@@ -95,15 +89,10 @@ def reexec_with_allocator(argv: list[str] | None = None) -> None:
     library = wanted_library()
     if library is None:
         return
-    env = dict(os.environ)
-    env[_REEXECUTED] = library
-    env["LD_PRELOAD"] = " ".join(p for p in (library, env.get("LD_PRELOAD", "")) if p)
-    for key, value in _QUIET.items():
-        env.setdefault(key, value)
+    env = {**_QUIET, **with_preload(dict(os.environ), library), _REEXECUTED: library}
     sys.stdout.flush()
     sys.stderr.flush()
-    command = list(sys.orig_argv if argv is None else argv)
-    os.execve(sys.executable, [sys.executable, *command[1:]], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
 
 
 def describe() -> str:

@@ -10,9 +10,6 @@ from typing import Any
 
 __all__ = ["build_parser", "entry", "main"]
 
-_COMMANDS = {"main", "build_parser", "parse", "positional_config"}
-_OLD_NAMES = {"_parse": "parse", "_positional_config": "positional_config"}  # kept for older imports
-
 
 def entry() -> int:
     """The ``zaya`` script: the command line in ``sys.argv``, under the preferred allocator."""
@@ -28,11 +25,9 @@ def entry() -> int:
     return run()
 
 
-def __getattr__(name: str) -> Any:
-    if name in _COMMANDS or name in _OLD_NAMES:
+def __getattr__(name: str) -> Any:  # main and build_parser, loaded on first use
+    if name in ("main", "build_parser"):
         from zaya_jax.cli import commands
 
-        value = getattr(commands, _OLD_NAMES.get(name, name))
-        globals()[name] = value
-        return value
+        return getattr(commands, name)
     raise AttributeError(f"module 'zaya_jax.cli' has no attribute {name!r}")
