@@ -27,8 +27,8 @@ import zaya_jax
 from zaya_jax.config import DataSource
 from zaya_jax.data import load_tokenizer, prepare
 from zaya_jax.data.corpus import read_stdlib
-from zaya_jax.programs import build_programs
-from zaya_jax.train.schedule import BatchProducer
+from zaya_jax.objectives import build_programs
+from zaya_jax.objectives.lm import BatchProducer
 
 
 def producer_rate(cfg, batches: int) -> dict[str, float]:

@@ -18,8 +18,8 @@ import numpy as np
 
 import zaya_jax
 from zaya_jax.data import load_tokenizer, make_row_iterator, next_batch
+from zaya_jax.objectives import build_programs
 from zaya_jax.optim import LeafGroup, model_param_groups
-from zaya_jax.programs import build_programs
 
 
 def _stepper(cfg, groups, batch):

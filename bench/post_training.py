@@ -57,7 +57,7 @@ def _exact_match(step_dir: Path, prompts: list[dict]) -> float:
     from zaya_jax.config import load_config
     from zaya_jax.data import load_tokenizer
     from zaya_jax.data.tasks import reverse_reward
-    from zaya_jax.train.rewards import held_out_reward
+    from zaya_jax.objectives.rewards import held_out_reward
 
     lm = zaya_jax.load(step_dir)
     cfg = load_config("grpo")
@@ -109,7 +109,7 @@ def main() -> None:
         )
 
     from zaya_jax.config import load_config
-    from zaya_jax.train.rewards import PromptSet
+    from zaya_jax.objectives.rewards import PromptSet
 
     rl_prompts = PromptSet(load_config("grpo")).held_out  # the prompts eval_reward scores
     base = _exact_match(start, rl_prompts)

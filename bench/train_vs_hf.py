@@ -122,8 +122,9 @@ def zaya_worker(args, variant: str) -> None:
 
     import zaya_jax
     from zaya_jax.interop.hf import hf_to_variables
+    from zaya_jax.objectives import build_programs
     from zaya_jax.optim import LeafGroup, model_param_groups
-    from zaya_jax.programs import build_programs, init_train_state
+    from zaya_jax.programs import init_train_state
     from zaya_jax.train.flops import flops_per_token, measured_cpu_peak, peak_flops
 
     cfg = _config(args)

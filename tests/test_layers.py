@@ -18,6 +18,7 @@ LAYERS: list[set[str]] = [
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
     {"programs", "pretrained"},
     {"generate"},
+    {"objectives"},
     {"train", "eval"},
     {"lm", "config_reference"},
     {"cli", "harness", "__main__", "__init__"},

@@ -13,18 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.config import Config, DataConfig, ModelConfig
+from zaya_jax.config import Config, DataConfig, ModelConfig, RuntimeConfig
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
-from zaya_jax.eval import evaluate, evaluate_held_out
+from zaya_jax.eval import evaluate
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
 from zaya_jax.model import Zaya
+from zaya_jax.objectives import SavedRun, spec_for
+from zaya_jax.parallel.distributed import enable_compilation_cache
 from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
-from zaya_jax.train.reference import read_references
-from zaya_jax.train.rewards import PromptSet, held_out_reward, load_reward
 
 
 @dataclasses.dataclass
@@ -127,7 +127,10 @@ def load(path: str | Path, tokenizer: str | None = None) -> LanguageModel:
     ``save_pretrained`` directory (converted in memory), through the one loading path of
     :mod:`zaya_jax.pretrained`. Arrays land on the first local device, whatever mesh saved them.
     ``tokenizer`` (``'byte'`` or a tokenizer.json) replaces the model's own (which is then not read).
+    The default persistent compilation cache (``runtime.compilation_cache_dir``) is switched on,
+    as ``zaya eval`` and ``zaya generate`` run, so evaluating or sampling again compiles nothing.
     """
+    enable_compilation_cache(RuntimeConfig().compilation_cache_dir)
     files = load_model(path)
     if tokenizer is not None:
         tok, problem = load_tokenizer(tokenizer), None
@@ -187,24 +190,14 @@ def evaluate_path(
 
 
 def _evaluate_run(lm: LanguageModel, path: Path, tok: Any, progress: bool) -> dict[str, Any]:
-    """A run's own held-out evaluation, by its objective: the loss (``lm``), the preference
-    metrics (dpo, ipo, simpo), or the mean greedy reward of its held-out prompts (grpo)."""
-    cfg, train = lm.run_config, lm.run_config.train
-    if train.objective == "grpo":
-        prompts = PromptSet(cfg).held_out
-        mean = held_out_reward(cfg, lm.variables, tok, prompts, load_reward(cfg.rl.reward))
-        what = f"the run's held-out reward (step {lm.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
-        return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
+    """A run's own held-out evaluation, as its objective defines it (the loss for ``lm``, the
+    preference metrics for dpo, ipo and simpo, the mean greedy reward of its held-out prompts for
+    grpo: :attr:`zaya_jax.objectives.ObjectiveSpec.evaluate_saved`)."""
     run_dir = (
         path if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() else path.parent.parent
     )
-    references = read_references(run_dir, cfg, tok)
-    result = evaluate_held_out(lm, cfg, tokenizer=tok, progress=progress, references=references)
-    what = (
-        f"the run's held-out evaluation (step {lm.step}): {cfg.eval.batches} batches of "
-        f"{train.batch_size} x {train.seq_len} tokens, seed {train.seed}"
-    )
-    return {**result, "evaluated": what}
+    saved = SavedRun(lm, lm.run_config, run_dir, lm.step, tok, progress)
+    return spec_for(lm.run_config).evaluate_saved(saved)
 
 
 def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32") -> tuple[Path, int]:

@@ -14,8 +14,8 @@ import numpy as np
 import zaya_jax
 from zaya_jax.loss import loss_and_stats
 from zaya_jax.model import Zaya
+from zaya_jax.objectives import build_programs
 from zaya_jax.parallel import put_batch
-from zaya_jax.programs import build_programs
 
 MODEL = [
     "model.hidden_size=32",

@@ -34,7 +34,7 @@ import jax
 import numpy as np
 
 from zaya_jax.files import write_atomic
-from zaya_jax.train.hooks import Hook, RunContext, StepEnd
+from zaya_jax.train.hooks import Hook, RunContext, StepRecord
 
 FIRED = "faults_fired.json"
 FAULTS = (
@@ -165,8 +165,8 @@ class FaultHook(Hook):
             return {**batch, "loss_mask": batch["loss_mask"] * np.float32(math.nan)}
         return batch
 
-    def after_step(self, end: StepEnd) -> None:
-        step, saved = end.step, self.checkpoints.saved_step == end.step
+    def after_step(self, end: StepRecord) -> None:
+        step, saved = end.step, end.saved
         if saved and self.due("crash_during_save_at_step", step):
             os.kill(os.getpid(), signal.SIGKILL)  # the save is still being written in the background
         if saved and self.due("corrupt_checkpoint_at_step", step):

@@ -10,15 +10,16 @@ import numpy as np
 from tests.train.test_step import _cfg, synthetic_batch
 from zaya_jax.config import ResilienceConfig
 from zaya_jax.model import init_variables
+from zaya_jax.objectives.lm import next_token
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
+from zaya_jax.programs import init_train_state, make_train_step
 from zaya_jax.resilience import LossGuard, classify_runtime_error
-from zaya_jax.train.step import init_train_state, make_train_step
 
 
 def test_guarded_step_keeps_the_previous_state_on_a_bad_step():
     cfg = _cfg(batch_size=2)
     tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), cfg.train.steps)
-    step = jax.jit(make_train_step(cfg, tx, set_lr_scale))
+    step = jax.jit(make_train_step(cfg, tx, set_lr_scale, objective=next_token(cfg)))
     state = init_train_state(init_variables(cfg.model, 0), tx)
     batch = synthetic_batch(0, 2, 16)
     one = jnp.asarray(1.0)

@@ -96,19 +96,19 @@ def test_the_monitor_judges_windowed_statistics():
         "pinned": np.zeros((layers, classes)),
     }
     collapsed = {**healthy, "entropy": np.zeros(layers)}
-    assert monitor.observe(1, collapsed) is None  # the warm-up: neither judged nor kept
-    assert monitor.observe(2, healthy) is None and monitor.observe(3, healthy) is None
+    assert monitor.add(1, collapsed) is None  # the warm-up: neither judged nor kept
+    assert monitor.add(2, healthy) is None and monitor.add(3, healthy) is None
     flat = {**healthy, "entropy": jnp.asarray([0.9, 0.9, 0.001, 0.9])}
-    assert monitor.observe(4, flat) is None  # the window's mean (0.45) is still fine
-    alarm = monitor.observe(5, flat)
+    assert monitor.add(4, flat) is None  # the window's mean (0.45) is still fine
+    alarm = monitor.add(5, flat)
     assert (alarm.layer, alarm.statistic) == (2, "entropy") and alarm.value < 0.02
-    assert monitor.observe(6, flat) is None  # raised once while it holds
+    assert monitor.add(6, flat) is None  # raised once while it holds
     pinned = {**healthy, "pinned": np.eye(layers, classes)}
     monitor.reset()
-    monitor.observe(7, pinned)
-    assert monitor.observe(8, pinned).statistic == "pinned_bias"
+    monitor.add(7, pinned)
+    assert monitor.add(8, pinned).statistic == "pinned_bias"
     skipping = {**healthy, "load": np.tile([0.075, 0.075, 0.075, 0.075, 0.7], (layers, 1))}
     monitor.reset()
-    monitor.observe(9, skipping)
-    alarm = monitor.observe(10, skipping)
+    monitor.add(9, skipping)
+    alarm = monitor.add(10, skipping)
     assert (alarm.layer, alarm.statistic) == (0, "skip_drift") and abs(alarm.value - 0.6) < 1e-9

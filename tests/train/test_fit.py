@@ -114,7 +114,7 @@ def test_out_of_memory_at_run_time_is_one_line_and_keeps_the_saved_checkpoint(tm
 
 
 def test_an_allocation_failure_in_the_step_names_the_runs_settings():
-    from zaya_jax.train.programs import TrainStep
+    from zaya_jax.train.compiled import TrainStep
 
     class Programs:
         cfg = load_config("tiny", overrides=["train.micro_batches=2", "train.batch_size=8"])

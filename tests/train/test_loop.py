@@ -12,8 +12,8 @@ import yaml
 import zaya_jax
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, config_from_dict, load_config
+from zaya_jax.objectives.lm import plan_for
 from zaya_jax.train.loop import train
-from zaya_jax.train.schedule import plan_for
 
 MINI = [
     "model.hidden_size=32",

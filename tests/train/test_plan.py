@@ -93,14 +93,15 @@ def test_a_step_without_the_loss_guard_is_another_program():
     state) from the three-input step the plan used to build for itself."""
     import jax
 
+    from zaya_jax.objectives import build_programs
     from zaya_jax.optim import set_lr_scale
-    from zaya_jax.programs import build_programs, fingerprint, make_train_step
+    from zaya_jax.programs import fingerprint, make_train_step
 
     cfg = load_config("tiny", ["train.batch_size=2", "train.seq_len=32"])
     programs = build_programs(cfg)
     layout = programs.layout
     three_inputs = jax.jit(
-        make_train_step(cfg, programs.tx, set_lr_scale, **layout.step_hooks),
+        make_train_step(cfg, programs.tx, set_lr_scale, objective=programs.bound, **layout.step_hooks),
         in_shardings=(programs.shardings, layout.batch, layout.replicated),
         out_shardings=(programs.shardings, layout.replicated),
         donate_argnums=0,

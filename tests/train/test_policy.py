@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ResilienceConfig
+from zaya_jax.train.decisions import Action, Outcome, decide
 from zaya_jax.train.metrics import metric_record
-from zaya_jax.train.policy import Action, Outcome, decide
 
 
 def _outcome(skipped: bool, nonfinite: bool = False) -> Outcome:

@@ -155,8 +155,9 @@ def test_the_preference_losses_follow_their_formulas(tmp_path, objective):
     import jax.numpy as jnp
 
     from tests.random_model import random_variables, tiny_config
-    from zaya_jax.loss import objective_for, token_losses
+    from zaya_jax.loss import token_losses
     from zaya_jax.model import Zaya
+    from zaya_jax.objectives import spec_for
 
     path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(3, seed=5))
     row = next(
@@ -178,8 +179,10 @@ def test_the_preference_losses_follow_their_formulas(tmp_path, objective):
         ],
     )
     cfg = dataclasses.replace(cfg, model=model_cfg)
-    loss, stats = objective_for(cfg).loss_and_stats(
-        Zaya(model_cfg), variables["params"], variables["balancing"], batch
+    loss, stats = (
+        spec_for(cfg)
+        .loss(cfg)
+        .loss_and_stats(Zaya(model_cfg), variables["params"], variables["balancing"], batch)
     )
 
     logits, _ = Zaya(model_cfg).apply(variables, batch["inputs"], segment_ids=batch["segment_ids"])

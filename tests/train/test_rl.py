@@ -16,7 +16,7 @@ from zaya_jax.config import load_config
 from zaya_jax.data import load_tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import init_variables
-from zaya_jax.train.rollouts import Completion, completion_row, group_advantages
+from zaya_jax.objectives.rollouts import Completion, completion_row, group_advantages
 
 GRPO = [
     *MINI,
@@ -149,7 +149,7 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
 def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
     from zaya_jax.data import DataError
     from zaya_jax.data.tasks import reverse_chats, write_jsonl
-    from zaya_jax.train.rewards import PromptSet, prompt_messages
+    from zaya_jax.objectives.rewards import PromptSet, prompt_messages
 
     path = write_jsonl(tmp_path / "prompts.jsonl", reverse_chats(200, seed=4))
     cfg = load_config(

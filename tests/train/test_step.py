@@ -15,8 +15,9 @@ from tests.random_model import TINY
 from zaya_jax.config import Config, OptimConfig, RunConfig, TrainConfig
 from zaya_jax.loss import loss_and_stats, token_losses
 from zaya_jax.model import BALANCING, Zaya, init_variables
+from zaya_jax.objectives.lm import next_token
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
-from zaya_jax.train.step import init_train_state, make_train_step
+from zaya_jax.programs import init_train_state, make_train_step
 
 
 def _cfg(**train) -> Config:
@@ -54,7 +55,7 @@ def synthetic_batch(seed: int, batch: int, seq: int, vocab: int = TINY.vocab_siz
 def _compiled(cfg: Config):
     """One jitted step per config (the seed does not matter): compiling dominates these tests."""
     tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), cfg.train.steps)
-    return tx, jax.jit(make_train_step(cfg, tx, set_lr_scale), donate_argnums=0)
+    return tx, jax.jit(make_train_step(cfg, tx, set_lr_scale, objective=next_token(cfg)), donate_argnums=0)
 
 
 def _setup(cfg: Config):
@@ -181,7 +182,7 @@ def test_step_compiles_once_per_batch_shape():
     tx, _ = _compiled(cfg)
     state = init_train_state(init_variables(cfg.model, 0), tx)
     traces = []
-    inner = make_train_step(cfg, tx, set_lr_scale)
+    inner = make_train_step(cfg, tx, set_lr_scale, objective=next_token(cfg))
 
     def counted(state, batch, lr_scale):
         traces.append(batch["inputs"].shape)

@@ -69,18 +69,9 @@ def _add_generate_command(sub: Any) -> None:
     gen.set_defaults(func=_cmd_generate)
 
 
-def _default_compilation_cache() -> None:
-    """eval and generate use the default persistent compilation cache (runtime.compilation_cache_dir)."""
-    from zaya_jax.config import RuntimeConfig
-    from zaya_jax.parallel.distributed import enable_compilation_cache
-
-    enable_compilation_cache(RuntimeConfig().compilation_cache_dir)
-
-
 def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya_jax.lm import evaluate_path
 
-    _default_compilation_cache()
     result = evaluate_path(
         args.path,
         args.data,
@@ -110,7 +101,6 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from zaya_jax.lm import load
 
-    _default_compilation_cache()
     lm = load(args.path, args.tokenizer)
     if args.interactive:
         return _interactive(lm, args)

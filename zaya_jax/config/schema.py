@@ -530,7 +530,7 @@ class PreferenceConfig:
     (h - 1 / (2 beta))^2; simpo uses no reference and the completions' mean log-probabilities:
     -log sigmoid(beta (mean log pi(chosen) - mean log pi(rejected)) - simpo_gamma). The reference
     log-probabilities come from the starting weights, computed once before step 1 and stored in
-    the run directory (``reference/``); see :mod:`zaya_jax.train.reference`."""
+    the run directory (``reference/``); see :mod:`zaya_jax.objectives.reference`."""
 
     beta: float = 0.1  # inverse temperature of the implicit reward (SimPO papers use 2.0-2.5)
     simpo_gamma: float = 0.5  # simpo: the target margin between chosen and rejected rewards
@@ -544,7 +544,7 @@ class PreferenceConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-    """Reinforcement learning with GRPO (``train.objective: grpo``; :mod:`zaya_jax.train.rollouts`).
+    """Reinforcement learning with GRPO (``train.objective: grpo``; :mod:`zaya_jax.objectives.rollouts`).
 
     Every ``steps_per_rollout`` steps the current policy samples ``group_size`` completions of each of
     ``steps_per_rollout * train.batch_size / group_size`` prompts with zaya's own sampler and decode
@@ -563,7 +563,7 @@ class RLConfig:
     # The reward: "module:function" called as function(record, completion_text) -> float.
     reward: str = "zaya_jax.data.tasks:reverse_reward"
     # Rollouts read from JSONL files (a file, directory or glob) instead of sampled (see
-    # zaya_jax.train.rollouts for the record format; routes captured by another engine replay here).
+    # zaya_jax.objectives.rollouts for the record format; routes captured by another engine replay here).
     rollouts: str = ""
     group_size: int = 8  # completions sampled per prompt (the group of the advantage)
     max_new_tokens: int = 32  # longest completion

@@ -4,16 +4,15 @@ Every batch has ``inputs`` and ``targets`` (token ids), ``segment_ids`` (1, 2, .
 row; 0 = padding), ``positions`` (index within the segment) and ``loss_mask`` (1 on trained pairs,
 0 on padding and on untrained tokens). :mod:`zaya_jax.data.pipeline` describes how rows are packed.
 
-Post-training objectives add fields (:func:`batch_fields`): ``reference_logps`` (dpo, ipo: each
-sequence's reference log-probability on its segment's first position), and for grpo
-``sampler_logprobs``, ``advantages``, ``reference_logprobs`` (with ``rl.kl > 0``) per target, and
-``routes`` (rows, seq, layers), the sampler's classes (replayed with ``rl.replay_routes``, else
+Post-training objectives add fields, each declared by its objective's loss binding
+(:class:`zaya_jax.loss.Objective`, ``fields``; :mod:`zaya_jax.objectives`): ``reference_logps``
+(dpo, ipo: each sequence's reference log-probability on its segment's first position), and for
+grpo ``sampler_logprobs``, ``advantages``, ``reference_logprobs`` (with ``rl.kl > 0``) per target,
+and ``routes`` (rows, seq, layers), the sampler's classes (replayed with ``rl.replay_routes``, else
 compared: ``route_flips``).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import numpy as np
 
@@ -25,23 +24,6 @@ BATCH_FIELDS: dict[str, type[np.generic]] = {
     "loss_mask": np.float32,
 }
 BATCH_KEYS = tuple(BATCH_FIELDS)
-
-
-def batch_fields(cfg: Any) -> dict[str, tuple[type[np.generic], tuple[int, ...]]]:
-    """Every field of ``cfg``'s batches: name -> (dtype, shape after (rows, seq))."""
-    fields: dict[str, tuple[type[np.generic], tuple[int, ...]]] = {
-        k: (v, ()) for k, v in BATCH_FIELDS.items()
-    }
-    objective = cfg.train.objective
-    if objective in ("dpo", "ipo"):
-        fields["reference_logps"] = (np.float32, ())
-    if objective == "grpo":
-        fields["sampler_logprobs"] = (np.float32, ())
-        fields["advantages"] = (np.float32, ())
-        if cfg.rl.kl > 0:
-            fields["reference_logprobs"] = (np.float32, ())
-        fields["routes"] = (np.int32, (cfg.model.num_layers,))
-    return fields
 
 
 def empty_row(seq_len: int, pad_id: int) -> dict[str, np.ndarray]:

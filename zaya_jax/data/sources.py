@@ -254,6 +254,16 @@ def iter_records(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator[t
         yield from iter_record_range(key, path, bad)
 
 
+def jsonl_records(
+    path: str, bad: BadDocuments, name: str = "records", kind: str = "jsonl"
+) -> Iterator[tuple[str, str, dict]]:
+    """:func:`iter_records` of every JSONL file ``path`` names (a file, directory or glob, as a
+    data source's ``path``): the reader for files that are not a training source (prompts, rollouts).
+    ``name`` and ``kind`` describe them in errors; ``bad`` takes the lines that are not JSON objects
+    (and the caller's own reports of records it cannot use)."""
+    yield from iter_records(resolve_files(DataSource(name=name, kind=kind, path=path)), bad)
+
+
 def iter_record_range(
     key: str, path: Path, bad: BadDocuments, start: int = 0, end: int | None = None, first_line: int = 1
 ) -> Iterator[tuple[str, str, dict]]:

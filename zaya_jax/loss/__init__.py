@@ -2,21 +2,22 @@
 
 ``forward`` (per-token negative log-likelihood through the chunked LM head, routing statistics,
 per-segment sums) -> ``next_token`` (pretraining and SFT), ``preference`` (DPO, IPO, SimPO),
-``policy`` (GRPO) -> ``objectives`` (``train.objective`` -> the function the step differentiates,
-and the held-out evaluation step)."""
+``policy`` (GRPO) -> ``contract`` (the :class:`Objective` record a spec binds one of them into,
+and the held-out evaluation step). Which objective a run trains is :mod:`zaya_jax.objectives`'."""
 
+from zaya_jax.loss.contract import FieldSpec, Objective, ObjectiveFor, average, make_eval_step
 from zaya_jax.loss.forward import Batch, segment_sums, token_losses, token_nll, under_axis_rules
 from zaya_jax.loss.next_token import loss_and_stats
-from zaya_jax.loss.objectives import Objective, average, make_eval_step, objective_for
 from zaya_jax.loss.preference import sequence_logps
 
 __all__ = [
     "Batch",
+    "FieldSpec",
     "Objective",
+    "ObjectiveFor",
     "average",
     "loss_and_stats",
     "make_eval_step",
-    "objective_for",
     "segment_sums",
     "sequence_logps",
     "token_losses",

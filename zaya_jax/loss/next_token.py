@@ -19,7 +19,7 @@ def loss_and_stats(
     model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float, loss_chunk: int = 0
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed (not averaged) loss over the batch's trained targets, and the statistics to accumulate
-    (the contract of :mod:`zaya_jax.loss.objectives`: ``weight`` = trained tokens, ``sums`` =
+    (the contract of :mod:`zaya_jax.loss.contract`: ``weight`` = trained tokens, ``sums`` =
     ``loss`` (cross-entropy) and ``log_z_squared``, and the routing statistics)."""
     ce, log_z, routing = token_nll(model, params, balancing, batch, loss_chunk)
     mask = batch["loss_mask"].astype(jnp.float32)

@@ -3,7 +3,7 @@
 ``rl.kl`` times the k3 estimate of KL(pi || reference) (Schulman's unbiased, non-negative
 estimator exp(d) - d - 1, d = log ref - log pi), divided by the completion tokens of the batch.
 
-The batch adds per-token fields (:mod:`zaya_jax.train.rollouts` builds them): ``sampler_logprobs``
+The batch adds per-token fields (:mod:`zaya_jax.objectives.rollouts` builds them): ``sampler_logprobs``
 (the sampler's log-probability of each target), ``advantages`` (the target's completion's
 group-normalised advantage), ``reference_logprobs`` when ``rl.kl > 0``, and ``routes`` when the
 sampler's routes were captured (replayed with ``rl.replay_routes``, else only compared:

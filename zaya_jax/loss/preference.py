@@ -41,16 +41,17 @@ def _pairs(per_segment: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def preference_loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, cfg: Config
+    model: Zaya, params: Any, balancing: Any, batch: Batch, cfg: Config, variant: str
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """Summed loss over the batch's pairs and the statistics to accumulate (``weight`` = pairs;
-    ``sums``: loss, chosen/rejected log-probabilities and rewards, reward margin, pair accuracy)."""
-    objective, beta = cfg.train.objective, cfg.preference.beta
+    """Summed ``variant`` loss (dpo, ipo or simpo) over the batch's pairs and the statistics to
+    accumulate (``weight`` = pairs; ``sums``: loss, chosen/rejected log-probabilities and rewards,
+    reward margin, pair accuracy)."""
+    beta = cfg.preference.beta
     logps, counts, routing = sequence_logps(model, params, balancing, batch, cfg.train.loss_chunk)
     chosen, rejected = _pairs(logps)
     chosen_n, rejected_n = _pairs(counts)
     valid = ((chosen_n > 0) & (rejected_n > 0)).astype(jnp.float32)
-    if objective == "simpo":  # no reference: length-normalised log-probabilities
+    if variant == "simpo":  # no reference: length-normalised log-probabilities
         chosen_reward = beta * chosen / jnp.maximum(chosen_n, 1.0)
         rejected_reward = beta * rejected / jnp.maximum(rejected_n, 1.0)
         losses = -jax.nn.log_sigmoid(chosen_reward - rejected_reward - cfg.preference.simpo_gamma)
@@ -59,7 +60,7 @@ def preference_loss_and_stats(
         chosen_reward, rejected_reward = beta * (chosen - ref_chosen), beta * (rejected - ref_rejected)
         h = (chosen - ref_chosen) - (rejected - ref_rejected)
         ipo = jnp.square(h - 1.0 / (2.0 * beta))
-        losses = ipo if objective == "ipo" else -jax.nn.log_sigmoid(beta * h)
+        losses = ipo if variant == "ipo" else -jax.nn.log_sigmoid(beta * h)
     pairs = valid.sum()
 
     def total(x: jax.Array) -> jax.Array:

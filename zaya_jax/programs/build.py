@@ -24,8 +24,8 @@ import numpy as np
 import optax
 
 from zaya_jax.config import Config, MeshConfig
-from zaya_jax.data import batch_fields, eval_batches
-from zaya_jax.loss import make_eval_step, sequence_logps, token_nll, under_axis_rules
+from zaya_jax.data import BATCH_FIELDS, eval_batches
+from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
 from zaya_jax.model.moe_auto import MoeChoice
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
@@ -50,12 +50,21 @@ class Programs:
       donated; ``loss_limit`` (``inf`` for none) makes the step keep the old state on a bad step;
     - ``eval_step``: ``(params, balancing, batch) -> {"weight", **sums}``, the objective's summed
       held-out metrics (:func:`zaya_jax.loss.make_eval_step`).
+
+    ``objective`` binds the run's loss (its spec's, :mod:`zaya_jax.objectives`): the programs
+    know no objective by name.
     """
 
     cfg: Config
     layout: Layout
+    objective: ObjectiveFor
     groups: dict[str, LeafGroup] | None = None  # Muon/AdamW grouping (default: the model's)
     moe: MoeChoice | None = None  # how model.moe_impl was resolved (auto: measured or cached)
+
+    @functools.cached_property
+    def bound(self) -> Objective:
+        """The objective with the run's settings bound (what the train step minimises)."""
+        return self.objective(self.cfg)
 
     @functools.cached_property
     def tx(self) -> optax.GradientTransformation:
@@ -101,7 +110,12 @@ class Programs:
         layout = self.layout
         return jax.jit(
             make_train_step(
-                self.cfg, self.tx, set_lr_scale, update_shardings=layout.update, **layout.step_hooks
+                self.cfg,
+                self.tx,
+                set_lr_scale,
+                update_shardings=layout.update,
+                objective=self.bound,
+                **layout.step_hooks,
             ),
             in_shardings=(self.shardings, layout.batch, layout.replicated, layout.replicated),
             out_shardings=(self.shardings, layout.replicated),
@@ -112,7 +126,7 @@ class Programs:
     def eval_step(self) -> Any:
         layout = self.layout
         return jax.jit(
-            make_eval_step(self.cfg, **layout.step_hooks),
+            make_eval_step(self.cfg, self.objective, **layout.step_hooks),
             in_shardings=(layout.variables["params"], layout.variables["balancing"], layout.batch),
             out_shardings=layout.replicated,
         )
@@ -137,7 +151,7 @@ class Programs:
     def sequence_logps_step(self) -> Any:
         """``(params, balancing, batch) -> (batch, seq + 2)`` log-probabilities of each row's
         segments over their trained targets (column s: segment s), replicated: the preference
-        objectives' reference pass (:mod:`zaya_jax.train.reference`)."""
+        objectives' reference pass (:mod:`zaya_jax.objectives.reference`)."""
         return self._forward_program(lambda *args: sequence_logps(*args)[0])
 
     @functools.cached_property
@@ -149,9 +163,10 @@ class Programs:
     def abstract_batch(self, rows: int | None = None, seq: int | None = None) -> dict[str, Any]:
         """A batch of ``rows`` x ``seq`` tokens (default: the run's final batch) as abstract arrays."""
         rows, seq = rows or self.cfg.train.batch_size, seq or self.cfg.train.seq_len
+        fields = {**{k: (v, ()) for k, v in BATCH_FIELDS.items()}, **self.bound.fields}
         return {
             key: jax.ShapeDtypeStruct((rows, seq, *trailing), dtype, sharding=self.layout.batch)
-            for key, (dtype, trailing) in batch_fields(self.cfg).items()
+            for key, (dtype, trailing) in fields.items()
         }
 
     def step_arguments(
@@ -192,17 +207,19 @@ def build_programs(
     cfg: Config,
     layout: Layout | None = None,
     *,
+    objective: ObjectiveFor,
     devices: Sequence[Any] | None = None,
     groups: dict[str, LeafGroup] | None = None,
 ) -> Programs:
     """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
-    when None). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW).
+    when None), training ``objective`` (``zaya_jax.objectives.build_programs(cfg)`` passes the
+    spec's of ``train.objective``). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW).
     ``model.moe_impl: auto`` (:mod:`zaya_jax.programs.moe`) and ``model.attention_impl: auto``
     (:func:`resolve_attention_impl`) are resolved here, so every user of a run's programs runs the
     same paths; ``Programs.cfg`` holds the resolved values."""
     layout = layout if layout is not None else make_layout(cfg, devices)
     resolved, moe = resolve_moe_impl(resolve_attention_impl(cfg, layout), layout)
-    return Programs(resolved, layout, groups, moe)
+    return Programs(resolved, layout, objective, groups, moe)
 
 
 def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
@@ -222,7 +239,9 @@ def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
-def single_device_programs(cfg: Config, device: Any | None = None) -> Programs:
-    """``cfg``'s programs on one device, whatever mesh the run trained on (evaluating a saved model)."""
+def single_device_programs(cfg: Config, objective: ObjectiveFor, device: Any | None = None) -> Programs:
+    """``cfg``'s programs of ``objective`` on one device, whatever mesh the run trained on
+    (evaluating a saved model)."""
     one = dataclasses.replace(cfg, mesh=MeshConfig(data=1, rules=cfg.mesh.rules))
-    return build_programs(one, devices=[device if device is not None else jax.devices()[0]])
+    device = device if device is not None else jax.devices()[0]
+    return build_programs(one, objective=objective, devices=[device])

@@ -1,8 +1,8 @@
 """The pure training step ``(state, batch, lr_scale, loss_limit) -> (state, metrics)`` and the
 state it updates. Jitted with its shardings in one place, :func:`zaya_jax.programs.build_programs`.
 
-The step splits a batch (:func:`zaya_jax.data.batch_fields`) into ``micro_batches`` accumulated by a
-``lax.scan``; the objective (``train.objective``, :mod:`zaya_jax.loss.objectives`) is a sum over the
+The step splits a batch into ``micro_batches`` accumulated by a ``lax.scan``; the objective (a
+spec's binding of a loss, :mod:`zaya_jax.loss.contract`, handed in by the caller) is a sum over the
 batch divided by its weight (trained tokens, pairs or completion tokens) over the whole batch, so
 accumulation gives the same gradient as one big batch. Every metric the step returns is a scalar or
 a vector and goes to ``metrics.jsonl`` under its own name
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from zaya_jax.config import Config
-from zaya_jax.loss import Batch, objective_for, under_axis_rules
+from zaya_jax.loss import Batch, Objective, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
@@ -56,8 +56,11 @@ def make_train_step(
     hooks: ModelHooks = SINGLE_DEVICE,
     axis_rules: tuple[Any, Any] | None = None,
     update_shardings: Any = None,
+    *,
+    objective: Objective,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
-    """Build the step; jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
+    """Build the step that minimises ``objective`` (a spec's binding, :mod:`zaya_jax.objectives`);
+    jit it with ``donate_argnums=0``. ``set_lr_scale(opt_state, s)`` injects the
     batch-ramp learning-rate multiplier as a traced value (no recompilation per value).
     ``hooks``: expert and context parallelism and the sharded fused-norm kernel on a mesh
     (``Layout.hooks``); ``axis_rules``: (mesh, logical-axis rules) for the
@@ -66,7 +69,6 @@ def make_train_step(
     to (XLA then reduce-scatters the gradients and all-gathers the new parameters)."""
     model = Zaya(cfg.model, hooks)
     micro = cfg.train.micro_batches
-    objective = objective_for(cfg)
     grad_fn = jax.grad(lambda p, b, batch: objective.loss_and_stats(model, p, b, batch), has_aux=True)
 
     def step(

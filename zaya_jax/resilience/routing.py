@@ -65,7 +65,7 @@ class RoutingAlarm:
 
 
 class RoutingMonitor:
-    """Windowed per-layer routing statistics; :meth:`observe` returns an alarm when a (layer,
+    """Windowed per-layer routing statistics; :meth:`add` returns an alarm when a (layer,
     statistic) goes past its limit, once, until it is back within it."""
 
     def __init__(self, cfg: Config):
@@ -80,7 +80,7 @@ class RoutingMonitor:
         self.window.clear()
         self.raised = None
 
-    def observe(self, step: int, routing: dict[str, Any]) -> RoutingAlarm | None:
+    def add(self, step: int, routing: dict[str, Any]) -> RoutingAlarm | None:
         """Add one accepted step's ``metrics["routing"]``; the alarm once the window is full."""
         if self.cfg.resilience.on_routing_alarm == "none" or step <= self.cfg.resilience.routing_warmup:
             return None
@@ -99,7 +99,7 @@ class RoutingMonitor:
         entropy = np.mean([w["entropy"] for w in self.window], axis=0)  # (layers,)
         pinned = np.min([w["pinned"] for w in self.window], axis=0)  # 1 = pinned at every step
         experts = load[:, :-1]
-        with np.errstate(divide="ignore"):
+        with np.errstate(divide="ignore", invalid="ignore"):  # 0 / 0: a layer whose tokens all skip
             ratio = np.where(experts.min(-1) > 0, experts.max(-1) / experts.min(-1), np.inf)
         drift = np.abs(load[:, -1] - self.cfg.balancing.skip_target)
         checks = [

@@ -1,7 +1,9 @@
-"""Training: the driver (``loop.train``) and its parts: the run directory (``rundir``), batch ramp
-and curriculum (``schedule``), compiled programs (``programs``), the pure step (``step``), the
-step-outcome policy (``policy``), checkpoint cadence and faults (``hooks``), metrics (``metrics``),
-FLOPs (``flops``) and compile-only planning (``plan``). See docs/ARCHITECTURE.md."""
+"""Training: the driver (``loop.train``) and its parts: the run directory (``rundir``), the checks
+before a run (``schedule``), the compiled train step (``compiled``), dispatch ahead (``pipeline``),
+one step's judge, agree, apply and notify (``steps``), the step-outcome decisions (``decisions``),
+evaluation and checkpoints (``evaluation``, ``checkpointing``), the observers (``hooks``), metrics
+(``metrics``), FLOPs (``flops``) and compile-only planning (``plan``). What a run trains for is
+its objective's (:mod:`zaya_jax.objectives`). See docs/ARCHITECTURE.md."""
 
 from zaya_jax.train.loop import train
 

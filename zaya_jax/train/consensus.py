@@ -24,12 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import signal
+import threading
+from typing import Any
 
 import numpy as np
 from jax.experimental import multihost_utils
 
 from zaya_jax.parallel.distributed import gather_strings
-from zaya_jax.train.policy import Action
+from zaya_jax.train.decisions import Action
 
 _ACTIONS = list(Action)
 
@@ -74,3 +76,22 @@ def agree(
         stop=signal.Signals(combined).name if combined else None,
         stopped_by=tuple(int(i) for i in np.flatnonzero(received)),
     )
+
+
+class StopRequest:
+    """SIGTERM/SIGINT handling: a signal asks the loop to save a checkpoint and exit. ``requested``
+    is this process's own request; the loop stops on the one agreed by all processes."""
+
+    def __init__(self) -> None:
+        self.requested: str | None = None
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -94,7 +94,7 @@ def device_capacity(cfg: Config, memory: Any) -> tuple[int | None, str]:
 def _plan(programs: Any, cfg: Config, shape: tuple[int, int]) -> int:
     from zaya_jax.programs import build_programs
 
-    candidate = build_programs(cfg, programs.layout, groups=programs.groups)
+    candidate = build_programs(cfg, programs.layout, objective=programs.objective, groups=programs.groups)
     return peak_bytes(candidate.lower_train_step(*shape).compile().memory_analysis())
 
 

@@ -1,34 +1,57 @@
-"""What happens around each training step, behind one interface (:class:`Hook`). Each component
-owns its cadence, read from its own config keys: metrics records (:class:`Logging`,
-``log.every``), the held-out loss (:class:`Evaluation`, ``eval.every``), checkpoints
-(:class:`Checkpointing`, ``checkpoint.*``) and profiler traces (:class:`Profiling`,
-``profile.steps``). The loop calls them in that order, then the hooks passed to
-``train(cfg, hooks=[...])`` (tests inject faults this way; nothing test-only is built in a user's
-run). The jitted step itself stays pure: a hook changes the host batch or the process, never the
-compiled program."""
+"""What observes each training step, behind one interface (:class:`Hook`), and the record every
+observer receives (:class:`StepRecord`).
+
+A hook declares what it needs when it is registered (:class:`Needs`: its cadence, the steps whose
+state it reads, whether it proposes saves), so the loop asks no hook a question about the loop's
+mechanics. Every hook of a step receives the same record, complete before the first is called:
+the step's outputs, the data position, the held-out metrics when the step was evaluated, and
+whether it was saved. No hook reads another's fields, and their order carries no meaning.
+
+The built-in observers are :class:`Logging` (``log.every``: metrics records, the progress bar's
+numbers) and :class:`Profiling` (``profile.steps``); the hooks passed to ``train(cfg,
+hooks=[...])`` follow them (tests inject faults this way; nothing test-only is built in a user's
+run). Evaluation and checkpoints are the loop's collaborators (:mod:`.evaluation`,
+:mod:`.checkpointing`), called before the hooks. The jitted step itself stays pure: a hook changes
+the host batch or the process, never the compiled program."""
 
 from __future__ import annotations
 
 import dataclasses
-import signal
-import threading
-import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import numpy as np
 
-from zaya_jax import checkpoint
 from zaya_jax.config import Config
-from zaya_jax.resilience import Watchdog
+from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.flops import flops_per_token
 from zaya_jax.train.metrics import MetricsWriter, metric_record
-from zaya_jax.train.programs import HeldOut
+from zaya_jax.train.record import StepRecord
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.throughput import Throughput
 
 HostBatch = dict[str, np.ndarray]
+
+
+def _never(step: int) -> bool:
+    return False
+
+
+@dataclasses.dataclass(frozen=True)
+class Needs:
+    """What a hook needs of the loop, declared once (``Hook.needs``):
+
+    - ``every``: ``after_step`` is called at the steps divisible by it and at the run's last step;
+    - ``state_at(step)``: ``after_step`` reads ``record.state`` at that step, so the loop finishes
+      the step before it dispatches the next (with ``train.dispatch_ahead`` the state is otherwise
+      consumed by the next step and ``record.state`` is None);
+    - ``proposes_saves``: the loop asks ``wants_save(step)`` after every step; a save is taken
+      when any process's hook proposes one (agreed by every process).
+    """
+
+    every: int = 1
+    state_at: Callable[[int], bool] = _never
+    proposes_saves: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,37 +65,17 @@ class RunContext:
     primary: bool  # process 0
 
 
-@dataclasses.dataclass(frozen=True)
-class StepEnd:
-    """A finished, accepted or skipped step as the hooks see it: the state and data position after
-    it, what the step reported, and what earlier hooks measured (``eval_loss``)."""
-
-    step: int
-    state: Any  # TrainState; None when the next step was dispatched first (Hook.needs_state)
-    data_state: dict[str, Any]
-    metrics: dict[str, Any]  # the step's outputs (device arrays)
-    plan: Any  # the StepPlan the batch was drawn for (schedule.py)
-    counts: dict[str, int]  # skipped_steps, rollbacks so far
-    last: bool  # the run's final step (saved by Checkpointing.end_run)
-    time_save: bool = False  # a time-based save is due, as agreed by every process
-    eval_loss: float | None = None  # the held-out loss measured after this step, if it was evaluated
-
-
 class Hook:
-    """A collaborator of the loop. Every method is optional (the defaults do nothing):
-    ``start`` once the run is set up; ``before_step`` may replace the host batch; ``wants_save``
-    proposes a save for this step (agreed across processes, with Checkpointing's clock);
-    ``needs_state`` says that ``after_step`` reads ``end.state`` at this step; ``after_step`` may
-    return a new :class:`StepEnd` for the hooks after it; ``end_run`` after the last step when the
-    loop ends normally; ``close`` always, last.
+    """An observer of the loop. ``needs`` says what it needs (:class:`Needs`); every method is
+    optional (the defaults do nothing): ``start`` once the run is set up; ``before_step`` may
+    replace the host batch; ``wants_save`` proposes a save for this step (asked only with
+    ``needs.proposes_saves``); ``after_step`` on its cadence; ``end_run`` after the last step when
+    the loop ends normally; ``close`` always, last.
 
     With ``train.dispatch_ahead`` (the default) the loop dispatches step t+1 before it reads step
-    t's outcome, so ``before_step(t + 1)`` runs before ``after_step(t)``, and step t+1 consumes
-    (donates) step t's state: ``end.state`` is None unless some hook's ``needs_state(t)`` was True,
-    in which case step t is finished before step t+1 is dispatched."""
+    t's outcome, so ``before_step(t + 1)`` runs before ``after_step(t)``."""
 
-    def needs_state(self, step: int) -> bool:
-        return False
+    needs = Needs()
 
     def start(self, run: RunContext) -> None:
         pass
@@ -83,136 +86,48 @@ class Hook:
     def wants_save(self, step: int) -> bool:
         return False
 
-    def after_step(self, end: StepEnd) -> StepEnd | None:
-        return None
+    def after_step(self, record: StepRecord) -> None:
+        pass
 
-    def end_run(self, end: StepEnd) -> None:
+    def end_run(self, record: StepRecord) -> None:
         pass
 
     def close(self) -> None:
         pass
+
+
+def notify(hooks: list[Hook], record: StepRecord) -> None:
+    """``after_step(record)`` of every hook whose cadence includes the step."""
+    for hook in hooks:
+        if record.step % hook.needs.every == 0 or record.last:
+            hook.after_step(record)
 
 
 class Logging(Hook):
-    """A metrics record every ``log.every`` steps and at every evaluated step; tokens/s and
-    MFU over the steps since the previous record, evaluation time left out."""
+    """A metrics record every ``log.every`` steps and at every evaluated step, then the held-out
+    metrics (``{"step", "eval_loss", ...}``) when it was evaluated; tokens/s and MFU over the
+    steps since the previous record (evaluation time left out by the loop's meter)."""
 
-    def __init__(self, cfg: Config, writer: MetricsWriter, meter: Throughput, also_at: Callable[[int], bool]):
-        self.cfg, self.writer, self.meter, self.also_at = cfg, writer, meter, also_at
-        self.last: dict[str, Any] = {}  # the latest record (the summary's final loss)
+    def __init__(self, cfg: Config, writer: MetricsWriter, meter: Throughput):
+        self.cfg, self.writer, self.meter = cfg, writer, meter
 
-    def after_step(self, end: StepEnd) -> None:
-        plan = end.plan
+    def after_step(self, record: StepRecord) -> None:
+        plan = record.plan
         self.meter.add(plan.tokens, plan.tokens * flops_per_token(self.cfg.model, plan.seq_len))
-        if end.step % self.cfg.log.every == 0 or self.also_at(end.step):
-            self.last = metric_record(
-                end.step,
-                end.metrics,  # the learning rates included: a record never waits for the state
-                **self.meter.fields(),
-                tokens_seen=end.data_state["tokens_seen"],
-                **plan.fields(),
-                **end.counts,
+        if record.step % self.cfg.log.every == 0 or record.eval is not None:
+            self.writer.write(
+                metric_record(
+                    record.step,
+                    record.metrics,  # the learning rates included: a record never waits for the state
+                    **self.meter.fields(),
+                    tokens_seen=record.data_state["tokens_seen"],
+                    **plan.fields(),
+                    **record.counts,
+                )
             )
-            self.writer.write(self.last)
             self.meter.reset()
-
-
-class Evaluation(Hook):
-    """The held-out loss every ``eval.every`` steps and after the final step, written to
-    ``metrics.jsonl`` as ``{"step", "eval_loss"}`` (plus the objective's other held-out metrics,
-    ``eval_pair_accuracy`` ...) and passed on to the hooks after it."""
-
-    def __init__(self, held_out: HeldOut, cfg: Config, writer: MetricsWriter, meter: Throughput):
-        self.held_out, self.cfg, self.writer, self.meter = held_out, cfg, writer, meter
-        self.last_loss: float | None = None
-
-    def due(self, step: int) -> bool:
-        return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
-
-    def needs_state(self, step: int) -> bool:
-        return self.due(step)
-
-    def after_step(self, end: StepEnd) -> StepEnd | None:
-        if not self.due(end.step):
-            return None
-        started = time.perf_counter()
-        metrics = self.held_out(end.step, end.state)
-        self.last_loss = metrics["loss"]
-        self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
-        self.writer.write({"step": end.step, **{f"eval_{name}": value for name, value in metrics.items()}})
-        return dataclasses.replace(end, eval_loss=self.last_loss)
-
-
-class Checkpointing(Hook):
-    """Training checkpoints of one run: restore the latest readable one, save on the configured
-    cadence (``checkpoint.every_steps`` / ``every_minutes``, every evaluated step with
-    ``keep_best``) and after the last step, surface failed background saves."""
-
-    def __init__(self, cfg: Config, run: RunDir, watchdog: Watchdog):
-        self.cfg, self.run, self.watchdog = cfg, run, watchdog
-        ckpt = cfg.checkpoint
-        self.saver = checkpoint.TrainingSaver(
-            run.checkpoints,
-            async_save=ckpt.async_save,
-            keep=ckpt.keep,
-            keep_every=ckpt.keep_every,
-            keep_best=ckpt.keep_best,
-        )
-        self.saved_step = 0  # the last step saved (or restored: it is on disk already)
-        self.clock: Callable[[], float] = time.monotonic  # of checkpoint.every_minutes
-        self.last_save = self.clock()
-
-    def restore(self, like: Any) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]]]:
-        """(latest readable (state, data states of every saving process, step) or None, ``checkpoint_unreadable`` event
-        details of the ones moved to quarantine on the way)."""
-        self.saver.finish()
-        restored, unreadable = checkpoint.restore_training(
-            self.run.checkpoints, like, verify_arrays=self.cfg.checkpoint.verify
-        )
-        self.saver.reload()  # quarantined step numbers are free again
-        if restored is not None:
-            self.saved_step = restored[2]
-        return restored, unreadable
-
-    def wants_save(self, step: int) -> bool:
-        """Whether this process's clock says a ``checkpoint.every_minutes`` save is due (a proposal:
-        the loop acts on the value agreed by every process)."""
-        minutes = self.cfg.checkpoint.every_minutes
-        return bool(minutes and self.clock() - self.last_save >= 60 * minutes)
-
-    def needs_state(self, step: int) -> bool:
-        """A step-count save (a time-based one is agreed after the step: taken at the next step the
-        loop finishes before dispatching on; ``keep_best`` saves evaluated steps, finished anyway)."""
-        every = self.cfg.checkpoint.every_steps
-        return bool(every and step % every == 0)
-
-    def due(self, end: StepEnd) -> bool:
-        ckpt = self.cfg.checkpoint
-        return bool(
-            (ckpt.every_steps and end.step % ckpt.every_steps == 0)
-            or end.time_save
-            or (ckpt.keep_best and end.eval_loss is not None)  # keep_best ranks evaluated steps
-        )
-
-    def save(self, end: StepEnd) -> None:
-        self.watchdog.beat(end.step, "save")
-        self.saver.save(end.step, self.cfg, end.state, end.data_state, end.eval_loss)
-        self.saved_step, self.last_save = end.step, self.clock()
-
-    def after_step(self, end: StepEnd) -> None:
-        if not end.last and self.due(end):
-            self.save(end)
-        else:
-            self.saver.check()  # a save that failed in the background stops the run here
-
-    def end_run(self, end: StepEnd) -> None:
-        """The final (or stop) step saved if it is not yet, and every save committed."""
-        if end.step != self.saved_step:
-            self.save(end)
-        self.saver.finish()
-
-    def close(self) -> None:
-        self.saver.close()
+        if record.eval is not None:
+            self.writer.write({"step": record.step, **{f"eval_{k}": v for k, v in record.eval.items()}})
 
 
 class Profiling(Hook):
@@ -224,6 +139,7 @@ class Profiling(Hook):
         self.window = cfg.profile.steps
         self.directory = run.path / "profile" / f"process_{jax.process_index()}"
         self.active = False
+        self.needs = Needs(state_at=lambda step: bool(self.window) and step == self.window[1])
 
     def before_step(self, step: int, batch: HostBatch) -> HostBatch:
         if self.window and step == self.window[0]:
@@ -231,12 +147,9 @@ class Profiling(Hook):
             self.active = True
         return batch
 
-    def needs_state(self, step: int) -> bool:
-        return bool(self.window) and step == self.window[1]
-
-    def after_step(self, end: StepEnd) -> None:
-        if self.active and end.step >= self.window[1]:
-            jax.block_until_ready(end.state)  # the window's work inside the trace
+    def after_step(self, record: StepRecord) -> None:
+        if self.active and record.step >= self.window[1]:
+            jax.block_until_ready(record.state)  # the window's work inside the trace
             jax.profiler.stop_trace()
             self.active = False
 
@@ -244,22 +157,3 @@ class Profiling(Hook):
         if self.active:
             jax.profiler.stop_trace()
             self.active = False
-
-
-class StopRequest:
-    """SIGTERM/SIGINT handling: a signal asks the loop to save a checkpoint and exit. ``requested``
-    is this process's own request; the loop stops on the one agreed by all processes."""
-
-    def __init__(self) -> None:
-        self.requested: str | None = None
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = signal.Signals(signum).name
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)

@@ -62,6 +62,7 @@ class MetricsWriter:
         ``metrics.jsonl`` (default: TensorBoard)."""
         self.enabled = enabled
         self.run_dir = Path(run_dir)
+        self.last: dict[str, Any] = {}  # the latest training record written (the summary's final loss)
         self._step = resume_step
         if not enabled:
             return
@@ -86,6 +87,8 @@ class MetricsWriter:
 
     def write(self, record: dict[str, Any]) -> None:
         """One metrics record (with its ``step``) to every tracker."""
+        if "loss" in record:
+            self.last = record
         if not self.enabled:
             return
         clean = {k: _jsonable(v) for k, v in record.items()}
@@ -100,13 +103,26 @@ class MetricsWriter:
         self._events.write(event_line(name, self._step, detail))
         self._events.flush()
 
-    def advance(self, last: dict[str, Any]) -> None:
+    def notice(self, name: str, message: str, /, **detail: Any) -> None:
+        """An event that the user is also told of: ``message`` as one line on stderr (above the
+        progress bar), once, by process 0."""
+        self.event(name, **detail)
+        if not self.enabled:
+            return
+        line = f"zaya train: {message}"
+        if self._bar is not None:
+            self._bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def advance(self) -> None:
+        """One step done: the progress bar moves, showing the latest record's loss and tokens/s."""
         if not self.enabled or self._bar is None:
             return
         self._bar.update(1)
-        if last:
+        if self.last:
             self._bar.set_postfix(
-                loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", refresh=False
+                loss=f"{self.last['loss']:.3f}", tok_s=f"{self.last['tokens_per_s']:.0f}", refresh=False
             )
 
     def rewind(self, step: int) -> None:

@@ -21,9 +21,10 @@ import numpy as np
 
 from zaya_jax.config import Config
 from zaya_jax.model import param_counts
+from zaya_jax.objectives import build_programs, check
 from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.parallel.distributed import apply_runtime
-from zaya_jax.programs import build_programs, fingerprint
+from zaya_jax.programs import fingerprint
 from zaya_jax.train.fit import peak_bytes
 
 
@@ -64,6 +65,7 @@ def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = Non
     ``train_step_fingerprint`` equals the ``compiled`` event's in the run's ``events.jsonl``.
     ``gpu_kind`` (e.g. "H200"): plan the MoE path ``moe_impl: auto`` chose on that GPU (its cached
     measurement), reported under ``moe_impl``."""
+    check(cfg)
     apply_runtime(cfg.runtime)
     native = (target == "cpu") == (jax.default_backend() == "cpu")
     with contextlib.nullcontext() if native else planning_for(target, gpu_kind):

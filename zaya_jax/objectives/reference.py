@@ -6,7 +6,8 @@ Stored as ``<run>/reference/logps.npz`` (per source, a (pairs, 2) float32 array 
 document order; NaN for a pair longer than ``train.seq_len``, which training leaves out too) and
 ``<run>/reference/manifest.json`` (what they were computed from). A resumed run reads them back;
 one whose data no longer matches is refused, and a run with checkpoints but no reference directory
-is refused (its starting weights are gone). Every process computes the same values (the pass is a
+is refused (its starting weights are gone). The dpo and ipo specs (:mod:`.preference`) run this
+as their ``prepare`` part; simpo needs no reference. Every process computes the same values (the pass is a
 forward over the whole set, each process feeding its rows of every batch); process 0 writes them.
 """
 
@@ -17,7 +18,7 @@ import io
 import json
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +28,20 @@ import numpy as np
 from zaya_jax.config import Config, ConfigError, DataConfig
 from zaya_jax.data import make_row_iterator, tokenized_documents
 from zaya_jax.data.packing import pair_fits
+from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.files import write_atomic
+from zaya_jax.objectives.spec import RunSetup, SavedRun
 from zaya_jax.parallel import local_rows, put_batch
 from zaya_jax.programs import Programs, TrainState
 
 REFERENCE = "reference"
-NEEDS_REFERENCE = ("dpo", "ipo")
 
 
 def _source_data(cfg: Config, index: int) -> DataConfig:
     return dataclasses.replace(cfg.data, sources=(cfg.data.sources[index],))
 
 
-def _describe(cfg: Config, tokenizer: Any) -> dict[str, Any]:
+def _describe(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
     """What the reference values depend on: each source's pairs and the longest row."""
     sources = {}
     for i, source in enumerate(cfg.data.sources):
@@ -59,7 +61,11 @@ def _batches(rows: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[dict[
 
 
 def score_pairs(
-    cfg: Config, programs: Programs, state: TrainState, tokenizer: Any, on_batch: Any = lambda: None
+    cfg: Config,
+    programs: Programs,
+    state: TrainState,
+    tokenizer: Tokenizer,
+    on_batch: Callable[[], None] = lambda: None,
 ) -> dict[str, np.ndarray]:
     """Per preference source, the (pairs, 2) log-probabilities of every pair's chosen and rejected
     completion under ``state``'s weights (NaN for pairs longer than a row); ``on_batch()`` after
@@ -122,21 +128,16 @@ def _read(directory: Path, expected: dict[str, Any]) -> dict[str, np.ndarray]:
     return values
 
 
-def preference_references(
-    cfg: Config, run_dir: Path, programs: Programs, state: TrainState, tokenizer: Any, *, fresh_start: bool,
-    event: Any, on_batch: Any = lambda: None,
-) -> dict[str, np.ndarray] | None:  # fmt: skip
-    """The run's reference log-probabilities (None when its objective needs none): read from
-    ``<run>/reference/``, or computed from ``state`` (the starting weights) when the run starts
-    from step 1 without them. ``event(name, **detail)`` records the pass; ``on_batch()`` after
-    each of its batches."""
-    if cfg.train.objective not in NEEDS_REFERENCE:
-        return None
+def preference_references(setup: RunSetup) -> dict[str, np.ndarray]:
+    """The run's reference log-probabilities: read from ``<run>/reference/``, or computed from
+    ``setup.state`` (the starting weights) when the run starts from step 1 without them; the pass
+    is recorded as a ``reference`` event, the watchdog beaten after each of its batches."""
+    cfg, run_dir, tokenizer = setup.cfg, setup.run_dir, setup.tokenizer
     directory = run_dir / REFERENCE
     expected = _describe(cfg, tokenizer)
     if (directory / "manifest.json").is_file():
         return _read(directory, expected)
-    if not fresh_start:
+    if not setup.fresh_start:
         raise ConfigError(
             f"{run_dir} has checkpoints but no reference log-probabilities ({directory}); they come from the "
             "starting weights, which are gone: start a new run (another run.name)"
@@ -145,7 +146,7 @@ def preference_references(
     if jax.process_index() == 0:
         pairs = sum(s["pairs"] for s in expected["sources"].values())
         print(f"zaya train: scoring {pairs} preference pairs with the starting weights...", file=sys.stderr)
-    references = score_pairs(cfg, programs, state, tokenizer, on_batch)
+    references = score_pairs(cfg, setup.programs, setup.state, tokenizer, lambda: setup.beat(0, "reference"))
     too_long = {name: int(np.isnan(v[:, 0]).sum()) for name, v in references.items()}
     if all(too_long[name] == s["pairs"] for name, s in expected["sources"].items()):
         raise ConfigError(
@@ -159,7 +160,7 @@ def preference_references(
     if jax.process_index() == 0:
         _write(directory, references, manifest)
     seconds = round(time.perf_counter() - started, 3)
-    event(
+    setup.event(
         "reference",
         pairs={k: s["pairs"] for k, s in expected["sources"].items()},
         too_long=too_long,
@@ -168,15 +169,13 @@ def preference_references(
     return references
 
 
-def read_references(run_dir: Path, cfg: Config, tokenizer: Any) -> dict[str, np.ndarray] | None:
-    """A finished or running dpo/ipo run's stored reference log-probabilities (None for other
-    objectives), checked against its data (``zaya eval`` of the run)."""
-    if cfg.train.objective not in NEEDS_REFERENCE:
-        return None
-    directory = Path(run_dir) / REFERENCE
+def read_references(saved: SavedRun) -> dict[str, np.ndarray]:
+    """A finished or running dpo/ipo run's stored reference log-probabilities, checked against its
+    data (``zaya eval`` of the run)."""
+    directory = Path(saved.run_dir) / REFERENCE
     if not (directory / "manifest.json").is_file():
         raise ConfigError(
-            f"{run_dir} is a {cfg.train.objective} run without its reference log-probabilities ({directory}); "
-            "evaluate the run directory itself (not a copied checkpoint), or give --data"
+            f"{saved.run_dir} is a {saved.cfg.train.objective} run without its reference log-probabilities "
+            f"({directory}); evaluate the run directory itself (not a copied checkpoint), or give --data"
         )
-    return _read(directory, _describe(cfg, tokenizer))
+    return _read(directory, _describe(saved.cfg, saved.tokenizer))

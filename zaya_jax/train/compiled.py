@@ -1,6 +1,6 @@
-"""The compiled programs as the training loop calls them: the train step (one executable per batch
-shape, as the batch ramp and curriculum change it) and the held-out evaluation, both taken from the
-run's :class:`zaya_jax.programs.Programs`.
+"""The train step as the training loop calls it: one executable per batch shape, as the batch ramp
+and curriculum change it, taken from the run's :class:`zaya_jax.programs.Programs` (the held-out
+evaluation is the objective's, :mod:`zaya_jax.objectives.held_out`).
 
 Each is compiled ahead of its first call and the train step's planned memory checked against the
 device's (:mod:`zaya_jax.train.fit`: a step that will not fit stops with settings that would),
@@ -18,7 +18,6 @@ from typing import Any
 
 import jax
 
-from zaya_jax.loss import average
 from zaya_jax.parallel.distributed import barrier
 from zaya_jax.programs import Programs, TrainState, fingerprint
 from zaya_jax.resilience import Watchdog
@@ -70,23 +69,3 @@ class TrainStep:
             if is_out_of_memory(err):
                 raise OutOfMemoryError(out_of_memory_message(err, self.programs.cfg)) from None
             raise
-
-
-class HeldOut:
-    """The run's held-out evaluation: ``eval.batches`` batches of the held-out split, placed
-    on the mesh once; calling it returns the objective's held-out metrics (``loss``: the mean
-    cross-entropy per target token for ``lm``; per pair, with ``pair_accuracy`` and the rewards,
-    for the preference objectives)."""
-
-    def __init__(self, programs: Programs, tokenizer: Any, watchdog: Watchdog, references: Any = None):
-        self.programs, self.watchdog = programs, watchdog
-        self._compiled: Any = None
-        self.batches = programs.held_out_batches(tokenizer, references)
-
-    def __call__(self, step: int, state: TrainState) -> dict[str, float]:
-        self.watchdog.beat(step, "eval" if self._compiled else "compile")
-        if self._compiled is None:
-            lowered = self.programs.eval_step.lower(state.params, state.balancing, self.batches[0])
-            self._compiled = lowered.compile()
-            barrier("eval", self.programs.cfg.runtime.barrier_timeout_s)
-        return average(self._compiled(state.params, state.balancing, batch) for batch in self.batches)[0]

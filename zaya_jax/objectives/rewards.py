@@ -18,13 +18,14 @@ from typing import Any
 
 import numpy as np
 
-from zaya_jax.config import Config, ConfigError, DataSource
-from zaya_jax.data import DataError
+from zaya_jax.config import Config, ConfigError
+from zaya_jax.data import BadDocuments, DataError, jsonl_records
 from zaya_jax.data.chat import ChatEncoder, check_record, tokenizer_chat_template
 from zaya_jax.data.corpus import held_out_key
-from zaya_jax.data.sources import BadDocuments, iter_records, resolve_files
 from zaya_jax.data.tasks import reverse_chats
+from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
+from zaya_jax.objectives.spec import TrainState
 
 BLOCK = 1024
 Reward = Callable[[dict[str, Any], str], float]
@@ -98,9 +99,7 @@ def _reverse_block(seed: int, block: int) -> list[dict[str, Any]]:
 def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dict], list[dict]]:
     bad = BadDocuments(on_bad)  # type: ignore[arg-type]
     train, held_out = [], []
-    for key, where, record in iter_records(
-        resolve_files(DataSource(name="prompts", kind="chat", path=path)), bad
-    ):
+    for key, where, record in jsonl_records(path, bad, name="prompts", kind="chat"):
         messages = record.get("messages")
         problem = (
             check_record({**record, "messages": [*messages, {"role": "assistant", "content": ""}]})
@@ -117,7 +116,7 @@ def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dic
 class PromptEncoder:
     """Chat records -> left-padded prompt ids of a fixed ``width`` (one compiled sampler)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, width: int):
+    def __init__(self, cfg: Config, tokenizer: Tokenizer, width: int):
         self.tokenizer, self.width = tokenizer, width
         self.chat = ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
 
@@ -139,13 +138,17 @@ class PromptEncoder:
         return ids, mask, prompts
 
 
-def completion_texts(tokenizer: Any, rows: list[list[int]]) -> list[str]:
+def completion_texts(tokenizer: Tokenizer, rows: list[list[int]]) -> list[str]:
     """Generated ids -> text, the EOS left out."""
     return [tokenizer.decode([t for t in row if t != tokenizer.eos_id]) for row in rows]
 
 
 def held_out_reward(
-    cfg: Config, variables: dict[str, Any], tokenizer: Any, records: Sequence[dict[str, Any]], reward: Reward
+    cfg: Config,
+    variables: dict[str, Any],
+    tokenizer: Tokenizer,
+    records: Sequence[dict[str, Any]],
+    reward: Reward,
 ) -> float:
     """The mean reward of greedy completions (``rl.max_new_tokens``) of ``records``' prompts."""
     encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
@@ -167,12 +170,14 @@ class HeldOutReward:
     """A ``grpo`` run's held-out evaluation: the mean greedy reward of the held-out prompts
     (``eval_reward``; ``eval_loss`` is its negation, so ``checkpoint.keep_best`` keeps the best)."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, prompts: PromptSet, watchdog: Any):
-        self.cfg, self.tokenizer, self.prompts, self.watchdog = cfg, tokenizer, prompts, watchdog
+    def __init__(
+        self, cfg: Config, tokenizer: Tokenizer, prompts: PromptSet, beat: Callable[[int, str], None]
+    ):
+        self.cfg, self.tokenizer, self.prompts, self.beat = cfg, tokenizer, prompts, beat
         self.reward = load_reward(cfg.rl.reward)
 
-    def __call__(self, step: int, state: Any) -> dict[str, float]:
-        self.watchdog.beat(step, "eval")
+    def __call__(self, step: int, state: TrainState) -> dict[str, float]:
+        self.beat(step, "eval")
         variables = {"params": state.params, "balancing": state.balancing}
         mean = held_out_reward(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
         return {"loss": -mean, "reward": mean}

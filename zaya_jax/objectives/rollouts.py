@@ -3,7 +3,7 @@ turned into training rows with each token's sampler log-probability, its complet
 and, for router replay, the class every layer chose for it.
 
 Every ``rl.steps_per_rollout`` steps, :class:`Rollouts` takes the next prompts of the stream
-(:class:`~zaya_jax.train.rewards.PromptSet`), samples ``rl.group_size`` completions of each with
+(:class:`~zaya_jax.objectives.rewards.PromptSet`), samples ``rl.group_size`` completions of each with
 zaya's sampler and decode cache (:func:`zaya_jax.generate.generate`, ``return_routes``) from the
 current parameters (handed over by :meth:`Rollouts.observe` before each step), scores them with the
 reward function, normalises the rewards within each group (reward minus the group mean, over the
@@ -28,18 +28,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 
-from zaya_jax.config import Config, ConfigError, DataSource
-from zaya_jax.data import BATCH_KEYS, DataError, batch_fields
+from zaya_jax.config import Config, ConfigError
+from zaya_jax.data import BATCH_KEYS, BadDocuments, DataError, jsonl_records
 from zaya_jax.data.batch import empty_row
-from zaya_jax.data.sources import BadDocuments, iter_records, resolve_files
+from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
-from zaya_jax.train.rewards import PromptEncoder, PromptSet, completion_texts, load_reward
-from zaya_jax.train.schedule import StepPlan
+from zaya_jax.loss import FieldSpec
+from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, completion_texts, load_reward
+from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
+from zaya_jax.parallel import put_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,11 +81,20 @@ def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray
     return advantages, float(np.mean(stds))
 
 
+def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
+    """The fields a GRPO batch adds to the text fields (:mod:`zaya_jax.data.batch`)."""
+    fields: dict[str, FieldSpec] = {"sampler_logprobs": (np.float32, ()), "advantages": (np.float32, ())}
+    if cfg.rl.kl > 0:
+        fields["reference_logprobs"] = (np.float32, ())
+    fields["routes"] = (np.int32, (cfg.model.num_layers,))
+    return fields
+
+
 def completion_row(
     cfg: Config, completion: Completion, advantage: float, pad_id: int
 ) -> dict[str, np.ndarray]:
     """One training row: prompt + completion as one segment, the completion's targets trained."""
-    seq_len, fields = cfg.train.seq_len, batch_fields(cfg)
+    seq_len, fields = cfg.train.seq_len, rollout_fields(cfg)
     sequence = np.concatenate([completion.prompt, completion.tokens]).astype(np.int32)
     n, first = len(sequence) - 1, len(completion.prompt) - 1
     if n > seq_len:
@@ -107,12 +119,23 @@ def completion_row(
 
 
 class Rollouts:
-    """The batch producer of a ``grpo`` run (``BatchProducer``'s interface: called for
-    ``(plan, host batch, data state)``; :meth:`observe` hands it the state the next batch is for)."""
+    """The batch producer of a ``grpo`` run (:class:`~zaya_jax.objectives.spec.Producer`): on
+    policy, so :meth:`observe` hands it the state the next batch is sampled from, and nothing is
+    prefetched."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, reference: Any = None):
+    prefetch = 0
+    on_policy = True
+
+    def __init__(
+        self,
+        cfg: Config,
+        tokenizer: Tokenizer,
+        reference: Callable[[HostBatch], np.ndarray] | None = None,
+        prompts: PromptSet | None = None,
+    ):
         """``reference(host batch) -> (rows, seq)`` target log-probabilities of the reference
-        weights (needed when ``rl.kl > 0``, see :func:`kl_reference`)."""
+        weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
+        prompt set (default: read from ``cfg.rl``)."""
         if jax.process_count() > 1:
             raise ConfigError(
                 "train.objective=grpo runs in one process for now; launch it without --num-processes"
@@ -121,7 +144,7 @@ class Rollouts:
             raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
         self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
         self.reward = load_reward(cfg.rl.reward)
-        self.prompts = PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
+        self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
         self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
         self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
@@ -129,13 +152,13 @@ class Rollouts:
         self.stats: tuple[tuple[str, float], ...] = ()
         self.params: dict[str, Any] | None = None
 
-    def observe(self, state: Any) -> None:
+    def observe(self, state: TrainState) -> None:
         self.params = {"params": state.params, "balancing": state.balancing}
 
-    def get_state(self) -> dict[str, Any]:
+    def get_state(self) -> DataPosition:
         return dict(self.position)
 
-    def set_state(self, saved: list[dict[str, Any]]) -> None:
+    def set_state(self, saved: list[DataPosition]) -> None:
         """Continue from the position saved (by the one process a grpo run has)."""
         self.position = {k: int(saved[0][k]) for k in ("rollouts", "consumed", "tokens_seen")}
         self.pending = []
@@ -144,7 +167,7 @@ class Rollouts:
     def size(self) -> int:
         return self.cfg.rl.steps_per_rollout * self.cfg.train.batch_size
 
-    def __call__(self) -> tuple[RolloutPlan, dict[str, np.ndarray], dict[str, Any]]:
+    def __call__(self) -> tuple[RolloutPlan, HostBatch, DataPosition]:
         if not self.pending:
             completions = self._read() if self.file_records is not None else self._sample()
             self.pending = self._rows(completions)
@@ -223,16 +246,14 @@ class Rollouts:
 
 def _read_rollout_files(cfg: Config) -> list[Completion]:
     """Every record of ``rl.rollouts``, checked (see the module doc for the format)."""
-    bad = BadDocuments("error")
-    source = DataSource(name="rollouts", kind="jsonl", path=cfg.rl.rollouts)
     layers, classes = cfg.model.num_layers, cfg.model.num_experts + 1
     out = []
-    for _, where, record in iter_records(resolve_files(source), bad):
+    for _, where, record in jsonl_records(cfg.rl.rollouts, BadDocuments("error"), name="rollouts"):
         try:
             out.append(_completion_from_record(record, layers, classes))
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(
-                f"{where}: not a rollout record ({err}); see zaya_jax.train.rollouts for the format"
+                f"{where}: not a rollout record ({err}); see zaya_jax.objectives.rollouts for the format"
             ) from None
     if not out:
         raise DataError(f"rl.rollouts={cfg.rl.rollouts} holds no rollout records")
@@ -261,22 +282,15 @@ def _completion_from_record(record: dict[str, Any], layers: int, classes: int) -
     return Completion(record["group"], prompt, tokens, logprobs, float(record["reward"]), routes)
 
 
-def kl_reference(cfg: Config, programs: Any, fresh_state: Any) -> Any:
-    """``host batch -> (rows, seq)`` target log-probabilities under the weights of
-    ``train.init_from`` (kept on the device for the run), or None when ``rl.kl`` is 0."""
-    if cfg.rl.kl == 0:
+def kl_reference(setup: RunSetup) -> Callable[[HostBatch], np.ndarray] | None:
+    """``host batch -> (rows, seq)`` target log-probabilities under the run's starting weights
+    (``train.init_from``, kept on the device for the run), or None when ``rl.kl`` is 0."""
+    if setup.cfg.rl.kl == 0:
         return None
-    if not cfg.train.init_from:
-        raise ConfigError(
-            "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
-        )
-    from zaya_jax.parallel import put_batch
-    from zaya_jax.train.init import initialize_from
-
-    reference, _ = initialize_from(cfg.train.init_from, fresh_state)
+    reference, programs = setup.starting_weights(), setup.programs
     step, layout = programs.token_logprobs_step, programs.layout
 
-    def score(batch: dict[str, np.ndarray]) -> np.ndarray:
+    def score(batch: HostBatch) -> np.ndarray:
         return np.asarray(step(reference.params, reference.balancing, put_batch(batch, layout.batch)))
 
     return score

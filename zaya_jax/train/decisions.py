@@ -1,4 +1,4 @@
-"""What the loop does after a step: accept it, skip it, roll back to the last checkpoint, or stop,
+"""What the loop decides after a step: accept it, skip it, roll back to the last checkpoint, or stop,
 for its loss (:func:`decide`) and for a routing-health alarm (:func:`decide_routing`).
 
 A pure function of the step's outcome, the ``resilience.*`` settings and the rollbacks so far, so

@@ -1,0 +1,62 @@
+"""``train.objective: grpo``: the clipped policy-gradient objective (:mod:`zaya_jax.loss.policy`)
+on rollouts the policy samples from its current weights (:mod:`.rollouts`), scored by a reward
+function and evaluated by the mean greedy reward of held-out prompts (:mod:`.rewards`)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from zaya_jax.config import Config, ConfigError
+from zaya_jax.loss import Objective
+from zaya_jax.loss.policy import grpo_loss_and_stats
+from zaya_jax.objectives.lm import no_preference_sources
+from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, load_reward
+from zaya_jax.objectives.rollouts import Rollouts, kl_reference, rollout_fields
+from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
+
+
+def policy_gradient(cfg: Config) -> Objective:
+    """GRPO's loss with ``cfg.rl`` bound; the batch adds the rollouts' fields."""
+    return Objective("grpo", functools.partial(grpo_loss_and_stats, cfg=cfg), ("loss",), rollout_fields(cfg))
+
+
+def check_grpo(cfg: Config) -> None:
+    """Rollouts in whole groups, one fixed batch, a reference for the KL term, no preference data."""
+    no_preference_sources(cfg)
+    rl, train = cfg.rl, cfg.train
+    if (rl.steps_per_rollout * train.batch_size) % rl.group_size and not rl.rollouts:
+        raise ConfigError(
+            f"a rollout of rl.steps_per_rollout x train.batch_size = {rl.steps_per_rollout * train.batch_size} "
+            f"sequences is not a whole number of groups of rl.group_size={rl.group_size}; make it a multiple"
+        )
+    if train.stages or train.batch_ramp:
+        raise ConfigError(
+            "train.objective=grpo takes a fixed batch: remove train.stages and train.batch_ramp"
+        )
+    if rl.kl > 0 and not train.init_from:
+        raise ConfigError(
+            "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
+        )
+
+
+def evaluate_saved(saved: SavedRun) -> dict[str, Any]:
+    """The mean greedy reward of the run's held-out prompts (``eval_loss`` is its negation)."""
+    cfg = saved.cfg
+    prompts = PromptSet(cfg).held_out
+    mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, load_reward(cfg.rl.reward))
+    what = f"the run's held-out reward (step {saved.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
+    return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
+
+
+GRPO = register(
+    ObjectiveSpec(
+        name="grpo",
+        loss=policy_gradient,
+        check=check_grpo,
+        prepare=lambda setup: PromptSet(setup.cfg),  # shared: the producer's and the held-out prompts
+        producer=lambda setup, prompts: Rollouts(setup.cfg, setup.tokenizer, kl_reference(setup), prompts),
+        held_out=lambda setup, prompts: HeldOutReward(setup.cfg, setup.tokenizer, prompts, setup.beat),
+        evaluate_saved=evaluate_saved,
+    )
+)

@@ -1,0 +1,32 @@
+"""The run's held-out evaluation as the loop calls it: every ``eval.every`` steps and after the
+final step, the objective's evaluator (:attr:`zaya_jax.objectives.ObjectiveSpec.held_out`) on the
+step's state, its time left out of tokens/s."""
+
+from __future__ import annotations
+
+import time
+
+from zaya_jax.config import Config
+from zaya_jax.objectives import Evaluator
+from zaya_jax.programs import TrainState
+from zaya_jax.train.throughput import Throughput
+
+
+class Evaluation:
+    """Calls the evaluator at the steps it is due (:meth:`due`); the metrics go into the step's
+    record (``eval``), which the hooks and the checkpoints read."""
+
+    def __init__(self, held_out: Evaluator, cfg: Config, meter: Throughput):
+        self.held_out, self.cfg, self.meter = held_out, cfg, meter
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
+
+    def __call__(self, step: int, state: TrainState | None) -> dict[str, float] | None:
+        """The held-out metrics after ``step`` (``loss`` first), or None when it is not due."""
+        if not self.due(step):
+            return None
+        started = time.perf_counter()
+        metrics = self.held_out(step, state)
+        self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
+        return metrics
