@@ -137,10 +137,9 @@ def _doctor_moe(args: argparse.Namespace) -> int:
     """``zaya doctor --moe``: measure (never from the cache) and cache moe_impl auto's choice."""
     import jax
 
-    from zaya_jax.model.moe_auto import measure
     from zaya_jax.parallel import make_layout
     from zaya_jax.parallel.platform import device_platform
-    from zaya_jax.programs.moe import cache_path, resolve_moe_impl, tokens_per_device
+    from zaya_jax.programs.moe import cache_path, measure, resolve_moe_impl, tokens_per_device
 
     cfg = load_config(args.config, [*args.overrides, "model.moe_impl=auto"])
     layout = make_layout(cfg)
