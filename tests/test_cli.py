@@ -72,7 +72,7 @@ def test_every_recommended_xla_flag_is_known_to_the_installed_jaxlib(capsys):
     """An unknown flag in XLA_FLAGS aborts JAX at start; every flag doctor recommends, on every
     platform, starts it (on the CPU, where GPU flags are parsed and ignored)."""
     from zaya_jax.cli import main as cli_main
-    from zaya_jax.parallel.platform import RECOMMENDED_XLA_FLAGS
+    from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS
 
     flags = [flag for table in RECOMMENDED_XLA_FLAGS.values() for flag in table]
     assert any("ragged_all_to_all_one_shot_kernel=false" in f for f in RECOMMENDED_XLA_FLAGS["cuda"])

@@ -1,8 +1,8 @@
 """The configuration reference (``docs/CONFIG.md``), generated from the config dataclasses.
 
 Every key, its type and default come from the dataclass fields; the descriptions are the class
-docstrings and the comment lines written directly above each field in ``zaya_jax/config/schema.py``, so
-the reference cannot drift from the code. Regenerate with::
+docstrings and the comment lines written directly above each field in the section modules of
+``zaya_jax/config/``, so the reference cannot drift from the code. Regenerate with::
 
     python -m zaya_jax.config_reference > docs/CONFIG.md
 

@@ -21,7 +21,7 @@ Nothing else is ever deleted. The staging directory sits in the destination's pa
 rename never crosses file systems.
 
 Standard library only, in the bottom layer beside :mod:`zaya_jax.files` (atomic files; this module:
-atomic directories): ``zaya data prepare`` (``zaya_jax.data.prepare``) and ``zaya convert``
+atomic directories): ``zaya data prepare`` (``zaya_jax.data.prepared.writer``) and ``zaya convert``
 (``zaya_jax.lm.export_hf``, ``zaya_jax.cli``) use it.
 """
 

@@ -11,7 +11,7 @@ import pytest
 from tests.data.corpora import train_bpe_tokenizer, write_jsonl, write_parquet
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import ByteTokenizer, DataError, HFTokenizer, make_row_iterator, open_prepared, prepare
-from zaya_jax.data.prepare import MANIFEST, shard_name
+from zaya_jax.data.prepared.format import MANIFEST, shard_name
 from zaya_jax.staging import StagedDirectory, lock_path, staging_path
 
 TEXTS = ["first text file", "second, longer text file ü", "jsonl one", "jsonl two", "pq a", "pq b", "pq c"]

@@ -14,7 +14,7 @@ import pytest
 from tests.data.corpora import write_jsonl, write_parquet
 from zaya_jax.cli.data import hosts
 from zaya_jax.data import DataError, prepare
-from zaya_jax.data.prepare_work import READER_THREAD, _prefetched
+from zaya_jax.data.prepared.work import READER_THREAD, _prefetched
 
 ROWS = [f"row {i}: " + "lorem ipsum dolor " * (i % 9) for i in range(400)]
 

@@ -17,7 +17,7 @@ import pytest
 from tests.data.corpora import write_jsonl
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import ByteTokenizer, DataError, make_row_iterator, next_batch, open_prepared, prepare
-from zaya_jax.data.prepare import shard_name
+from zaya_jax.data.prepared.format import shard_name
 
 TEXTS = [f"document number {i}: " + "abcdefghij"[: i % 10] * 3 for i in range(400)]
 SHARD = shard_name(1, 2)

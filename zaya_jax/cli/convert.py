@@ -146,7 +146,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 def _is_prepared(path: Path) -> bool:
     """A directory written by ``zaya data prepare`` (its manifest or its shards, even damaged)."""
-    from zaya_jax.data.prepare import MANIFEST
+    from zaya_jax.data.prepared.format import MANIFEST
 
     return os.path.lexists(path / MANIFEST) or any(path.glob("shard-*.array_record"))
 

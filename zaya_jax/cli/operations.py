@@ -104,10 +104,10 @@ def _run_dir_of(child: list[str]) -> Path:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from zaya_jax.parallel.platform import no_gpu_message, platform_report
+    from zaya_jax.cli.doctor import no_gpu_message, platform_report
 
     if args.flags_for:
-        from zaya_jax.parallel.platform import RECOMMENDED_XLA_FLAGS
+        from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS
 
         for flag, why in RECOMMENDED_XLA_FLAGS[args.flags_for].items():
             print(f"{flag}\n    {why}")
@@ -137,10 +137,9 @@ def _doctor_moe(args: argparse.Namespace) -> int:
     """``zaya doctor --moe``: measure (never from the cache) and cache moe_impl auto's choice."""
     import jax
 
-    from zaya_jax.model.moe_auto import measure
+    from zaya_jax.cli.doctor import device_platform
     from zaya_jax.parallel import make_layout
-    from zaya_jax.parallel.platform import device_platform
-    from zaya_jax.programs.moe import cache_path, resolve_moe_impl, tokens_per_device
+    from zaya_jax.programs.moe import cache_path, measure, resolve_moe_impl, tokens_per_device
 
     cfg = load_config(args.config, [*args.overrides, "model.moe_impl=auto"])
     layout = make_layout(cfg)

@@ -1,6 +1,9 @@
-"""Typed, frozen configuration tree (:mod:`.schema`) and how it is loaded from YAML presets with
-inheritance and dotted overrides (:mod:`.loading`)."""
+"""Typed, frozen configuration tree (its root :mod:`.schema`, the sections in :mod:`.model`,
+:mod:`.data`, :mod:`.training`, :mod:`.post_training`, :mod:`.run` and :mod:`.mesh`) and how it is
+loaded from YAML presets with inheritance and dotted overrides (:mod:`.loading`)."""
 
+from zaya_jax.config.data import DataConfig, DataSource
+from zaya_jax.config.errors import ConfigError
 from zaya_jax.config.loading import (
     available_presets,
     config_dirs,
@@ -12,32 +15,20 @@ from zaya_jax.config.loading import (
     save_config,
     to_dict,
 )
-from zaya_jax.config.schema import (
-    MESH_AXES,
-    NS_COEFFS,
-    PREFERENCE_OBJECTIVES,
-    AxisRule,
-    BalancingConfig,
+from zaya_jax.config.mesh import MESH_AXES, AxisRule, MeshConfig
+from zaya_jax.config.model import ModelConfig
+from zaya_jax.config.post_training import PREFERENCE_OBJECTIVES, PreferenceConfig, RLConfig
+from zaya_jax.config.run import (
     CheckpointConfig,
-    Config,
-    ConfigError,
-    DataConfig,
-    DataSource,
     EvalConfig,
     LogConfig,
-    MeshConfig,
-    ModelConfig,
-    OptimConfig,
-    PreferenceConfig,
     ProfileConfig,
-    RampPoint,
     ResilienceConfig,
-    RLConfig,
     RunConfig,
     RuntimeConfig,
-    Stage,
-    TrainConfig,
 )
+from zaya_jax.config.schema import Config
+from zaya_jax.config.training import NS_COEFFS, BalancingConfig, OptimConfig, RampPoint, Stage, TrainConfig
 
 __all__ = [
     "MESH_AXES",

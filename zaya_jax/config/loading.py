@@ -1,5 +1,5 @@
 """Loading a config: YAML presets with inheritance, dotted overrides, typed conversion into the
-schema (:mod:`zaya_jax.config.schema`), and writing it back.
+schema (:class:`~zaya_jax.config.schema.Config` and its sections), and writing it back.
 
 A config is built in three steps:
 
@@ -26,7 +26,9 @@ from typing import Any, Literal
 
 import yaml
 
-from zaya_jax.config.schema import Config, ConfigError, ModelConfig
+from zaya_jax.config.errors import ConfigError
+from zaya_jax.config.model import ModelConfig
+from zaya_jax.config.schema import Config
 from zaya_jax.files import InputFileError, read_text_file, write_atomic
 
 _INHERITS = "inherits"

@@ -1,17 +1,15 @@
 """Tokenizers, document sources, corpus preparation and Grain pipelines.
 
-``sources`` (reading files) -> ``tokenizers`` -> ``prepare`` (ArrayRecord shards) -> ``documents``
-(token documents per source and split) -> ``packing`` (rows) -> ``pipeline`` (mixture, batches)
--> ``streams`` (batches independent of the process count) -> ``prefetch`` (a thread ahead of
-training); ``batch`` names the fields of a batch.
+``sources`` (reading files) -> ``tokenizers`` -> ``prepared`` (ArrayRecord shards: their format,
+the reader training uses, the writer of ``zaya data prepare``) -> ``documents`` (token documents
+per source and split) -> ``packing`` (rows) -> ``pipeline`` (mixture, batches) -> ``streams``
+(batches independent of the process count) -> ``prefetch`` (a thread ahead of training); ``batch``
+names the fields of a batch.
 
 The names below load their module on first use (PEP 562): ``zaya data prepare``'s worker
 processes import the sources, tokenizers and preparation modules without Grain or JAX."""
 
 from typing import Any
-
-# Eager: the function ``prepare`` shares its name with its module, which would shadow it once imported.
-from zaya_jax.data.prepare import open_prepared, prepare, read_manifest
 
 _LAZY = {
     "BATCH_FIELDS": "batch",
@@ -22,6 +20,9 @@ _LAZY = {
     "make_row_iterator": "pipeline",
     "next_batch": "pipeline",
     "Prefetcher": "prefetch",
+    "open_prepared": "prepared.reader",
+    "read_manifest": "prepared.reader",
+    "prepare": "prepared.writer",
     "BadDocuments": "sources",
     "DataError": "sources",
     "jsonl_records": "sources",
@@ -31,12 +32,7 @@ _LAZY = {
     "load_tokenizer": "tokenizers",
 }
 
-__all__ = [  # the lazy names, then the eager ones
-    *_LAZY,
-    "open_prepared",
-    "prepare",
-    "read_manifest",
-]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import corpus
 from zaya_jax.data.chat import read_chat_documents
 from zaya_jax.data.preference import read_preference_documents
-from zaya_jax.data.prepare import PreparedDocuments, open_prepared
+from zaya_jax.data.prepared.reader import PreparedDocuments, open_prepared
 from zaya_jax.data.sources import DataError, file_signature, read_documents
 from zaya_jax.data.tokenizers import Tokenizer, token_dtype
 

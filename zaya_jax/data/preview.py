@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from zaya_jax.data.packing import packed_rows
-from zaya_jax.data.prepare import open_prepared
+from zaya_jax.data.prepared.reader import open_prepared
 from zaya_jax.data.tokenizers import Tokenizer, load_tokenizer
 
 TRAINED_OPEN, TRAINED_CLOSE = "«", "»"

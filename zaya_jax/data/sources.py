@@ -3,7 +3,7 @@
 Kinds: ``text`` (a file, a directory walked recursively, or a glob; one document per file),
 ``jsonl`` (one JSON object per line, the text in field ``text_field``), ``parquet`` (column
 ``text_field``), ``stdlib`` (the built-in corpus, :mod:`zaya_jax.data.corpus`). Prepared token
-shards (``arrayrecord``) hold tokens, not text; :mod:`zaya_jax.data.prepare` reads them.
+shards (``arrayrecord``) hold tokens, not text; :mod:`zaya_jax.data.prepared.reader` reads them.
 
 Every document has a key, stable across machines, that decides its train/held-out split: the file's
 POSIX path relative to the source root (``text``, ``stdlib``), plus ``:line`` (``jsonl``) or
@@ -269,7 +269,7 @@ def iter_record_range(
 ) -> Iterator[tuple[str, str, dict]]:
     """:func:`iter_records` of one file, or of the lines of an uncompressed file that begin in bytes
     ``[start, end)`` (``start`` at a line start, which is line ``first_line``): how ``zaya data
-    prepare`` splits a large file over workers (:mod:`zaya_jax.data.prepare_work`)."""
+    prepare`` splits a large file over workers (:mod:`zaya_jax.data.prepared.work`)."""
     line_no = first_line - 1
     try:
         with open_bytes(path) as f:
@@ -408,7 +408,7 @@ def iter_documents(source: DataSource, bad: BadDocuments | None = None) -> Itera
     else:
         raise DataError(
             f"data source {source.name!r} of kind {source.kind!r} holds tokens, not text; "
-            "read it with zaya_jax.data.prepare.open_prepared"
+            "read it with zaya_jax.data.open_prepared"
         )
     count = 0
     for item in documents:

@@ -27,10 +27,9 @@ from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
 from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
-from zaya_jax.model.moe_auto import MoeChoice
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
-from zaya_jax.programs.moe import resolve_moe_impl
+from zaya_jax.programs.moe import MoeChoice, resolve_moe_impl
 from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
 
 

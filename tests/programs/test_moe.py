@@ -11,11 +11,10 @@ import pytest
 from tests.train.test_loop import MINI
 from zaya_jax.cli import main
 from zaya_jax.config import load_config
-from zaya_jax.model import moe_auto
-from zaya_jax.model.moe_auto import ChoiceCache, choose, measure
+from zaya_jax.objectives import build_programs
 from zaya_jax.parallel import make_layout
-from zaya_jax.programs import build_programs
-from zaya_jax.programs.moe import resolve_moe_impl
+from zaya_jax.programs import moe
+from zaya_jax.programs.moe import ChoiceCache, choose, measure, resolve_moe_impl
 
 
 def _events(run):
@@ -36,7 +35,7 @@ def test_the_measured_fastest_is_chosen_and_cached(tmp_path, monkeypatch, fastes
 
     timings = {"sorted": 2.0, "dense": 3.0} if fastest == "sorted" else {"sorted": 3.0, "dense": 1.0}
     calls = []
-    monkeypatch.setattr(moe_auto, "measure", lambda *a, **k: calls.append(a) or dict(timings))
+    monkeypatch.setattr(moe, "measure", lambda *a, **k: calls.append(a) or dict(timings))
     cfg, device = load_config("tiny").model, jax.devices()[0]
     cache = ChoiceCache(tmp_path / "moe_auto.json")
     first = choose(cfg, 512, device, cache)
@@ -53,7 +52,7 @@ def test_an_unreadable_cache_is_measured_again(tmp_path, monkeypatch):
 
     path = tmp_path / "moe_auto.json"
     path.write_text("{not json")
-    monkeypatch.setattr(moe_auto, "measure", lambda *a, **k: {"sorted": 1.0, "dense": 2.0})
+    monkeypatch.setattr(moe, "measure", lambda *a, **k: {"sorted": 1.0, "dense": 2.0})
     assert choose(load_config("tiny").model, 64, jax.devices()[0], ChoiceCache(path)).source == "measured"
     assert json.loads(path.read_text())  # rewritten whole
 
@@ -71,7 +70,7 @@ def test_a_run_records_the_choice_and_the_next_run_takes_it_from_the_cache(tmp_p
 
 
 def test_auto_is_fixed_where_it_cannot_be_measured(monkeypatch):
-    monkeypatch.setattr(moe_auto, "measure", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(moe, "measure", lambda *a, **k: pytest.fail("measured"))
     from zaya_jax.ops.platform import planning_for
 
     cfg = load_config("tiny")
@@ -97,8 +96,7 @@ def test_doctor_moe_measures_and_prints_the_choice(tmp_path, monkeypatch, capsys
 def test_a_gpu_plan_takes_the_choice_measured_on_the_named_gpu(tmp_path, monkeypatch):
     """--compile-only --gpu-kind H200 plans the path auto measured on an H200 at these shapes (here
     a cached ``dense``: no grouped GEMM in the program); without a measurement, ``sorted``."""
-    from zaya_jax.model.moe_auto import choice_key
-    from zaya_jax.programs.moe import tokens_per_device
+    from zaya_jax.programs.moe import choice_key, tokens_per_device
     from zaya_jax.train.plan import compile_plan
 
     monkeypatch.setenv("ZAYA_CACHE_DIR", str(tmp_path))

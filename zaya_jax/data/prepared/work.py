@@ -5,7 +5,7 @@ of a large uncompressed JSONL file (the built-in corpus is one unit). Host ``h``
 tokenizes units ``h, h + H, ...`` over its worker processes, each unit into a *piece* (an
 ArrayRecord of its documents' tokens, in input order). Host 0 then waits for every piece, deals
 the documents round-robin into the shards (over its workers, one shard each), and publishes the
-directory with its manifest (:mod:`zaya_jax.data.prepare`). Document ``i`` of the whole input
+directory with its manifest (:mod:`zaya_jax.data.prepared.writer`). Document ``i`` of the whole input
 lands in the same record of the same shard whatever the number of hosts and workers, so the
 output is byte-identical to one process's.
 
@@ -43,6 +43,7 @@ from array_record.python.array_record_module import ArrayRecordReader, ArrayReco
 
 from zaya_jax.config import DataSource
 from zaya_jax.data.chat import ChatEncoder, encode_records
+from zaya_jax.data.prepared.format import READER_OPTIONS, WRITER_OPTIONS
 from zaya_jax.data.sources import (
     COMPRESSED,
     PROBLEMS_KEPT,
@@ -59,8 +60,6 @@ from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.files import read_json, sha256_file, write_atomic
 
 CHUNK_BYTES = 32 << 20  # a unit of a large JSONL file
-WRITER_OPTIONS = "group_size:1"  # one record per chunk: random access to a document is one read
-READER_OPTIONS = "readahead_buffer_size:0"
 _ENCODE_BATCH = 256
 READER_THREAD = "zaya-prepare-reader"
 

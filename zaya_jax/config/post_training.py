@@ -1,0 +1,81 @@
+"""The post-training sections: ``preference`` (DPO, IPO, SimPO) and ``rl`` (GRPO)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zaya_jax.config.errors import ConfigError
+
+PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    """Preference tuning (``train.objective`` dpo, ipo or simpo) on pairs of a chosen and a rejected
+    completion of one prompt. With h = (log pi(chosen) - log ref(chosen)) - (log pi(rejected) - log
+    ref(rejected)), summed over each completion's tokens: dpo minimises -log sigmoid(beta h), ipo
+    (h - 1 / (2 beta))^2; simpo uses no reference and the completions' mean log-probabilities:
+    -log sigmoid(beta (mean log pi(chosen) - mean log pi(rejected)) - simpo_gamma). The reference
+    log-probabilities come from the starting weights, computed once before step 1 and stored in
+    the run directory (``reference/``); see :mod:`zaya_jax.objectives.reference`."""
+
+    beta: float = 0.1  # inverse temperature of the implicit reward (SimPO papers use 2.0-2.5)
+    simpo_gamma: float = 0.5  # simpo: the target margin between chosen and rejected rewards
+
+    def validate(self) -> None:
+        if not self.beta > 0:
+            raise ConfigError(f"preference.beta={self.beta} must be > 0")
+        if self.simpo_gamma < 0:
+            raise ConfigError(f"preference.simpo_gamma={self.simpo_gamma} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    """Reinforcement learning with GRPO (``train.objective: grpo``; :mod:`zaya_jax.objectives.rollouts`).
+
+    Every ``steps_per_rollout`` steps the current policy samples ``group_size`` completions of each of
+    ``steps_per_rollout * train.batch_size / group_size`` prompts with zaya's own sampler and decode
+    cache, capturing each token's log-probability and the class every layer's router chose; the
+    reward function scores them, and each completion's advantage is its reward minus its group's
+    mean, over the group's standard deviation. The step then minimises the clipped surrogate
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per completion token, r = pi / pi_sampler, plus
+    ``kl`` times the k3 estimate of KL(pi || reference), averaged over completion tokens; with
+    ``replay_routes`` every layer selects the class the sampler chose (router replay). One sequence
+    per row: ``train.seq_len`` must hold the longest prompt plus ``max_new_tokens``."""
+
+    # The prompts: "reverse" (the built-in reverse-a-word task, zaya_jax.data.tasks) or a JSONL file of
+    # chat records ({"messages": [...]}, more fields allowed); a final assistant message is left out
+    # of the prompt (the reward function still sees the whole record).
+    prompts: str = "reverse"
+    # The reward: "module:function" called as function(record, completion_text) -> float.
+    reward: str = "zaya_jax.data.tasks:reverse_reward"
+    # Rollouts read from JSONL files (a file, directory or glob) instead of sampled (see
+    # zaya_jax.objectives.rollouts for the record format; routes captured by another engine replay here).
+    rollouts: str = ""
+    group_size: int = 8  # completions sampled per prompt (the group of the advantage)
+    max_new_tokens: int = 32  # longest completion
+    temperature: float = 1.0  # sampling temperature (log-probabilities are at temperature 1 either way)
+    steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
+    replay_routes: bool = True  # force the sampler's routes in the training forward
+    clip_low: float = 0.2  # the ratio's lower clip 1 - clip_low
+    clip_high: float = 0.2  # the ratio's upper clip 1 + clip_high (DAPO's clip-higher: 0.28)
+    # Weight of KL(pi || reference) per token (0: off). > 0 keeps a copy of the starting weights on
+    # the device to score every rollout.
+    kl: float = 0.0
+    eval_prompts: int = 64  # held-out prompts whose mean greedy reward is eval_reward
+    prompt_seed: int = 0  # seed of the built-in task's prompts (held-out ones come from seed + 1)
+
+    def validate(self) -> None:
+        for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"rl.{name}={getattr(self, name)} must be a positive integer")
+        if self.group_size < 2 and not self.rollouts:
+            raise ConfigError(
+                f"rl.group_size={self.group_size}: a group needs >= 2 completions for an advantage"
+            )
+        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
+            raise ConfigError("rl.clip_low must be in [0, 1) and rl.clip_high >= 0")
+        if self.kl < 0 or self.temperature <= 0:
+            raise ConfigError("rl.kl must be >= 0 and rl.temperature > 0")
+        if ":" not in self.reward:
+            raise ConfigError(f"rl.reward={self.reward!r} must be 'module:function'")
