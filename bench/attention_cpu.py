@@ -54,7 +54,7 @@ def _time_jax_shape(batch, seq, heads, repeats) -> dict[str, float]:
     import jax.numpy as jnp
 
     from zaya_jax.ops.attention import blocked_attention, self_attention_mask
-    from zaya_jax.ops.cpu_attention import cpu_attention
+    from zaya_jax.ops.attention.cpu import cpu_attention
 
     q, k, v, w = (jnp.asarray(x) for x in _inputs(batch, seq, *heads))
     mask = self_attention_mask(seq)
@@ -70,7 +70,7 @@ def _time_jax_shape(batch, seq, heads, repeats) -> dict[str, float]:
 
 
 def measure_jax(shapes, heads, repeats) -> dict[str, dict[str, float]]:
-    from zaya_jax.ops.cpu_attention import available
+    from zaya_jax.ops.attention.cpu import available
 
     if not available():
         raise SystemExit(

@@ -1,10 +1,12 @@
 """The package's layers point one way (docs/ARCHITECTURE.md): a part may import only parts of lower
-layers, never its own layer's siblings or anything above, lazy imports (inside functions) and
-``TYPE_CHECKING`` imports included. No exceptions list: a new edge that breaks this fails here."""
+layers, never its own layer's siblings or anything above, and no module imports itself back through
+others, inside a part either; lazy imports (inside functions) and ``TYPE_CHECKING`` imports
+included. No exceptions list: a new edge that breaks this fails here."""
 
 from __future__ import annotations
 
 import ast
+import itertools
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zaya_jax"
@@ -32,6 +34,15 @@ def _part(module: str) -> str:
     return bits[1] if len(bits) > 1 else "__init__"
 
 
+def _module_file(module: str) -> Path | None:
+    """The file of a ``zaya_jax`` module (``a/b.py`` or ``a/b/__init__.py``), None if it is none."""
+    base = PACKAGE.parent.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
 def _imports(path: Path) -> list[tuple[str, int]]:
     """(imported zaya_jax module, line) for every import in ``path``, wherever it appears."""
     relative = path.relative_to(PACKAGE.parent).with_suffix("")
@@ -47,9 +58,11 @@ def _imports(path: Path) -> list[tuple[str, int]]:
                 parent = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(parent + ([base] if base else []))
             for alias in node.names:
-                # ``from zaya_jax import checkpoint`` imports the part ``checkpoint``
-                is_part = base == "zaya_jax" and alias.name in LAYER_OF
-                found.append((f"{base}.{alias.name}" if is_part else base, node.lineno))
+                # ``from zaya_jax import checkpoint`` imports the part ``checkpoint``, and
+                # ``from zaya_jax.ops import attention`` the module ``ops.attention``
+                name = f"{base}.{alias.name}"
+                is_module = _module_file(name) is not None or (base == "zaya_jax" and alias.name in LAYER_OF)
+                found.append((name if is_module else base, node.lineno))
     return [
         (module, line) for module, line in found if module == "zaya_jax" or module.startswith("zaya_jax.")
     ]
@@ -76,6 +89,83 @@ def _violations() -> list[str]:
     return problems
 
 
+def _module_of(path: Path) -> str:
+    """``zaya_jax/a/b.py`` -> ``zaya_jax.a.b``; ``zaya_jax/a/__init__.py`` -> ``zaya_jax.a``."""
+    return ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _import_graph() -> dict[str, dict[str, tuple[str, int]]]:
+    """module -> {imported module: (importing file, line) of its first import}. An import names the
+    module it names, or where that is not a module (``from zaya_jax.a import f``) its package's
+    ``__init__``."""
+    graph: dict[str, dict[str, tuple[str, int]]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        edges = graph.setdefault(_module_of(path), {})
+        for module, line in _imports(path):
+            while module and _module_file(module) is None:
+                module = module.rpartition(".")[0]
+            if module:
+                edges.setdefault(module, (str(path.relative_to(PACKAGE.parent)), line))
+    return graph
+
+
+def _components(graph: dict[str, dict[str, tuple[str, int]]]) -> list[list[str]]:
+    """The strongly connected components of the graph (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    components = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph.get(node, {}):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while not component or component[-1] != node:
+                component.append(stack.pop())
+            components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def _cycles() -> list[str]:
+    """One import cycle per strongly connected component of the module graph (a module importing
+    itself included), as ``a -> b (file:line) -> a (file:line)`` with the rest of its component."""
+    graph = _import_graph()
+    found = []
+    for component in _components(graph):
+        start = component[0]
+        if len(component) == 1 and start not in graph[start]:
+            continue
+        members = set(component)
+        paths = {start: [start]}  # breadth-first: the shortest way back to ``start``
+        queue = [start]
+        while queue:
+            node = queue.pop(0)
+            if start in graph[node]:
+                break
+            for other in sorted(graph[node]):
+                if other in members and other not in paths:
+                    paths[other] = [*paths[node], other]
+                    queue.append(other)
+        cycle = [*paths[node], start]
+        steps = [cycle[0]] + [
+            f"{b} ({graph[a][b][0]}:{graph[a][b][1]})" for a, b in itertools.pairwise(cycle)
+        ]
+        rest = sorted(members - set(cycle))
+        found.append(" -> ".join(steps) + (f"; its component also holds {', '.join(rest)}" if rest else ""))
+    return sorted(found)
+
+
 def test_imports_point_down_the_layers():
     assert _violations() == []
 
@@ -93,6 +183,38 @@ def test_the_check_sees_lazy_and_relative_imports(tmp_path):
     finally:
         PACKAGE = saved
     assert found == ["train", "lm", "cli"]
+
+
+def test_no_module_imports_itself_back():
+    """No import cycle among the modules, inside a part either (a package's ``__init__`` and the
+    modules it imports included): each is a circle a lazy import only holds open."""
+    cycles = _cycles()
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_the_cycle_check_sees_lazy_type_checking_and_package_imports(tmp_path):
+    package = tmp_path / "zaya_jax" / "ops"
+    package.mkdir(parents=True)
+    sources = {
+        "__init__.py": "",
+        "ops/__init__.py": "from zaya_jax.ops.c import h\n",
+        "ops/a.py": "from zaya_jax.ops.b import g\n",
+        "ops/b.py": "def g():\n    from . import a\n",
+        "ops/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from zaya_jax.ops import a, f\n",
+        "ops/d.py": "import zaya_jax.ops.a\nfrom zaya_jax.ops import b\n",  # no cycle
+    }
+    for name, text in sources.items():
+        (tmp_path / "zaya_jax" / name).write_text(text)
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, tmp_path / "zaya_jax"
+    try:
+        found = _cycles()
+    finally:
+        PACKAGE = saved
+    assert found == [
+        "zaya_jax.ops -> zaya_jax.ops.c (zaya_jax/ops/__init__.py:1) -> zaya_jax.ops (zaya_jax/ops/c.py:3)",
+        "zaya_jax.ops.a -> zaya_jax.ops.b (zaya_jax/ops/a.py:1) -> zaya_jax.ops.a (zaya_jax/ops/b.py:2)",
+    ]
 
 
 def test_no_function_is_longer_than_80_lines():

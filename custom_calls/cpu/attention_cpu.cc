@@ -1,5 +1,5 @@
 // Fused flash attention for XLA:CPU, forward and backward, with CCA's whole mask description (the
-// same per-row vectors as the Pallas GPU kernel, zaya_jax/ops/pallas_attention.py):
+// same per-row vectors as the Pallas GPU kernel, zaya_jax/ops/attention/pallas.py):
 //   key j is visible to query i  <=>  k_slot[j] <= q_slot[i]  &&  k_slot[j] >= q_low[i]
 //                                     && q_seg[b, i] == k_seg[b, j]
 // (q_low = q_slot - window + 1, or very negative without a window; a padding key carries a segment
@@ -17,7 +17,7 @@
 // compiler to vectorise (contiguous innermost axes, `omp simd`), and the hot functions are compiled
 // for AVX-512 and AVX2 besides the baseline (target_clones; x86-64 with GCC only), chosen at load time.
 //
-// Registered from Python as zaya_attention_fwd / zaya_attention_bwd on "cpu" (zaya_jax/ops/cpu_attention.py).
+// Registered from Python as zaya_attention_fwd / zaya_attention_bwd on "cpu" (zaya_jax/ops/attention/cpu.py).
 
 #include <algorithm>
 #include <atomic>

@@ -15,7 +15,7 @@ import pytest
 
 from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error, prefill_case
 from zaya_jax.ops.attention import attention, blocked_attention, dot_product_attention, self_attention_mask
-from zaya_jax.ops.cpu_attention import FORWARD, available, cpu_attention
+from zaya_jax.ops.attention.cpu import FORWARD, available, cpu_attention
 
 
 def test_the_custom_call_is_built_and_in_the_program():
@@ -148,7 +148,7 @@ def test_auto_takes_the_custom_call_for_a_one_device_cpu_program_only():
 
 
 def test_the_handler_names_mismatched_mask_vectors():
-    from zaya_jax.ops.cpu_attention import _ffi_forward
+    from zaya_jax.ops.attention.cpu import _ffi_forward
 
     q, k, v, _ = _inputs(1, 20, 4, 2)
     slots = jnp.arange(20, dtype=jnp.int32)

@@ -13,7 +13,7 @@ import pytest
 
 from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error, prefill_case
 from zaya_jax.ops.attention import attention, dot_product_attention, self_attention_mask
-from zaya_jax.ops.pallas_attention import _key_block_range, pallas_attention
+from zaya_jax.ops.attention.pallas import _key_block_range, pallas_attention
 
 
 def _compare(q, k, v, w, mask, block=16):

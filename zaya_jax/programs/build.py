@@ -223,11 +223,11 @@ def build_programs(
 
 def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
     """``cfg`` with ``model.attention_impl: auto`` replaced: the fused CPU custom call
-    (:mod:`zaya_jax.ops.cpu_attention`; 1.3x PyTorch's SDPA and 2.5-3x the blocked kernel at 2k-8k
+    (:mod:`zaya_jax.ops.attention.cpu`; 1.3x PyTorch's SDPA and 2.5-3x the blocked kernel at 2k-8k
     tokens, bench/RESULTS.md) for a one-device CPU program where the library is built, else the
     blocked kernel. On a mesh of several devices XLA's partitioner cannot split a custom call (it
     would gather every operand), and on GPUs the Pallas kernel is unmeasured, so both keep blocked."""
-    from zaya_jax.ops.cpu_attention import available
+    from zaya_jax.ops.attention.cpu import available
     from zaya_jax.ops.platform import planning_target
 
     if cfg.model.attention_impl != "auto":

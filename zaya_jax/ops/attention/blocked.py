@@ -1,14 +1,8 @@
-"""Causal GQA softmax attention (spec §2.3 step 7): a blocked, flash-style implementation that never
-builds a (seq, seq) array, and the dense definition it is tested against.
+"""The blocked kernel: flash-style attention (FlashAttention-2, Dao 2023) written in plain JAX, so
+every platform runs it and XLA fuses it, never building a (seq, seq) array.
 
-Which keys a query may see is described by an :class:`AttentionMask` of positions and ids, never by
-a materialised (seq_q, seq_k) array: key slot <= query slot (causal), same document (segment ids),
-key not padding, and within a sliding window of slots. Each block of the mask is computed from
-these when it is needed.
-
-:func:`blocked_attention` (FlashAttention-2, Dao 2023, written in plain JAX so every platform runs
-it and XLA fuses it) keeps a running max, denominator and output per query row while it walks over
-key blocks, and returns the output and the per-row log-sum-exp. Its ``custom_vjp`` saves only
+:func:`blocked_attention` keeps a running max, denominator and output per query row while it walks
+over key blocks, and returns the output and the per-row log-sum-exp. Its ``custom_vjp`` saves only
 q, k, v, the output and the log-sum-exp and recomputes each block's scores in the backward pass, so
 memory grows linearly with the sequence in both directions. Two schedules:
 
@@ -20,189 +14,24 @@ memory grows linearly with the sequence in both directions. Two schedules:
   blocks against all queries, masks from the slots.
 
 The log-sum-exp output has a cotangent of its own (``d lse / d s = softmax``), so partial results
-of separate key sets can be merged outside the kernel and differentiated (ring attention).
-
-A query row that may see no key at all (a padding position) gets a zero output and a log-sum-exp
-of -inf in every implementation.
-
-Why not a library kernel: ``jax.nn.dot_product_attention`` has no document (segment id) masks
-except as a dense (seq, seq) mask, and its cuDNN path exists only on NVIDIA GPUs; Pallas/Triton
-kernels do not run on XLA:CPU. The portable version here is the default and the reference; the
-fused GPU kernel (Pallas/Triton, :mod:`zaya_jax.ops.pallas_attention`) sits behind
-:func:`attention` (``impl="pallas"``) with the same mask description.
+of separate key sets can be merged outside the kernel and differentiated (ring attention). It is the
+portable default, the reference of the fused kernels, and their stand-in where they cannot run.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Literal
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 
-Impl = Literal["auto", "blocked", "dense", "pallas", "cudnn", "cpu"]
+from zaya_jax.ops.attention.masks import AttentionMask, pad_axis, visible_keys
 
-
-@flax.struct.dataclass
-class AttentionMask:
-    """Which keys each query may attend to, described by positions and ids.
-
-    q_slots: (seq_q,) and k_slots: (seq_k,) int32 sequence (or cache) indices; a key is visible
-    when its slot <= the query's slot. q_segments/k_segments: (batch, seq_q/seq_k) document ids, a
-    key is visible only within the query's document (both or neither). k_valid: (batch, seq_k) bool,
-    False for padding keys. window: int32 scalar, a key is visible when fewer than ``window`` slots
-    before the query (<= 0: unlimited); None when no layer of the model has a window.
-    ``aligned`` (static): q_slots and k_slots are the same consecutive slots (a sequence attending
-    to itself), which lets the blocked kernel skip the blocks above the diagonal.
-    """
-
-    q_slots: jax.Array
-    k_slots: jax.Array
-    q_segments: jax.Array | None = None
-    k_segments: jax.Array | None = None
-    k_valid: jax.Array | None = None
-    window: jax.Array | None = None
-    aligned: bool = flax.struct.field(pytree_node=False, default=False)
-
-    def dense(self) -> jax.Array:
-        """(batch or 1, seq_q, seq_k) bool: the whole mask (for the dense reference and decoding)."""
-        return _visible(
-            self.q_slots, self.k_slots, self.q_segments, self.k_segments, self.k_valid, self.window
-        )
-
-
-def self_attention_mask(
-    seq: int, segment_ids: jax.Array | None = None, token_mask: jax.Array | None = None
-) -> AttentionMask:
-    """The mask of a (batch, seq) sequence attending to itself: causal, within documents, no padding keys."""
-    slots = jnp.arange(seq, dtype=jnp.int32)
-    return AttentionMask(
-        q_slots=slots,
-        k_slots=slots,
-        q_segments=segment_ids,
-        k_segments=segment_ids,
-        k_valid=None if token_mask is None else token_mask.astype(bool),
-        aligned=True,
-    )
-
-
-def _visible(q_slots, k_slots, q_seg, k_seg, k_valid, window) -> jax.Array:
-    """(batch or 1, ..., tq, tk) bool from q_slots (..., tq), k_slots (..., tk) and per-row
-    q_seg (batch, ..., tq), k_seg/k_valid (batch, ..., tk)."""
-    q_s, k_s = q_slots[..., :, None], k_slots[..., None, :]
-    ok = k_s <= q_s
-    if window is not None:
-        ok = ok & ((window <= 0) | (q_s - k_s < window))
-    ok = ok[None]
-    if q_seg is not None:
-        ok = ok & (q_seg[..., :, None] == k_seg[..., None, :])
-    if k_valid is not None:
-        ok = ok & k_valid[..., None, :]
-    return ok
-
-
-# ---------------------------------------------------------------------------------------------
-# The dense definition
-
-
-def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """The definition: scores q·k^T · d^-1/2 in float32, softmax over visible keys, times v.
-
-    q: (batch, seq, nq, d); k, v: (batch, seq_k, nk, d); mask: (batch|1, seq, seq_k) bool.
-    Returns (batch, seq, nq * d); rows with no visible key are zero. The g = nq/nk query heads of a
-    KV head are stacked along the query axis, so both products are plain batched matmuls. The
-    scale is folded into q and the mask enters as an additive bias (hidden keys get exp(-1e30) = 0),
-    so neither the forward nor the backward pass selects element by element over the scores.
-    """
-    batch, seq, nq, d = q.shape
-    seq_k, nk = k.shape[1], k.shape[2]
-    groups = nq // nk
-    q = q * jnp.asarray(d**-0.5, q.dtype)
-    q = q.reshape(batch, seq, nk, groups, d).transpose(0, 2, 3, 1, 4).reshape(batch, nk, groups * seq, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", q, k.transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
-    bias = jnp.where(mask, 0.0, HIDDEN)[:, None, None]  # (b|1, 1, 1, seq, seq_k)
-    scores = scores.reshape(batch, nk, groups, seq, seq_k) + bias
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype).reshape(batch, nk, groups * seq, seq_k)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v.transpose(0, 2, 1, 3))
-    out = out.reshape(batch, nk, groups, seq, d).transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
-    sees_a_key = jnp.any(mask, axis=-1)[..., None]  # (b|1, seq, 1): a row of only hidden keys -> 0
-    return out * sees_a_key.astype(out.dtype)
-
-
-HIDDEN = -1e30
-"""The additive score bias of a hidden key: exp(HIDDEN - max) is exactly 0 in float32 for any
-finite score, and unlike -inf it keeps a row of only hidden keys finite (its output is zeroed)."""
-
-
-FAR = 2**30  # a slot bound no real slot reaches
-NO_DOCUMENT = -(2**30)  # the segment of a padding key
-
-
-def _pad_to(x: jax.Array, axis: int, size: int, value) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def check_fused_inputs(q: jax.Array, k: jax.Array, mask: AttentionMask) -> None:
-    """The fused kernels' argument checks: document ids on both sides or neither, and query heads a
-    multiple of the key/value heads."""
-    if (mask.q_segments is None) != (mask.k_segments is None):
-        raise ValueError("AttentionMask needs both q_segments and k_segments, or neither")
-    if q.shape[2] % k.shape[2]:
-        raise ValueError(f"{q.shape[2]} query heads are not a multiple of {k.shape[2]} key/value heads")
-
-
-def mask_rows(mask, batch: int, seq_q: int, seq_k: int, padded_q: int, padded_k: int):
-    """The mask as per-row int32 vectors, padded to ``padded_q``/``padded_k`` rows, for the fused
-    kernels (Pallas on GPUs, the CPU custom call): (q_slot (sq), q_low (sq), q_seg (batch, sq),
-    k_slot (sk), k_high (sk), k_seg (batch, sk)). Key j is visible to query i when
-    ``q_low[i] <= k_slot[j] <= q_slot[i]`` and ``q_seg[i] == k_seg[j]``; ``q_low`` is the window's
-    first slot (``-FAR`` without one), ``k_high`` a key's last query slot; a padding key's segment
-    is ``NO_DOCUMENT``."""
-    q_slot = jnp.broadcast_to(mask.q_slots.astype(jnp.int32), (seq_q,))
-    k_slot = jnp.broadcast_to(mask.k_slots.astype(jnp.int32), (seq_k,))
-    window = jnp.asarray(0 if mask.window is None else mask.window, jnp.int32)
-    limited = window > 0
-    q_low = jnp.where(limited, q_slot - window + 1, -FAR)
-    k_high = jnp.where(limited, k_slot + window - 1, FAR)
-    q_seg = (
-        jnp.zeros((batch, seq_q), jnp.int32) if mask.q_segments is None else mask.q_segments.astype(jnp.int32)
-    )
-    k_seg = (
-        jnp.zeros((batch, seq_k), jnp.int32) if mask.k_segments is None else mask.k_segments.astype(jnp.int32)
-    )
-    if mask.k_valid is not None:
-        k_seg = jnp.where(mask.k_valid, k_seg, NO_DOCUMENT)
-    return (
-        _pad_to(q_slot, 0, padded_q, -1),  # padded queries see nothing
-        _pad_to(q_low, 0, padded_q, FAR),
-        _pad_to(q_seg, 1, padded_q, 0),
-        _pad_to(k_slot, 0, padded_k, FAR),  # padded keys are seen by nothing
-        _pad_to(k_high, 0, padded_k, -FAR),
-        _pad_to(k_seg, 1, padded_k, NO_DOCUMENT),
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The blocked kernel
-#
 # Layout: a sequence of n blocks of B slots. Query-like tensors are (b, nk, n, g, B, ...), key-like
 # (b, nk, n, B, d), slots (n, B), per-row ids (b, n, B). A *pair group* is P key blocks, each with m
 # query blocks it is compared against: queries (b, nk, P, m, g, Bq, d), keys (b, nk, P, Bk, d),
 # visibility (b|1, P, m, Bq, Bk); every product is one batched matmul over (b, nk, P).
-
-
-def _pad_axis(x: jax.Array, axis: int, size: int, value=0) -> jax.Array:
-    if x.shape[axis] == size:
-        return x
-    pad = [(0, 0)] * x.ndim
-    pad[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, pad, constant_values=value)
 
 
 def _halves(x: jax.Array, axis: int, level: int) -> tuple[jax.Array, jax.Array]:
@@ -294,23 +123,23 @@ class _Blocks:
         self.q = self.query_blocks(q * jnp.asarray(self.scale, q.dtype))
         self.k = self._key_blocks(k)
         self.v = self._key_blocks(v)
-        self.q_slots = _pad_axis(mask.q_slots, 0, qp).reshape(self.nq_blocks, self.bq)
-        self.k_slots = _pad_axis(mask.k_slots, 0, kp).reshape(self.nk_blocks, self.bk)
+        self.q_slots = pad_axis(mask.q_slots, 0, qp).reshape(self.nq_blocks, self.bq)
+        self.k_slots = pad_axis(mask.k_slots, 0, kp).reshape(self.nk_blocks, self.bk)
         seg = mask.q_segments is not None
-        self.q_seg = _pad_axis(mask.q_segments, 1, qp).reshape(b, self.nq_blocks, self.bq) if seg else None
-        self.k_seg = _pad_axis(mask.k_segments, 1, kp).reshape(b, self.nk_blocks, self.bk) if seg else None
+        self.q_seg = pad_axis(mask.q_segments, 1, qp).reshape(b, self.nq_blocks, self.bq) if seg else None
+        self.k_seg = pad_axis(mask.k_segments, 1, kp).reshape(b, self.nk_blocks, self.bk) if seg else None
         valid = mask.k_valid
         if valid is None and kp != sk:
             valid = jnp.ones((b, sk), bool)
         self.k_valid = (
-            None if valid is None else _pad_axis(valid, 1, kp, False).reshape(b, self.nk_blocks, self.bk)
+            None if valid is None else pad_axis(valid, 1, kp, False).reshape(b, self.nk_blocks, self.bk)
         )
 
     # -- layout --
     def query_blocks(self, x: jax.Array) -> jax.Array:
         """(b, sq, nq, ...) -> (b, nk, n, g, B, ...)"""
         b = x.shape[0]
-        x = _pad_axis(x, 1, self.nq_blocks * self.bq)
+        x = pad_axis(x, 1, self.nq_blocks * self.bq)
         x = x.reshape(b, self.nq_blocks, self.bq, self.nk, self.g, *x.shape[3:])
         return jnp.moveaxis(x, (3, 1, 4, 2), (1, 2, 3, 4))
 
@@ -322,7 +151,7 @@ class _Blocks:
     def _key_blocks(self, x: jax.Array) -> jax.Array:
         """(b, sk, nk, d) -> (b, nk, n, B, d)"""
         b, _, nk, d = x.shape
-        x = _pad_axis(x, 1, self.nk_blocks * self.bk)
+        x = pad_axis(x, 1, self.nk_blocks * self.bk)
         return x.reshape(b, self.nk_blocks, self.bk, nk, d).transpose(0, 3, 1, 2, 4)
 
     def key_rows(self, x: jax.Array) -> jax.Array:
@@ -336,7 +165,7 @@ class _Blocks:
         return int(math.log2(self.nq_blocks)) if self.mask.aligned else 0
 
     def _visible(self, q_slots, k_slots, q_seg, k_seg, k_valid) -> jax.Array:
-        return _visible(q_slots, k_slots, q_seg, k_seg, k_valid, self.mask.window)
+        return visible_keys(q_slots, k_slots, q_seg, k_seg, k_valid, self.mask.window)
 
     def diagonal_visible(self) -> jax.Array:
         """(b|1, n, 1, B, B): each diagonal block against itself."""
@@ -583,7 +412,8 @@ def blocked_attention(
     Returns (out (batch, seq_q, nq, d) in ``out_dtype`` (default q's), lse (batch, seq_q, nq)
     float32 log-sum-exp of each row's visible scores, -inf for a row that sees no key). ``block``:
     the key block length (aligned masks: about this many slots per block, so that the number of
-    blocks is a power of two). Equal to :func:`dot_product_attention` in value and gradient;
+    blocks is a power of two). Equal to
+    :func:`zaya_jax.ops.attention.dense.dot_product_attention` in value and gradient;
     memory is O(seq · block), not O(seq²).
     """
     if (mask.q_segments is None) != (mask.k_segments is None):
@@ -591,70 +421,3 @@ def blocked_attention(
     if block < 1:
         raise ValueError(f"attention block length must be >= 1, got {block}")
     return _flash(q, k, v, mask, int(block), jnp.dtype(out_dtype or q.dtype))
-
-
-def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, impl: Impl = "blocked", block: int = 128
-) -> jax.Array:
-    """CCA's attention: (batch, seq_q, nq * d). ``impl``: "blocked" (default, memory linear in the
-    sequence), "dense" (the definition; materialises the (seq_q, seq_k) scores), "pallas" (the
-    fused GPU kernel, :mod:`zaya_jax.ops.pallas_attention`), "cpu" (the fused CPU custom call,
-    :mod:`zaya_jax.ops.cpu_attention`; the blocked kernel on other devices) or "cudnn"
-    (``jax.nn.dot_product_attention``, causal masks only). "auto" is resolved with the run's
-    layout (:func:`zaya_jax.programs.build.resolve_attention_impl`); unresolved here it is blocked.
-
-    A sequence attending to itself that fits in one block has no block to skip and no tile to
-    loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
-    probabilities for the backward pass instead of recomputing it (the same memory as the kernel's
-    one block; 0.7x the CCA layer's time at 16 x 128 on CPU, where the kernel's layout changes
-    around its custom_vjp do not fuse with their neighbours)."""
-    batch, seq, nq, d = q.shape
-    if impl == "pallas":
-        out = _pallas_or_twin(q, k, v, mask, block)
-        return out.reshape(batch, seq, nq * d)
-    if impl == "cudnn":
-        return _library_attention(q, k, v, mask).reshape(batch, seq, nq * d)
-    if impl == "dense" or (mask.aligned and seq <= block):
-        return dot_product_attention(q, k, v, mask.dense())
-    if impl == "cpu":
-        from zaya_jax.ops.cpu_attention import cpu_attention
-
-        return cpu_attention(q, k, v, mask, block=block)[0].reshape(batch, seq, nq * d)
-    out, _ = blocked_attention(q, k, v, mask, block=block)
-    return out.reshape(batch, seq, nq * d)
-
-
-def _library_attention(q, k, v, mask):
-    """``jax.nn.dot_product_attention`` (cuDNN's fused kernel on NVIDIA GPUs, XLA's elsewhere) for
-    the masks it can express without a dense (seq, seq) array: causal self-attention with no
-    document ids, no padding keys and no sliding window."""
-    unexpressed = [
-        name
-        for name, present in (
-            ("not a sequence attending to itself", not mask.aligned),
-            ("document ids (packed documents)", mask.q_segments is not None),
-            ("padding keys", mask.k_valid is not None),
-            ("a sliding window", mask.window is not None),
-        )
-        if present
-    ]
-    if unexpressed:
-        raise ValueError(
-            f"model.attention_impl=cudnn cannot express this mask ({', '.join(unexpressed)}); "
-            "use attention_impl pallas or blocked"
-        )
-    # implementation=None: JAX takes cuDNN where it applies (NVIDIA GPUs, bf16/fp16), XLA elsewhere
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
-
-
-def _pallas_or_twin(q, k, v, mask, block):
-    """The fused Pallas kernel (:mod:`zaya_jax.ops.pallas_attention`; interpret mode on a CPU
-    backend); while planning a GPU program on CPU, which cannot compile Triton, the blocked kernel
-    stands in with the same linear memory."""
-    from zaya_jax.ops.pallas_attention import pallas_attention
-    from zaya_jax.ops.platform import planning_gpu_on_cpu
-
-    if planning_gpu_on_cpu():
-        with jax.named_scope("pallas_attention_gpu_twin"):
-            return blocked_attention(q, k, v, mask, block=block)[0]
-    return pallas_attention(q, k, v, mask, block_q=min(block, 128), block_k=min(block, 128))[0]

@@ -1,15 +1,17 @@
 """Fused attention on CPU as one XLA FFI custom call per direction (``custom_calls/cpu/attention_cpu.cc``):
 flash-style forward and backward over key blocks with CCA's whole mask description (causal slots,
-document ids, padding keys, a sliding window; the per-row vectors of :func:`zaya_jax.ops.attention.mask_rows`),
-GQA without repeating K/V, the log-sum-exp output with its own cotangent (the ring merges partial
-results with it), threads over (batch, KV head, block) on XLA's intra-op pool.
+document ids, padding keys, a sliding window; the per-row vectors of
+:func:`zaya_jax.ops.attention.masks.mask_rows`), GQA without repeating K/V, the log-sum-exp output
+with its own cotangent (the ring merges partial results with it), threads over (batch, KV head,
+block) on XLA's intra-op pool.
 
 Why a custom call: written in JAX, the blocked kernel's skinny products (head width 32 at ``tiny``)
 and the element-wise passes over each score tile run at about 4x the matmul roofline on XLA:CPU
 (bench/RESULTS.md), where PyTorch runs a fused flash kernel; XLA:CPU fuses neither the products with
 the softmax nor the tiles with each other. The blocked kernel stays the reference (tests compare
 values and gradients for every mask kind). Where the library is not built or the device is not a
-CPU, :func:`cpu_attention` runs the blocked kernel instead.
+CPU, :func:`cpu_attention` runs the blocked kernel (:mod:`zaya_jax.ops.attention.blocked`) instead,
+the one kernel this module imports besides the masks.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.ops._registry import registered_target
-from zaya_jax.ops.attention import AttentionMask, blocked_attention, check_fused_inputs, mask_rows
+from zaya_jax.ops.attention.blocked import blocked_attention
+from zaya_jax.ops.attention.masks import AttentionMask, check_fused_inputs, mask_rows
 
 FORWARD, BACKWARD = "zaya_attention_fwd", "zaya_attention_bwd"
 
@@ -85,7 +88,7 @@ def available() -> bool:
 def cpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, block: int = 128):
     """Fused attention. q: (batch, seq_q, nq, d); k, v: (batch, seq_k, nk, d) in float32 or
     bfloat16. Returns (out (batch, seq_q, nq, d) in q's dtype, lse (batch, seq_q, nq) float32),
-    equal to :func:`zaya_jax.ops.attention.blocked_attention` in value and gradient. On a device
+    equal to :func:`zaya_jax.ops.attention.blocked.blocked_attention` in value and gradient. On a device
     that is not a CPU, or without the built library, the blocked kernel (``block``) runs instead."""
     check_fused_inputs(q, k, mask)
     batch, seq_q, _, width = q.shape

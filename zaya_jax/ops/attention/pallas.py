@@ -19,7 +19,9 @@ the backward only the query blocks that can see it: fully masked blocks are skip
 Rows that see no key give a zero output and a log-sum-exp of -inf, as in the blocked kernel.
 
 On CPU the kernels run in Pallas interpret mode (tests; slow), and while planning a GPU program
-on CPU the blocked kernel stands in (``pallas_attention_gpu_twin``: the same linear memory).
+on CPU the blocked kernel stands in (``pallas_attention_gpu_twin``: the same linear memory; chosen
+by the dispatcher, :mod:`zaya_jax.ops.attention.dispatch`). The per-row vectors are
+:func:`zaya_jax.ops.attention.masks.mask_rows`; this module imports nothing else of the package.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from zaya_jax.ops.attention import FAR, check_fused_inputs, mask_rows
+from zaya_jax.ops.attention.masks import FAR, check_fused_inputs, mask_rows, pad_axis
 
 
 class _Static(NamedTuple):
@@ -245,17 +247,9 @@ def _fused_backward(static, residuals, cotangents):
 _fused.defvjp(_fused_forward, _fused_backward)
 
 
-def _pad(x, axis: int, size: int, value):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
 def pallas_attention(q, k, v, mask, *, block_q: int = 64, block_k: int = 64, interpret: bool | None = None):
     """Fused attention. q: (batch, seq_q, nq, d); k, v: (batch, seq_k, nk, d); ``mask``: an
-    :class:`zaya_jax.ops.attention.AttentionMask`. Returns (out (batch, seq_q, nq, d) in q's dtype,
+    :class:`zaya_jax.ops.attention.masks.AttentionMask`. Returns (out (batch, seq_q, nq, d) in q's dtype,
     lse (batch, seq_q, nq) float32), equal to the blocked kernel in value and gradient.
     ``interpret``: Pallas interpret mode (default: on a CPU backend)."""
     check_fused_inputs(q, k, mask)
@@ -268,8 +262,8 @@ def pallas_attention(q, k, v, mask, *, block_q: int = 64, block_k: int = 64, int
     padded_q, padded_k = (math.ceil(s / b) * b for s, b in ((seq_q, block_q), (seq_k, block_k)))
     padded_width = max(16, pl.next_power_of_2(width))  # Triton's dot needs >= 16 and a power of 2
     rows = mask_rows(mask, batch, seq_q, seq_k, padded_q, padded_k)
-    q_p = _pad(_pad(q, 1, padded_q, 0), 3, padded_width, 0)
-    k_p, v_p = (_pad(_pad(x, 1, padded_k, 0), 3, padded_width, 0) for x in (k, v))
+    q_p = pad_axis(pad_axis(q, 1, padded_q, 0), 3, padded_width, 0)
+    k_p, v_p = (pad_axis(pad_axis(x, 1, padded_k, 0), 3, padded_width, 0) for x in (k, v))
     static = _Static(block_q, block_k, bool(mask.aligned), bool(interpret), width**-0.5)
     out, lse = _fused(q_p, k_p, v_p, rows, static)
     return out[:, :seq_q, :, :width], lse[:, :, :seq_q].transpose(0, 2, 1)
