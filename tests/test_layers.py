@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "zaya_jax"
@@ -227,3 +228,42 @@ def test_no_function_is_longer_than_80_lines():
                 if lines > 80:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} ({lines} lines)")
     assert long == []
+
+
+def test_no_module_is_longer_than_600_lines():
+    """A module past 600 lines holds more than one job (issue 37): it is split, not waived."""
+    long = [
+        f"{path.relative_to(PACKAGE)} ({n} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (n := len(path.read_text().splitlines())) > 600
+    ]
+    assert long == []
+
+
+def test_the_training_loop_stays_a_driver():
+    """``train/loop.py`` reads top to bottom: at most 250 lines, no function with more than six
+    parameters (the step's mechanics live in ``pipeline`` and ``steps``)."""
+    loop = PACKAGE / "train" / "loop.py"
+    assert len(loop.read_text().splitlines()) <= 250
+    wide = []
+    for node in ast.walk(ast.parse(loop.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            args = node.args
+            count = len(args.posonlyargs) + len(args.args) + len(args.kwonlyargs)
+            if count > 6:
+                wide.append(f"{node.name} ({count} parameters)")
+    assert wide == []
+
+
+def test_only_the_objectives_package_names_an_objective():
+    """Which objective a run trains is asked of its spec (``zaya_jax.objectives.spec_for``); no
+    other module tests ``train.objective`` by name or a producer by type."""
+    pattern = re.compile(r"objective\s*(==|!=|\bin\b|\bnot in\b)|isinstance\(.*Rollouts")
+    found = [
+        f"{path.relative_to(PACKAGE)}:{i}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] != "objectives"
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []

@@ -97,9 +97,11 @@ def _run_dir_of(child: list[str]) -> Path:
     trainer resolves it)."""
     if "train" not in child:
         raise ValueError(f"cannot tell the run directory of {' '.join(child)!r}: pass --run-dir")
-    from zaya_jax.cli import build_parser
+    from zaya_jax.cli import train
 
-    args = build_parser().parse_args(child[child.index("train") :])
+    parser = argparse.ArgumentParser(prog="zaya")
+    train.register(parser.add_subparsers(dest="subcommand", required=True))  # zaya train's own arguments
+    args = parser.parse_args(child[child.index("train") :])
     return load_config(args.config, args.overrides).run.path
 
 

@@ -17,7 +17,7 @@ from zaya_jax.config.loading import (
 )
 from zaya_jax.config.mesh import MESH_AXES, AxisRule, MeshConfig
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.config.post_training import PREFERENCE_OBJECTIVES, PreferenceConfig, RLConfig
+from zaya_jax.config.post_training import PreferenceConfig, RLConfig
 from zaya_jax.config.run import (
     CheckpointConfig,
     EvalConfig,
@@ -33,7 +33,6 @@ from zaya_jax.config.training import NS_COEFFS, BalancingConfig, OptimConfig, Ra
 __all__ = [
     "MESH_AXES",
     "NS_COEFFS",
-    "PREFERENCE_OBJECTIVES",
     "AxisRule",
     "BalancingConfig",
     "CheckpointConfig",

@@ -1,18 +1,12 @@
-"""The ``mesh`` section (the device mesh, the logical-axis rule overrides) and the parallel layout's
-divisibility rules that a config must meet on a mesh (:func:`check_layout`)."""
+"""The ``mesh`` section: the device mesh and the logical-axis rule overrides (the divisibility
+rules a whole config must meet on a mesh are :func:`zaya_jax.config.schema.check_layout`)."""
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
-
-if TYPE_CHECKING:
-    from zaya_jax.config.schema import Config
-
 
 MESH_AXES = ("data", "fsdp", "expert", "context")
 
@@ -75,36 +69,3 @@ class MeshConfig:
                 raise ConfigError(
                     f"mesh.rules entry {rule.name!r} names unknown mesh axes {unknown}; use {MESH_AXES}"
                 )
-
-
-def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
-    """The parallel layout's divisibility rules for ``cfg`` on mesh axis ``sizes`` (-1 entries are
-    skipped: they are checked again once the device count fills them)."""
-    known = {axis: size for axis, size in sizes.items() if size > 0}
-    if cfg.model.num_experts % known.get("expert", 1):
-        raise ConfigError(
-            f"model.num_experts={cfg.model.num_experts} is not divisible by mesh.expert={known['expert']}; "
-            "choose an expert axis size that divides the number of experts"
-        )
-    shards = [axis for axis in ("data", "fsdp", "expert") if axis in known]
-    split = math.prod(known[axis] for axis in shards)
-    batch_sizes = {cfg.train.batch_size, *(p.batch_size for p in cfg.train.batch_ramp)}
-    for size in sorted(batch_sizes):
-        per_micro = size // cfg.train.micro_batches
-        if per_micro % split:
-            raise ConfigError(
-                f"a micro-batch of {per_micro} sequences (batch {size} / train.micro_batches="
-                f"{cfg.train.micro_batches}) is not divisible by {' x '.join(f'mesh.{a}' for a in shards)}"
-                f" = {split}; make every batch size a multiple of {split * cfg.train.micro_batches}"
-            )
-    context = known.get("context", 1)
-    chunks = 2 * context if context > 1 and cfg.mesh.context_layout == "zigzag" else context
-    seq_lens = {cfg.train.seq_len, *(s.seq_len for s in cfg.train.stages)}
-    for seq_len in sorted(seq_lens):
-        if seq_len % chunks:
-            layout = f" in {chunks} zig-zag chunks (mesh.context_layout=zigzag)" if chunks != context else ""
-            raise ConfigError(
-                f"sequence length {seq_len} is not divisible by mesh.context={context}{layout}; "
-                f"use sequence lengths that are multiples of {chunks}"
-                + (" or set mesh.context_layout=contiguous" if layout else "")
-            )

@@ -6,8 +6,6 @@ import dataclasses
 
 from zaya_jax.config.errors import ConfigError
 
-PREFERENCE_OBJECTIVES = ("dpo", "ipo", "simpo")
-
 
 @dataclasses.dataclass(frozen=True)
 class PreferenceConfig:

@@ -9,13 +9,14 @@ change."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 
 from zaya_jax.config.data import DataConfig
 from zaya_jax.config.errors import ConfigError
-from zaya_jax.config.mesh import MeshConfig, check_layout
+from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.config.model import ModelConfig
-from zaya_jax.config.post_training import PREFERENCE_OBJECTIVES, PreferenceConfig, RLConfig
+from zaya_jax.config.post_training import PreferenceConfig, RLConfig
 from zaya_jax.config.run import (
     CheckpointConfig,
     EvalConfig,
@@ -65,7 +66,6 @@ class Config:
         self.preference.validate()
         self.rl.validate()
         self.data.validate()
-        self._validate_objective()
         if self.train.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="
@@ -86,34 +86,40 @@ class Config:
                 )
         self.validate_layout(self.mesh.sizes())
 
-    def _validate_objective(self) -> None:
-        """The data an objective trains on: preference pairs for dpo/ipo/simpo, and only for them."""
-        pairs = [s.name for s in self.data.sources if s.kind == "preference"]
-        others = [s.name for s in self.data.sources if s.kind != "preference"]
-        objective = self.train.objective
-        if objective in PREFERENCE_OBJECTIVES and others:
-            raise ConfigError(
-                f"train.objective={objective} trains on preference pairs, but data.sources {others} are not "
-                "of kind preference; give only {kind: preference, path: PAIRS.jsonl} sources"
-            )
-        if objective not in PREFERENCE_OBJECTIVES and pairs:
-            raise ConfigError(
-                f"data.sources {pairs} hold preference pairs, which train.objective={objective} cannot use; "
-                "set train.objective to dpo, ipo or simpo"
-            )
-        if objective == "grpo":
-            rl, train = self.rl, self.train
-            if (rl.steps_per_rollout * train.batch_size) % rl.group_size and not rl.rollouts:
-                raise ConfigError(
-                    f"a rollout of rl.steps_per_rollout x train.batch_size = {rl.steps_per_rollout * train.batch_size} "
-                    f"sequences is not a whole number of groups of rl.group_size={rl.group_size}; make it a multiple"
-                )
-            if train.stages or train.batch_ramp:
-                raise ConfigError(
-                    "train.objective=grpo takes a fixed batch: remove train.stages and train.batch_ramp"
-                )
-
     def validate_layout(self, sizes: Mapping[str, int]) -> None:
         """The parallel layout's divisibility rules for mesh axis ``sizes`` (-1 entries are skipped:
-        they are checked again once the device count fills them); see :func:`.mesh.check_layout`."""
+        they are checked again once the device count fills them); see :func:`check_layout`."""
         check_layout(self, sizes)
+
+
+def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
+    """The parallel layout's divisibility rules for ``cfg`` on mesh axis ``sizes`` (-1 entries are
+    skipped: they are checked again once the device count fills them)."""
+    known = {axis: size for axis, size in sizes.items() if size > 0}
+    if cfg.model.num_experts % known.get("expert", 1):
+        raise ConfigError(
+            f"model.num_experts={cfg.model.num_experts} is not divisible by mesh.expert={known['expert']}; "
+            "choose an expert axis size that divides the number of experts"
+        )
+    shards = [axis for axis in ("data", "fsdp", "expert") if axis in known]
+    split = math.prod(known[axis] for axis in shards)
+    batch_sizes = {cfg.train.batch_size, *(p.batch_size for p in cfg.train.batch_ramp)}
+    for size in sorted(batch_sizes):
+        per_micro = size // cfg.train.micro_batches
+        if per_micro % split:
+            raise ConfigError(
+                f"a micro-batch of {per_micro} sequences (batch {size} / train.micro_batches="
+                f"{cfg.train.micro_batches}) is not divisible by {' x '.join(f'mesh.{a}' for a in shards)}"
+                f" = {split}; make every batch size a multiple of {split * cfg.train.micro_batches}"
+            )
+    context = known.get("context", 1)
+    chunks = 2 * context if context > 1 and cfg.mesh.context_layout == "zigzag" else context
+    seq_lens = {cfg.train.seq_len, *(s.seq_len for s in cfg.train.stages)}
+    for seq_len in sorted(seq_lens):
+        if seq_len % chunks:
+            layout = f" in {chunks} zig-zag chunks (mesh.context_layout=zigzag)" if chunks != context else ""
+            raise ConfigError(
+                f"sequence length {seq_len} is not divisible by mesh.context={context}{layout}; "
+                f"use sequence lengths that are multiples of {chunks}"
+                + (" or set mesh.context_layout=contiguous" if layout else "")
+            )

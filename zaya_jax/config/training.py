@@ -125,8 +125,9 @@ class TrainConfig:
     seed: int = 0  # parameter init and data order
     # What the step minimises: "lm" next-token loss on the trained tokens (pretraining; chat SFT
     # trains the assistant turns only); "dpo", "ipo" or "simpo" on preference pairs (the preference
-    # section, sources of kind preference); "grpo" on sampled rollouts (the rl section).
-    objective: Literal["lm", "dpo", "ipo", "simpo", "grpo"] = "lm"
+    # section, sources of kind preference); "grpo" on sampled rollouts (the rl section); or the name
+    # of an objective registered with zaya_jax.objectives.register (checked when the run starts).
+    objective: str = "lm"
     # Start from existing weights: a run directory, a step directory (runs/x/checkpoints/N) or an HF
     # save_pretrained directory (converted on the fly). Parameters and balancing biases are loaded
     # into a fresh run (optimizer, step and data start fresh); on the command line the model config
