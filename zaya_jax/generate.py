@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model import Zaya, init_cache
-from zaya_jax.model.hooks import ModelHooks
+from zaya_jax.model.mesh_hooks import ModelHooks
 from zaya_jax.parallel.tree import tree_attention
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from zaya_jax.config import Config
 from zaya_jax.loss.forward import Batch, under_axis_rules
 from zaya_jax.model import Zaya
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 
 LossFn = Callable[[Zaya, Any, Any, Batch], tuple[jax.Array, dict[str, Any]]]
 FieldSpec = tuple[type[np.generic], tuple[int, ...]]  # dtype, shape after (rows, seq)

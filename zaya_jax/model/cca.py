@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.layers import Dense, param_with_axes
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.rope import apply_rope, rope_tables
 from zaya_jax.ops.attention import AttentionMask, attention
 

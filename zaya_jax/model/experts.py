@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.hooks import MoeDispatch
 from zaya_jax.model.layers import param_with_axes
+from zaya_jax.model.mesh_hooks import MoeDispatch
 from zaya_jax.ops.platform import platform_branch
 
 _ACTIVATIONS = {

@@ -17,7 +17,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.balancing import probability_moments, router_entropy_sum
 from zaya_jax.model.cca import CCAAttention
 from zaya_jax.model.experts import Experts
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
 from zaya_jax.model.rope import inverse_frequencies
 from zaya_jax.model.router import BALANCING, Router

@@ -15,8 +15,8 @@ import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.axes import ACTIVATION_AXES
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.layers import Dense, param_with_axes
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.stack import (
     LAYER_CACHE_KEYS,
@@ -79,7 +79,7 @@ class Zaya(nn.Module):
     (``router_state``, (layers, batch, seq, R)), probabilities (``router_probs``) and chosen class
     (``router_choice``) under ``intermediates["layers"]``, each wrapped in a 1-tuple by ``sow``.
 
-    ``hooks`` (:class:`~zaya_jax.model.hooks.ModelHooks`) optionally replace local code paths for
+    ``hooks`` (:class:`~zaya_jax.model.mesh_hooks.ModelHooks`) optionally replace local code paths for
     a mesh: the MoE paths (expert parallelism), the attention kernel (tree attention over a
     sequence-split cache), CCA's temporal parts and attention over a sequence split across devices
     (ring attention), and the fused merge+norm op used when ``cfg.kernels == "custom"``;

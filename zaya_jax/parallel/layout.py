@@ -10,7 +10,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config
 from zaya_jax.model import abstract_variables
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.parallel.expert import expert_dispatch, probed_exchange, probes_exchange, resolve_exchange
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated

@@ -23,7 +23,7 @@ from zaya_jax.config import Config
 from zaya_jax.loss import Batch, Objective, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
-from zaya_jax.model.hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.optim import current_learning_rates
 from zaya_jax.resilience.routing import within_limits
 
