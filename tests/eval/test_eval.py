@@ -110,3 +110,17 @@ def test_eval_defaults_to_the_runs_held_out_split(run, capsys):
 def test_eval_of_a_missing_path_is_a_clear_error(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nope"), "--json"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_loading_from_python_uses_the_compilation_cache_as_the_command_does(run):
+    """``zaya_jax.load`` (and so ``evaluate_path`` and ``generate`` from Python) switches the default
+    persistent compilation cache on, as ``zaya eval`` and ``zaya generate`` do."""
+    from zaya_jax.parallel.distributed import compilation_cache_path
+
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        zaya_jax.load(run)
+        assert jax.config.jax_compilation_cache_dir == str(compilation_cache_path("auto"))
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

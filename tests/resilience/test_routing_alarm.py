@@ -6,6 +6,7 @@ each step undoes itself on its own statistics); the monitor's statistics on thei
 from __future__ import annotations
 
 import json
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,9 @@ def test_a_collapsed_layer_raises_the_alarm_and_the_action_is_taken(tmp_path, ca
             "action": "warn",
         }
     ]  # raised once while it holds, not at every step
-    assert "layer 1's routing is unhealthy: load_ratio" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "layer 1's routing is unhealthy: load_ratio" in err
+    assert err.count("routing is unhealthy") == 1 and "invalid value" not in err  # one line, no numpy warning
 
     rolled = tmp_path / "rolled"
     rollback = [
@@ -112,3 +115,17 @@ def test_the_monitor_judges_windowed_statistics():
     monitor.add(9, skipping)
     alarm = monitor.add(10, skipping)
     assert (alarm.layer, alarm.statistic) == (0, "skip_drift") and abs(alarm.value - 0.6) < 1e-9
+
+
+def test_a_layer_whose_tokens_all_skip_is_one_alarm_and_no_numpy_warning():
+    monitor = RoutingMonitor(load_config("tiny", ["resilience.routing_window=1", "resilience.routing_warmup=0"]))
+    layers, classes = 2, 5
+    all_skip = {
+        "load": np.tile([0.0, 0.0, 0.0, 0.0, 1.0], (layers, 1)),  # no expert sees a token: 0 / 0
+        "entropy": np.full(layers, 0.9),
+        "pinned": np.zeros((layers, classes)),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # numpy's "invalid value encountered in divide" fails here
+        alarm = monitor.add(1, all_skip)
+    assert (alarm.layer, alarm.statistic) == (0, "load_ratio") and alarm.value == np.inf
