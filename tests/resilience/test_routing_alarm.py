@@ -118,7 +118,9 @@ def test_the_monitor_judges_windowed_statistics():
 
 
 def test_a_layer_whose_tokens_all_skip_is_one_alarm_and_no_numpy_warning():
-    monitor = RoutingMonitor(load_config("tiny", ["resilience.routing_window=1", "resilience.routing_warmup=0"]))
+    monitor = RoutingMonitor(
+        load_config("tiny", ["resilience.routing_window=1", "resilience.routing_warmup=0"])
+    )
     layers, classes = 2, 5
     all_skip = {
         "load": np.tile([0.0, 0.0, 0.0, 0.0, 1.0], (layers, 1)),  # no expert sees a token: 0 / 0
