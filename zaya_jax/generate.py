@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -111,7 +112,7 @@ def _token_logprob(logits: jax.Array, token: jax.Array) -> jax.Array:
     return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
-def _apply(model: Zaya, variables: Any, tokens: jax.Array, return_routes: bool, **kwargs: Any):
+def _apply(model: Zaya, variables: dict[str, Any], tokens: jax.Array, return_routes: bool, **kwargs: Any):
     """(logits, aux, routes): routes (batch, seq, layers) the classes selected, or None."""
     if not return_routes:
         logits, aux = model.apply(variables, tokens, **kwargs)
@@ -200,7 +201,10 @@ def _generate_fn(
 
 
 def _checked_ids(
-    cfg: ModelConfig, prompts: Any, attention_mask: Any | None, max_new_tokens: int
+    cfg: ModelConfig,
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    attention_mask: npt.ArrayLike | None,
+    max_new_tokens: int,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Prompts as left-padded (ids, mask), checked against the model."""
     if isinstance(prompts, np.ndarray) or attention_mask is not None:
@@ -234,7 +238,7 @@ def generate(
     variables: dict[str, Any],
     prompts: Sequence[Sequence[int]] | np.ndarray,
     *,
-    attention_mask: Any | None = None,
+    attention_mask: npt.ArrayLike | None = None,
     max_new_tokens: int = 32,
     temperature: float = 0.0,
     top_k: int = 0,

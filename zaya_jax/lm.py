@@ -12,10 +12,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import numpy.typing as npt
 
 from zaya_jax.config import Config, DataConfig, ModelConfig, RuntimeConfig
 from zaya_jax.data.sources import source_for_path
-from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer
+from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.eval import evaluate
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
@@ -35,14 +36,14 @@ class LanguageModel:
     variables: dict[str, Any]
     run_config: Config | None = None
     step: int | None = None
-    tokenizer: Any | None = None
+    tokenizer: Tokenizer | None = None
     tokenizer_problem: str | None = None  # why there is no tokenizer, when there is none
 
     @functools.cached_property
     def _apply(self):
         return jax.jit(Zaya(self.config).apply)
 
-    def logits(self, ids: Any, attention_mask: Any | None = None) -> np.ndarray:
+    def logits(self, ids: npt.ArrayLike, attention_mask: npt.ArrayLike | None = None) -> np.ndarray:
         """Next-token logits, (batch, seq, vocab) float32. ids: (batch, seq) or (seq,) token ids;
         attention_mask: 1 for real tokens, 0 for (left) padding, as in HF.
         """
@@ -65,16 +66,16 @@ class LanguageModel:
 
     def generate(
         self,
-        prompts: Any,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray,
         *,
         max_new_tokens: int = 32,
         temperature: float = 0.0,
         top_k: int = 0,
         top_p: float = 1.0,
-        stop_tokens: Any | None = None,
+        stop_tokens: Sequence[int] | None = None,
         seed: int = 0,
-        attention_mask: Any | None = None,
-        mesh: Any | None = None,
+        attention_mask: npt.ArrayLike | None = None,
+        mesh: jax.sharding.Mesh | None = None,
         return_routes: bool = False,
     ) -> Generation:
         """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.generate`).
@@ -189,7 +190,7 @@ def evaluate_path(
     return {**result, "evaluated": what}
 
 
-def _evaluate_run(lm: LanguageModel, path: Path, tok: Any, progress: bool) -> dict[str, Any]:
+def _evaluate_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) -> dict[str, Any]:
     """A run's own held-out evaluation, as its objective defines it (the loss for ``lm``, the
     preference metrics for dpo, ipo and simpo, the mean greedy reward of its held-out prompts for
     grpo: :attr:`zaya_jax.objectives.ObjectiveSpec.evaluate_saved`)."""

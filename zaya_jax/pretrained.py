@@ -19,7 +19,7 @@ from typing import Any
 from zaya_jax import checkpoint
 from zaya_jax.config import Config, ModelConfig, to_dict
 from zaya_jax.data.sources import DataError
-from zaya_jax.data.tokenizers import HFTokenizer, load_tokenizer, special_tokens
+from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, special_tokens
 from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_directory
 from zaya_jax.interop.safetensors_io import tensor_shapes
 from zaya_jax.model import param_counts
@@ -96,7 +96,7 @@ def describe_model(path: str | Path) -> dict[str, Any]:
     }
 
 
-def find_tokenizer(path: str | Path, run: Config | None) -> tuple[Any | None, str | None]:
+def find_tokenizer(path: str | Path, run: Config | None) -> tuple[Tokenizer | None, str | None]:
     """(tokenizer, why there is none). A run's tokenizer is its ``data.tokenizer`` (one that cannot
     be loaded, say on another machine, leaves None and the reason: the weights stay usable); an HF
     directory's is its ``tokenizer.json`` with the special tokens its settings name, and a damaged

@@ -91,7 +91,7 @@ def stored_in(step_dir: Path, name: str) -> list[str]:
     return sorted(str(root / f) for f in files)
 
 
-def _collect(kvstore: Any, location: str, prefix: bytes, files: set[str]) -> None:
+def _collect(kvstore: ts.KvStore, location: str, prefix: bytes, files: set[str]) -> None:
     node_file = _file_of(location)
     for entry in ts.ocdbt.dump(kvstore, location).result().get("entries", []):
         key = entry.get("key", b"")

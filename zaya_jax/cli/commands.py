@@ -8,8 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 import warnings
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TextIO
 
 from zaya_jax.checkpoint import CheckpointCorruptError, CheckpointSaveError
 from zaya_jax.cli import convert, data, evaluate, operations, train
@@ -17,6 +17,9 @@ from zaya_jax.cli.argv import command_name, inspect_positionals, parse, position
 from zaya_jax.config import ConfigError
 from zaya_jax.files import storage_error_message
 from zaya_jax.resilience import NonFiniteLossError, RoutingAlarmError
+
+if TYPE_CHECKING:
+    from zaya_jax.train.hooks import Hook
 
 __all__ = ["build_parser", "main"]
 
@@ -30,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int:
+def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Hook] = ()) -> int:
     """Run one ``zaya`` command; returns its exit code. ``hooks`` are passed to ``zaya train``'s
     loop (:class:`zaya_jax.train.hooks.Hook`; the tests' fault injection)."""
     parser = build_parser()
@@ -40,11 +43,16 @@ def main(argv: Sequence[str] | None = None, *, hooks: Sequence[Any] = ()) -> int
         return _run(parser, argv, hooks)
 
 
-def _one_line_warning(command: str) -> Any:
+def _one_line_warning(command: str) -> Callable[..., None]:
     """Warnings (a checkpoint set aside, a fallback taken) as one ``zaya CMD: warning:`` line each."""
 
     def show(
-        message: Any, category: type, filename: str, lineno: int, file: Any = None, line: Any = None
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
     ) -> None:
         text = " ".join(str(message).split())
         print(f"zaya {command}: warning: {text}", file=file or sys.stderr, flush=True)
@@ -52,7 +60,7 @@ def _one_line_warning(command: str) -> Any:
     return show
 
 
-def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Any]) -> int:
+def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Hook]) -> int:
     try:
         args = parse(parser, argv)
         args.hooks = tuple(hooks)

@@ -13,12 +13,12 @@ from zaya_jax.cli.output import print_json
 from zaya_jax.config import Config, ConfigError, available_presets, load_config, parse_override, to_dict
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_convert_command(sub)
     _add_inspect_command(sub)
 
 
-def _add_convert_command(sub: Any) -> None:
+def _add_convert_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     convert = sub.add_parser(
         "convert", help="convert between Hugging Face directories and zaya-jax checkpoints"
     )
@@ -36,7 +36,7 @@ def _add_convert_command(sub: Any) -> None:
     convert.set_defaults(func=_cmd_convert)
 
 
-def _add_inspect_command(sub: Any) -> None:
+def _add_inspect_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     inspect = sub.add_parser(
         "inspect", help="parameter counts, config, and checkpoint contents; packed rows of prepared data"
     )

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from collections.abc import Mapping
 
 from zaya_jax.cli.output import print_json
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     data = sub.add_parser("data", help="data preparation")
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prepare = data_sub.add_parser("prepare", help="tokenize inputs into ArrayRecord shards plus a manifest")
@@ -116,7 +116,7 @@ def _cmd_data_prepare(args: argparse.Namespace) -> int:
     return 0
 
 
-def hosts(num_hosts: int | None, host_index: int | None, env: Any) -> tuple[int, int]:
+def hosts(num_hosts: int | None, host_index: int | None, env: Mapping[str, str]) -> tuple[int, int]:
     """(num_hosts, host_index): the flags, else an srun step's task count and rank, else (1, 0)."""
     in_step = "SLURM_STEP_ID" in env and "SLURM_NTASKS" in env and "SLURM_PROCID" in env
     if num_hosts is None:

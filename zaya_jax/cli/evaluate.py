@@ -6,17 +6,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from zaya_jax.cli.output import print_json
 
+if TYPE_CHECKING:
+    from zaya_jax.lm import LanguageModel
 
-def register(sub: Any) -> None:
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_eval_command(sub)
     _add_generate_command(sub)
 
 
-def _add_eval_command(sub: Any) -> None:
+def _add_eval_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     evaluate = sub.add_parser(
         "eval", help="held-out loss and perplexity of a run, checkpoint or HF directory"
     )
@@ -48,7 +51,7 @@ def _add_eval_command(sub: Any) -> None:
     evaluate.set_defaults(func=_cmd_eval)
 
 
-def _add_generate_command(sub: Any) -> None:
+def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     gen = sub.add_parser("generate", help="continue text prompts with the CCA decode cache")
     gen.add_argument("path", help="run directory, checkpoint directory or HF save_pretrained directory")
     gen.add_argument("--prompt", action="append", help="a prompt; repeat for a batch")
@@ -133,7 +136,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _interactive(lm: Any, args: argparse.Namespace) -> int:
+def _interactive(lm: LanguageModel, args: argparse.Namespace) -> int:
     """Prompts from stdin, one per line, each left-padded to ``--max-prompt-tokens``: every prompt
     has the same shape, so the program compiles once."""
     import numpy as np

@@ -7,17 +7,16 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
 
 from zaya_jax.config import load_config
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_supervise_command(sub)
     _add_doctor_command(sub)
 
 
-def _add_supervise_command(sub: Any) -> None:
+def _add_supervise_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sup = sub.add_parser(
         "supervise",
         help="run a command (zaya train ...) and restart it on crash or hang, from its last checkpoint",
@@ -42,7 +41,7 @@ def _add_supervise_command(sub: Any) -> None:
     sup.set_defaults(func=_cmd_supervise)
 
 
-def _add_doctor_command(sub: Any) -> None:
+def _add_doctor_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     doctor = sub.add_parser(
         "doctor", help="platform, devices, versions and the custom-call kernels per platform"
     )

@@ -6,13 +6,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any
 
 from zaya_jax.cli.output import print_json
 from zaya_jax.config import Config, available_presets, load_config, to_dict
 
 
-def register(sub: Any) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     train = sub.add_parser("train", help="train a model (default: the tiny preset on the built-in corpus)")
     train.add_argument(
         "--config", default="tiny", help=f"preset name or YAML path ({', '.join(available_presets())})"

@@ -122,7 +122,7 @@ def find_chat_template(tokenizer_spec: str, template_file: str | None = None) ->
     )
 
 
-def _renderer() -> Any:
+def _renderer() -> tuple[Callable[..., Any], Callable[..., Any]]:
     try:
         from transformers.utils.chat_template_utils import _compile_jinja_template, render_jinja_template
     except ImportError:
@@ -194,7 +194,9 @@ class ChatEncoder:
         """``messages`` rendered with the generation prompt: the text a model continues to reply."""
         return self._text(messages, tools, prompt=True)
 
-    def _text(self, messages: list[dict[str, Any]], tools: Any, prompt: bool = False) -> str:
+    def _text(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool = False
+    ) -> str:
         texts, _ = self._render(
             [messages],
             tools=tools,
@@ -205,7 +207,7 @@ class ChatEncoder:
         return texts[0]
 
     def _render_by_prefixes(
-        self, messages: list[dict[str, Any]], tools: Any
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
     ) -> tuple[str, list[tuple[int, int]]]:
         text = self._text(messages, tools)
         spans = []

@@ -78,7 +78,7 @@ class PreferenceEncoder:
     def __init__(self, encoder: ChatEncoder):
         self.encoder = encoder
 
-    def _sequence(self, prompt: list, completion: list, tools: Any) -> np.ndarray:
+    def _sequence(self, prompt: list, completion: list, tools: list[dict[str, Any]] | None) -> np.ndarray:
         replies = sum(1 for m in completion if m.get("role") == "assistant")
         return self.encoder.encode({"messages": prompt + completion, "tools": tools}, last_turns=replies)
 

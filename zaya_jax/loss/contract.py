@@ -16,7 +16,7 @@ binds one of this package's losses into an :class:`Objective`, and the run's pro
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 import jax
@@ -27,7 +27,7 @@ from zaya_jax.loss.forward import Batch, under_axis_rules
 from zaya_jax.model import Zaya
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 
-LossFn = Callable[[Zaya, Any, Any, Batch], tuple[jax.Array, dict[str, Any]]]
+LossFn = Callable[[Zaya, dict[str, Any], dict[str, Any], Batch], tuple[jax.Array, dict[str, Any]]]
 FieldSpec = tuple[type[np.generic], tuple[int, ...]]  # dtype, shape after (rows, seq)
 
 
@@ -52,15 +52,15 @@ def make_eval_step(
     cfg: Config,
     objective: ObjectiveFor,
     hooks: ModelHooks = SINGLE_DEVICE,
-    axis_rules: tuple[Any, Any] | None = None,
-) -> Callable[[Any, Any, Batch], dict[str, jax.Array]]:
+    axis_rules: tuple[jax.sharding.Mesh, Sequence[tuple[str, Any]]] | None = None,
+) -> Callable[[dict[str, Any], dict[str, Any], Batch], dict[str, jax.Array]]:
     """(params, balancing, batch) -> ``{"weight", **sums}`` of the objective's ``eval_metrics``
     (bound without the z-loss: the held-out number is the training number's cross-entropy);
     arguments as :func:`zaya_jax.programs.step.make_train_step`'s."""
     bound = objective(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, z_loss=0.0)))
     model = Zaya(cfg.model, hooks)
 
-    def evaluate(params: Any, balancing: Any, batch: Batch) -> dict[str, jax.Array]:
+    def evaluate(params: dict[str, Any], balancing: dict[str, Any], batch: Batch) -> dict[str, jax.Array]:
         _, stats = bound.loss_and_stats(model, params, balancing, batch)
         return {"weight": stats["weight"], **{k: stats["sums"][k] for k in bound.eval_metrics}}
 

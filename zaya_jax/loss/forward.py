@@ -11,7 +11,7 @@ A batch is a dict of (batch, seq) arrays (:mod:`zaya_jax.data.batch`): ``inputs`
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -42,7 +42,12 @@ def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
 
 
 def token_nll(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 0, replay_routes: bool = True
+    model: Zaya,
+    params: dict[str, Any],
+    balancing: dict[str, Any],
+    batch: Batch,
+    loss_chunk: int = 0,
+    replay_routes: bool = True,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(cross-entropy, log-partition, routing statistics): the first two (batch, seq) float32 for
     every target (masked or not), equal to :func:`token_losses` of the model's logits; the LM head
@@ -99,7 +104,9 @@ def segment_sums(values: jax.Array, segment_ids: jax.Array) -> jax.Array:
     return sums.reshape(rows, width)
 
 
-def under_axis_rules(fn: Callable, axis_rules: tuple[Any, Any] | None) -> Callable:
+def under_axis_rules(
+    fn: Callable, axis_rules: tuple[jax.sharding.Mesh, Sequence[tuple[str, Any]]] | None
+) -> Callable:
     """``fn`` traced under a mesh and its logical-axis rules (``Layout.step_hooks``), so that the
     model's and the loss's logical sharding constraints apply; without them they are no-ops."""
     if axis_rules is None:

@@ -16,7 +16,12 @@ from zaya_jax.model import Zaya
 
 
 def loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, z_loss: float, loss_chunk: int = 0
+    model: Zaya,
+    params: dict[str, Any],
+    balancing: dict[str, Any],
+    batch: Batch,
+    z_loss: float,
+    loss_chunk: int = 0,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed (not averaged) loss over the batch's trained targets, and the statistics to accumulate
     (the contract of :mod:`zaya_jax.loss.contract`: ``weight`` = trained tokens, ``sums`` =

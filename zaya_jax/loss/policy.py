@@ -23,7 +23,7 @@ from zaya_jax.model import Zaya
 
 
 def grpo_loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, cfg: Config
+    model: Zaya, params: dict[str, Any], balancing: dict[str, Any], batch: Batch, cfg: Config
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed loss over completion tokens and the statistics to accumulate (``weight`` = completion
     tokens; ``sums``: loss, kl, clip_fraction (tokens whose ratio was clipped), ratio,

@@ -24,7 +24,7 @@ from zaya_jax.model import Zaya
 
 
 def sequence_logps(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, loss_chunk: int = 0
+    model: Zaya, params: dict[str, Any], balancing: dict[str, Any], batch: Batch, loss_chunk: int = 0
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(log-probabilities, completion tokens), both (batch, seq + 2) per segment (column s =
     segment s, see :func:`~zaya_jax.loss.forward.segment_sums`), and the routing statistics."""
@@ -41,7 +41,7 @@ def _pairs(per_segment: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def preference_loss_and_stats(
-    model: Zaya, params: Any, balancing: Any, batch: Batch, cfg: Config, variant: str
+    model: Zaya, params: dict[str, Any], balancing: dict[str, Any], batch: Batch, cfg: Config, variant: str
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed ``variant`` loss (dpo, ipo or simpo) over the batch's pairs and the statistics to
     accumulate (``weight`` = pairs; ``sums``: loss, chosen/rejected log-probabilities and rewards,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -51,7 +49,9 @@ class ResidualScaling(nn.Module):
     param_dtype: jnp.dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, f: jax.Array, h: jax.Array, weights_only: bool = False) -> Any:
+    def __call__(
+        self, f: jax.Array, h: jax.Array, weights_only: bool = False
+    ) -> jax.Array | tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         """``weights_only``: return (branch bias, branch scale, residual bias, residual scale)
         instead, for a fused kernel."""
         shape, axes = (h.shape[-1],), ("embed",)

@@ -7,6 +7,7 @@ state r is carried across blocks (EDA).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import flax.linen as nn
@@ -16,7 +17,7 @@ import jax.numpy as jnp
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.layers import Dense, param_with_axes
-from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ContextParallelism, ModelHooks
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.stack import (
     LAYER_CACHE_KEYS,
@@ -36,7 +37,9 @@ def _embedding_init(pad_token_id: int, std: float):
     return init
 
 
-def _reordered(layout: Any, tokens, token_mask, segment_ids, positions, routes) -> tuple[Any, ...]:
+def _reordered(
+    layout: ContextParallelism, tokens, token_mask, segment_ids, positions, routes
+) -> tuple[jax.Array | None, ...]:
     """The token inputs in the order the devices of a context layout hold the sequence
     (positions computed first: they follow the documents in sequence order)."""
     batch, seq = tokens.shape
@@ -89,7 +92,7 @@ class Zaya(nn.Module):
     cfg: ModelConfig
     hooks: ModelHooks = SINGLE_DEVICE
 
-    def _input_params(self, pdtype: Any) -> tuple[jax.Array, ...]:
+    def _input_params(self, pdtype: jnp.dtype) -> tuple[jax.Array, ...]:
         """The embedding, its input scale and bias, and the router's depth-averaging scales."""
         cfg = self.cfg
         embed_shape = (cfg.hidden_size,)
@@ -189,7 +192,9 @@ def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array
     return head["kernel"], head.get("bias"), 1
 
 
-def init_cache(cfg: ModelConfig, batch: int, length: int, dtype: Any = None) -> dict[str, jax.Array]:
+def init_cache(
+    cfg: ModelConfig, batch: int, length: int, dtype: jax.typing.DTypeLike | None = None
+) -> dict[str, jax.Array]:
     """An empty decode cache for ``length`` token slots (spec §3), stacked over layers.
 
     ``keys``/``values`` (layers, batch, length, nk, d): post-norm, post-temp, post-RoPE keys and the
@@ -229,7 +234,7 @@ def abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=64)
-def _jitted_init(cfg: ModelConfig) -> Any:
+def _jitted_init(cfg: ModelConfig) -> Callable[[jax.Array], dict[str, Any]]:
     return jax.jit(lambda k: nn.unbox(Zaya(cfg).init(k, jnp.zeros((1, 1), jnp.int32))))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -31,9 +31,9 @@ class HeldOut:
     mean cross-entropy per target token for ``lm``; per pair, with ``pair_accuracy`` and the
     rewards, for the preference objectives)."""
 
-    def __init__(self, setup: RunSetup, references: Any = None):
+    def __init__(self, setup: RunSetup, references: Mapping[str, np.ndarray] | None = None):
         self.programs, self.beat = setup.programs, setup.beat
-        self._compiled: Any = None
+        self._compiled: jax.stages.Compiled | None = None
         self.batches = setup.programs.held_out_batches(setup.tokenizer, references)
 
     def __call__(self, step: int, state: TrainState) -> dict[str, float]:
@@ -83,7 +83,7 @@ def evaluate_held_out(
     *,
     tokenizer: Tokenizer | str | None = None,
     progress: bool = False,
-    references: Any = None,
+    references: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """The run's own held-out evaluation, as training computes its ``eval_loss``: the same held-out
     batches (``train.seq_len``, ``train.batch_size``, ``eval.batches``, ``train.seed``) and the
@@ -105,7 +105,9 @@ def describe_held_out(saved: SavedRun) -> str:
     )
 
 
-def saved_run_evaluation(references: Callable[[SavedRun], Any] | None = None) -> Callable[[SavedRun], dict]:
+def saved_run_evaluation(
+    references: Callable[[SavedRun], Mapping[str, np.ndarray] | None] | None = None,
+) -> Callable[[SavedRun], dict]:
     """An ``evaluate_saved`` part for an objective evaluated by its loss (``references(saved)``:
     the batches' reference log-probabilities, read from the run)."""
 

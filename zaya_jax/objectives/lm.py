@@ -14,9 +14,9 @@ import numpy as np
 
 from zaya_jax.config import Config, ConfigError
 from zaya_jax.data import DataError
-from zaya_jax.data.streams import make_batch_streams
+from zaya_jax.data.streams import BatchStreams, make_batch_streams
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.loss import Objective, loss_and_stats
+from zaya_jax.loss import Batch, Objective, loss_and_stats
 from zaya_jax.model import Zaya
 from zaya_jax.objectives.held_out import HeldOut, saved_run_evaluation
 from zaya_jax.objectives.spec import DataPosition, HostBatch, ObjectiveSpec, StepPlan, register
@@ -52,7 +52,7 @@ class BatchProducer:
         self.cfg, self.tokenizer, self.references = cfg, tokenizer, references
         self.prefetch = cfg.data.prefetch
         self.tokens_seen = 0
-        self.streams: Any = None
+        self.streams: BatchStreams | None = None
         self.stage = -1
 
     def _open_stage(self, plan: StepPlan) -> None:
@@ -117,7 +117,15 @@ def no_preference_sources(cfg: Config) -> None:
         )
 
 
-def _lm(model: Zaya, params: Any, balancing: Any, batch: Any, *, z_loss: float, loss_chunk: int):
+def _lm(
+    model: Zaya,
+    params: dict[str, Any],
+    balancing: dict[str, Any],
+    batch: Batch,
+    *,
+    z_loss: float,
+    loss_chunk: int,
+):
     return loss_and_stats(model, params, balancing, batch, z_loss, loss_chunk)
 
 

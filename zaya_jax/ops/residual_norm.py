@@ -10,7 +10,6 @@ leading axes, which the kernels read as groups of consecutive rows.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +171,9 @@ def residual_rms_norm(
     return _fused(f, h, params, float(eps))
 
 
-def sharded_residual_rms_norm(mesh: Any, rows: Any, impl: str = "custom"):
+def sharded_residual_rms_norm(
+    mesh: jax.sharding.Mesh, rows: jax.sharding.PartitionSpec, impl: str = "custom"
+):
     """:func:`residual_rms_norm` inside a ``shard_map`` over ``mesh``: ``rows`` is the
     PartitionSpec of f and h (every axis but the last may be split; the last must not be), the
     parameters are replicated. A custom call left to GSPMD would gather its inputs first."""

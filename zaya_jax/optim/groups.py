@@ -100,7 +100,7 @@ def _path_str(path: tuple[Any, ...]) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
-def param_groups(logical_axes_tree: Any, router_group: Group = "muon") -> Any:
+def param_groups(logical_axes_tree: dict[str, Any], router_group: Group = "muon") -> dict[str, Any]:
     """Map a tree of logical axis names (PartitionSpecs or tuples, e.g. ``param_logical_axes(cfg)``)
     to the same-structure tree of :class:`LeafGroup`.
 
@@ -115,12 +115,12 @@ def param_groups(logical_axes_tree: Any, router_group: Group = "muon") -> Any:
     )
 
 
-def group_labels(groups_tree: Any) -> Any:
+def group_labels(groups_tree: dict[str, Any]) -> dict[str, Any]:
     """The ``"muon"``/``"adamw"`` label tree ``optax.partition`` takes."""
     return jax.tree.map(lambda g: g.group, groups_tree, is_leaf=is_leaf_group)
 
 
-def _abstract_params(model_cfg: ModelConfig) -> tuple[Any, Any]:
+def _abstract_params(model_cfg: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(logical-axes tree of PartitionSpecs, ShapeDtypeStruct tree) of the model's params; no allocation."""
     from zaya_jax.model.transformer import Zaya  # the model imports nothing from optim; keep it one-way
 
@@ -128,12 +128,12 @@ def _abstract_params(model_cfg: ModelConfig) -> tuple[Any, Any]:
     return nn.get_partition_spec(boxed)["params"], nn.unbox(boxed)["params"]
 
 
-def param_logical_axes(model_cfg: ModelConfig) -> Any:
+def param_logical_axes(model_cfg: ModelConfig) -> dict[str, Any]:
     """The tree of logical axis names (PartitionSpec leaves) of ``Zaya(model_cfg)``'s params."""
     return _abstract_params(model_cfg)[0]
 
 
-def model_param_groups(model_cfg: ModelConfig, router_group: Group = "muon") -> Any:
+def model_param_groups(model_cfg: ModelConfig, router_group: Group = "muon") -> dict[str, Any]:
     """``param_groups`` of ``Zaya(model_cfg)``'s params (same structure as ``variables["params"]``)."""
     return param_groups(param_logical_axes(model_cfg), router_group)
 

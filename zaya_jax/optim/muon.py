@@ -170,7 +170,7 @@ class MuonState(NamedTuple):
     mu: optax.Updates
 
 
-def _muon_leaves(groups_tree: Any, tree: Any) -> Any:
+def _muon_leaves(groups_tree: dict[str, Any], tree: optax.Updates) -> optax.Updates:
     """``tree`` with every non-Muon leaf replaced by ``optax.MaskedNode`` (an empty subtree)."""
     return jax.tree.map(
         lambda g, x: x if g.group == "muon" else optax.MaskedNode(), groups_tree, tree, is_leaf=is_leaf_group
@@ -186,7 +186,7 @@ def _check_settings(beta: float, ns_coeffs: Sequence[float], ns_steps: int) -> N
         raise ValueError(f"Muon momentum beta={beta} must be in [0, 1)")
 
 
-def _check_leaf(group: LeafGroup, p: Any) -> None:
+def _check_leaf(group: LeafGroup, p: jax.Array | optax.MaskedNode) -> None:
     """A Muon leaf must have the matrix axes its group names."""
     if group.group != "muon" or isinstance(p, optax.MaskedNode):
         return
@@ -198,7 +198,7 @@ def _check_leaf(group: LeafGroup, p: Any) -> None:
 
 
 def scale_by_muon(
-    groups_tree: Any,
+    groups_tree: dict[str, Any],
     *,
     beta: float = 0.95,
     nesterov: bool = True,
@@ -207,7 +207,7 @@ def scale_by_muon(
     eps: float = NS_EPS,
     consistent_rms: float | None = None,
     mu_dtype: jnp.dtype | None = None,
-    shardings: Any | None = None,
+    shardings: dict[str, Any] | None = None,
     kernels: str = "reference",
 ) -> optax.GradientTransformation:
     """Muon's direction: momentum -> Newton-Schulz over each leaf's matrix axes -> shape scaling.
@@ -227,7 +227,12 @@ def scale_by_muon(
         mu = jax.tree.map(lambda p: jnp.zeros_like(p, dtype=mu_dtype), _muon_leaves(groups_tree, params))
         return MuonState(count=jnp.zeros([], jnp.int32), mu=mu)
 
-    def direction(group: LeafGroup, update: Any, mu_hat: Any, sharding: Any = None) -> Any:
+    def direction(
+        group: LeafGroup,
+        update: jax.Array | optax.MaskedNode,
+        mu_hat: jax.Array | optax.MaskedNode,
+        sharding: jax.sharding.Sharding | None = None,
+    ) -> jax.Array | optax.MaskedNode:
         if group.group != "muon" or isinstance(update, optax.MaskedNode):
             return update
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:

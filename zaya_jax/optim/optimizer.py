@@ -21,6 +21,7 @@ Adam when ``nesterov=True``), and AdamW's weight decay skips vectors (norms, bia
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -86,10 +87,10 @@ def scale_by_lr_scale(initial: float | jax.Array = 1.0) -> optax.GradientTransfo
     return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _decay_mask(groups_tree: Any) -> Any:
+def _decay_mask(groups_tree: dict[str, Any]) -> Callable[[optax.Params], Any]:
     """Callable weight-decay mask for the AdamW branch; it sees masked trees (MaskedNode on Muon leaves)."""
 
-    def mask(tree: Any) -> Any:
+    def mask(tree: optax.Params) -> Any:
         return jax.tree.map(
             lambda g, x: x if isinstance(x, optax.MaskedNode) else g.decay,
             groups_tree,
@@ -102,10 +103,10 @@ def _decay_mask(groups_tree: Any) -> Any:
 
 def build_optimizer(
     optim_cfg: OptimConfig,
-    groups_tree: Any,
+    groups_tree: dict[str, Any],
     total_steps: int,
     lr_scale: float | jax.Array = 1.0,
-    shardings: Any | None = None,
+    shardings: dict[str, Any] | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """The training optimizer: clipping, Muon for ``"muon"`` leaves, AdamW for the rest, lr scale.
 

@@ -39,6 +39,7 @@ import numpy as np
 from jax.sharding import Mesh, PartitionSpec
 
 from zaya_jax.model.experts import sorted_experts
+from zaya_jax.model.mesh_hooks import MoeDispatch
 from zaya_jax.ops.platform import planning_gpu_on_cpu, planning_target
 from zaya_jax.parallel.rules import DEFAULT_RULES, batch_spec
 
@@ -274,7 +275,7 @@ def expert_dispatch(
     capacity_factor: float = 0.0,
     exchange: str = "auto",
     rules: Sequence[tuple[str, Any]] = DEFAULT_RULES,
-) -> Any:
+) -> MoeDispatch:
     """The ``moe_dispatch`` hook for :class:`zaya_jax.model.Zaya` on ``mesh``:
     ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global.
     ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated), ``planned`` (its memory

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,7 +39,7 @@ class Layout:
     hooks: ModelHooks = SINGLE_DEVICE
     # ZeRO-1 (mesh.optimizer_sharding: zero1): the shardings of the optimizer state, the gradients
     # and the update, per parameter; None: they follow the parameters.
-    update: Any = None
+    update: dict[str, Any] | None = None
     # With expert parallelism: the exchange mesh.expert_exchange resolved to (padded, ragged) and why
     expert_exchange: dict[str, str] | None = None
 
@@ -67,7 +68,7 @@ class Layout:
         return dict(self.mesh.shape)
 
 
-def make_layout(cfg: Config, devices: Any | None = None) -> Layout:
+def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Layout:
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
     dispatch, exchange = None, None

@@ -35,7 +35,7 @@ def mesh_sizes(mesh_cfg: MeshConfig, device_count: int) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(cfg: Config, devices: Any | None = None) -> Mesh:
+def make_mesh(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The mesh (data, fsdp, expert, context) over ``devices`` (default: all), validated against the
     config's batch, sequence and expert sizes.
 

@@ -17,7 +17,7 @@ device for the first chunk and from the next device for the second.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -128,7 +128,9 @@ def _zigzag_ring_local(q, k, v, q_seg, k_seg, k_real, window, *, axis: str, size
     return acc[0].astype(v.dtype).reshape(batch, seq, nq * d)
 
 
-def ring_attention(mesh: Mesh, axis: str = "context", block: int = 128, layout: str = "contiguous") -> Any:
+def ring_attention(
+    mesh: Mesh, axis: str = "context", block: int = 128, layout: str = "contiguous"
+) -> Callable[..., jax.Array]:
     """``attend(q, k, v, segment_ids, token_mask, window) -> (batch, seq, nq*d)`` with every
     sequence axis split over ``axis``. q: (batch, seq, nq, d); k, v: (batch, seq, nk, d);
     segment_ids, token_mask: (batch, seq); window: int32 scalar (<= 0: no sliding window) or None.
@@ -304,7 +306,7 @@ class ContextParallel:
 
 def _ring_attention_rows(
     mesh: Mesh, rows: tuple[str, ...] | None, axis: str, block: int, zigzag: bool = False
-) -> Any:
+) -> Callable[..., jax.Array]:
     size = mesh.shape[axis]
     ring = _zigzag_ring_local if zigzag else _ring_local
     seq4 = PartitionSpec(rows, axis, None, None)

@@ -12,7 +12,7 @@ replicated.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -22,6 +22,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
 from zaya_jax.model.axes import AXES, BATCH_AXES
 from zaya_jax.model.transformer import boxed_abstract_variables
+
+if TYPE_CHECKING:
+    import optax
 
 # The default table, from the registry (zaya_jax.model.axes): logical name -> mesh axes.
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple((axis.name, axis.mesh) for axis in AXES)
@@ -68,7 +71,7 @@ def variable_shardings(
     """
     boxed = boxed_abstract_variables(model_cfg)
 
-    def sharding(leaf: Any) -> NamedSharding:
+    def sharding(leaf: nn.LogicallyPartitioned | jax.ShapeDtypeStruct) -> NamedSharding:
         if isinstance(leaf, nn.LogicallyPartitioned):
             shape, names = leaf.value.shape, leaf.names
         else:
@@ -85,7 +88,9 @@ def variable_shardings(
     return jax.tree.map(sharding, boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
 
 
-def matching_shardings(tree: Any, params: Any, param_shardings: Any, mesh: Mesh) -> Any:
+def matching_shardings(
+    tree: optax.OptState, params: dict[str, Any], param_shardings: dict[str, Any], mesh: Mesh
+) -> Any:
     """Shardings for an optimizer-state-like ``tree``: a leaf whose key path ends with a parameter's
     path and has its shape gets that parameter's sharding; anything else (counts, scalars) is
     replicated."""
@@ -107,14 +112,16 @@ def matching_shardings(tree: Any, params: Any, param_shardings: Any, mesh: Mesh)
     return jax.tree_util.tree_map_with_path(pick, tree)
 
 
-def zero1_shardings(params: Any, param_shardings: Any, mesh: Mesh, axis: str = "data") -> Any:
+def zero1_shardings(
+    params: dict[str, Any], param_shardings: dict[str, Any], mesh: Mesh, axis: str = "data"
+) -> dict[str, Any]:
     """ZeRO-1: each parameter's sharding with the ``axis`` mesh axis added to its first dimension
     that the combined split divides (the stacked layers or experts of a weight before its matrix
     axes, so distributed Muon keeps whole matrices per device); a leaf no dimension of which
     divides stays as its parameter is. The optimizer state, gradients and update take these."""
     size = mesh.shape[axis]
 
-    def split(param: Any, sharding: NamedSharding) -> NamedSharding:
+    def split(param: jax.ShapeDtypeStruct, sharding: NamedSharding) -> NamedSharding:
         spec = list(sharding.spec) + [None] * (len(param.shape) - len(sharding.spec))
         entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
         if size == 1 or any(axis in names for names in entries):  # nothing to add, or split already

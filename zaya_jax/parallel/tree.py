@@ -6,11 +6,14 @@ library runs them as log-depth trees) instead of passing K/V around a ring.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec
+
+if TYPE_CHECKING:
+    from zaya_jax.model.mesh_hooks import AttentionKernel
 
 
 def _local_partials(q, k, v, mask, axis: str):
@@ -31,7 +34,7 @@ def _local_partials(q, k, v, mask, axis: str):
     return out.transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
 
 
-def tree_attention(mesh: Mesh, axis: str = "context") -> Any:
+def tree_attention(mesh: Mesh, axis: str = "context") -> AttentionKernel:
     """An ``attention(q, k, v, mask) -> (batch, seq, nq*d)`` for :class:`zaya_jax.model.Zaya` whose
     keys/values (batch, S, nk, d) are split along S over ``axis``; queries are replicated and
     ``mask`` (an :class:`~zaya_jax.ops.attention.AttentionMask` over the S cache slots) is

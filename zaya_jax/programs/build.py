@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -25,6 +25,7 @@ import optax
 
 from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
+from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
@@ -97,7 +98,7 @@ class Programs:
         )
 
     @functools.cached_property
-    def init(self) -> Any:
+    def init(self) -> jax.stages.Wrapped:
         return jax.jit(self._init, out_shardings=self.shardings)
 
     def init_state(self) -> TrainState:
@@ -105,7 +106,7 @@ class Programs:
         return self.init(jax.random.key(self.cfg.train.seed))
 
     @functools.cached_property
-    def train_step(self) -> Any:
+    def train_step(self) -> jax.stages.Wrapped:
         layout = self.layout
         return jax.jit(
             make_train_step(
@@ -122,7 +123,7 @@ class Programs:
         )
 
     @functools.cached_property
-    def eval_step(self) -> Any:
+    def eval_step(self) -> jax.stages.Wrapped:
         layout = self.layout
         return jax.jit(
             make_eval_step(self.cfg, self.objective, **layout.step_hooks),
@@ -130,14 +131,14 @@ class Programs:
             out_shardings=layout.replicated,
         )
 
-    def _forward_program(self, forward: Any) -> Any:
+    def _forward_program(self, forward: Callable[..., jax.Array]) -> jax.stages.Wrapped:
         """``(params, balancing, batch) -> forward(model, params, balancing, batch, loss_chunk)``
         jitted on the layout, its result replicated (forward-only passes outside the train step)."""
         layout = self.layout
         model = Zaya(self.cfg.model, layout.step_hooks["hooks"])
         chunk = self.cfg.train.loss_chunk
 
-        def run(params: Any, balancing: Any, batch: dict[str, Any]) -> jax.Array:
+        def run(params: dict[str, Any], balancing: dict[str, Any], batch: dict[str, Any]) -> jax.Array:
             return forward(model, params, balancing, batch, chunk)
 
         return jax.jit(
@@ -147,14 +148,14 @@ class Programs:
         )
 
     @functools.cached_property
-    def sequence_logps_step(self) -> Any:
+    def sequence_logps_step(self) -> jax.stages.Wrapped:
         """``(params, balancing, batch) -> (batch, seq + 2)`` log-probabilities of each row's
         segments over their trained targets (column s: segment s), replicated: the preference
         objectives' reference pass (:mod:`zaya_jax.objectives.reference`)."""
         return self._forward_program(lambda *args: sequence_logps(*args)[0])
 
     @functools.cached_property
-    def token_logprobs_step(self) -> Any:
+    def token_logprobs_step(self) -> jax.stages.Wrapped:
         """``(params, balancing, batch) -> (batch, seq)`` log-probability of every target, replicated
         (GRPO's reference scores, ``rl.kl > 0``; no router replay: the reference routes as it does)."""
         return self._forward_program(lambda *args: -token_nll(*args)[0])
@@ -169,8 +170,8 @@ class Programs:
         }
 
     def step_arguments(
-        self, state: Any, batch: dict[str, Any], lr_scale: float = 1.0, loss_limit: float = np.inf
-    ) -> tuple[Any, ...]:
+        self, state: TrainState, batch: dict[str, Any], lr_scale: float = 1.0, loss_limit: float = np.inf
+    ) -> tuple[TrainState, dict[str, Any], jax.Array, jax.Array]:
         """The train step's arguments, the scalars as float32 arrays (as training passes them)."""
         return (state, batch, jnp.asarray(lr_scale, jnp.float32), jnp.asarray(loss_limit, jnp.float32))
 
@@ -180,7 +181,9 @@ class Programs:
         scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=self.layout.replicated)
         return self.train_step.lower(self.abstract_state, self.abstract_batch(rows, seq), scalar, scalar)
 
-    def held_out_batches(self, tokenizer: Any, references: Any = None) -> list[dict[str, jax.Array]]:
+    def held_out_batches(
+        self, tokenizer: Tokenizer, references: Mapping[str, np.ndarray] | None = None
+    ) -> list[dict[str, jax.Array]]:
         """The run's held-out batches (``eval.batches`` of ``train.batch_size`` x
         ``train.seq_len``, seed ``train.seed``), this process's rows placed on the mesh.
         ``references``: the preference run's reference log-probabilities (dpo, ipo)."""
@@ -188,7 +191,9 @@ class Programs:
         return [put_batch(local_rows(b), self.layout.batch) for b in batches]
 
 
-def held_out_host_batches(cfg: Config, tokenizer: Any, references: Any = None) -> list[dict[str, np.ndarray]]:
+def held_out_host_batches(
+    cfg: Config, tokenizer: Tokenizer, references: Mapping[str, np.ndarray] | None = None
+) -> list[dict[str, np.ndarray]]:
     """The run's held-out evaluation data as global host batches (the same on every call)."""
     train = cfg.train
     return eval_batches(
@@ -207,7 +212,7 @@ def build_programs(
     layout: Layout | None = None,
     *,
     objective: ObjectiveFor,
-    devices: Sequence[Any] | None = None,
+    devices: Sequence[jax.Device] | None = None,
     groups: dict[str, LeafGroup] | None = None,
 ) -> Programs:
     """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
@@ -238,7 +243,9 @@ def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
-def single_device_programs(cfg: Config, objective: ObjectiveFor, device: Any | None = None) -> Programs:
+def single_device_programs(
+    cfg: Config, objective: ObjectiveFor, device: jax.Device | None = None
+) -> Programs:
     """``cfg``'s programs of ``objective`` on one device, whatever mesh the run trained on
     (evaluating a saved model)."""
     one = dataclasses.replace(cfg, mesh=MeshConfig(data=1, rules=cfg.mesh.rules))

@@ -59,7 +59,7 @@ class MoeChoice:
         return {"impl": self.impl, "source": self.source, "key": self.key, "seconds": self.seconds}
 
 
-def choice_key(cfg: ModelConfig, tokens: int, device: Any) -> str:
+def choice_key(cfg: ModelConfig, tokens: int, device: jax.Device) -> str:
     """The cache key: device kind and the expert layer's shapes and dtype."""
     return (
         f"{device.platform}:{device.device_kind}|tokens={tokens}|hidden={cfg.hidden_size}|experts={cfg.num_experts}"
@@ -75,8 +75,8 @@ OPTION_VARIANTS = {
 
 
 def _program(
-    impl: str, cfg: ModelConfig, tokens: int, device: Any, options: dict[str, Any] | None = None
-) -> tuple[Any, tuple[jax.Array, ...]]:
+    impl: str, cfg: ModelConfig, tokens: int, device: jax.Device, options: dict[str, Any] | None = None
+) -> tuple[jax.stages.Compiled, tuple[jax.Array, ...]]:
     """``impl``'s forward + backward (gradients of the inputs and both weights), compiled for
     ``device``, and its arguments: random tokens routed uniformly over the experts and the skip class."""
     dtype = jnp.dtype(cfg.dtype)
@@ -107,7 +107,7 @@ def _program(
 def measure(
     cfg: ModelConfig,
     tokens: int,
-    device: Any,
+    device: jax.Device,
     candidates: Sequence[str] = tuple(PATHS),
     rounds: int = 3,
     variants: Sequence[str] = (),
@@ -174,7 +174,7 @@ class ChoiceCache:
 
 
 def choose(
-    cfg: ModelConfig, tokens: int, device: Any, cache: ChoiceCache, remeasure: bool = False
+    cfg: ModelConfig, tokens: int, device: jax.Device, cache: ChoiceCache, remeasure: bool = False
 ) -> MoeChoice:
     """The fastest dropless path for ``tokens`` tokens per device on ``device``: cached, or measured
     (and cached)."""

@@ -11,7 +11,7 @@ a vector and goes to ``metrics.jsonl`` under its own name
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import flax.struct
@@ -31,9 +31,9 @@ from zaya_jax.resilience.routing import within_limits
 @flax.struct.dataclass
 class TrainState:
     step: jax.Array
-    params: Any
-    opt_state: Any
-    balancing: Any
+    params: dict[str, Any]
+    opt_state: optax.OptState
+    balancing: dict[str, Any]
     controller: ControllerState
 
 
@@ -52,10 +52,10 @@ def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation
 def make_train_step(
     cfg: Config,
     tx: optax.GradientTransformation,
-    set_lr_scale: Callable[[Any, jax.Array], Any],
+    set_lr_scale: Callable[[optax.OptState, jax.Array], optax.OptState],
     hooks: ModelHooks = SINGLE_DEVICE,
-    axis_rules: tuple[Any, Any] | None = None,
-    update_shardings: Any = None,
+    axis_rules: tuple[jax.sharding.Mesh, Sequence[tuple[str, Any]]] | None = None,
+    update_shardings: dict[str, Any] | None = None,
     *,
     objective: Objective,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
@@ -123,7 +123,7 @@ def make_train_step(
 
 def _accumulated_grads(
     grad_fn: Callable, state: TrainState, batch: Batch, micro: int
-) -> tuple[Any, dict[str, jax.Array]]:
+) -> tuple[dict[str, Any], dict[str, jax.Array]]:
     """Summed gradients and loss statistics over ``micro`` equal micro-batches of ``batch``."""
     if micro == 1:  # no loop: a one-step scan still costs a while loop and a zeroed carry
         return grad_fn(state.params, state.balancing, batch)

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from zaya_jax.files import append_event
@@ -53,7 +54,7 @@ class Supervisor:
         append_event(self.run_dir, name, None, {"source": "supervisor", **detail})
         print(f"zaya supervise: {name} {json.dumps(detail)}", file=sys.stderr, flush=True)
 
-    def _forward(self, signum: int, frame: Any) -> None:
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
         """SIGTERM/SIGINT (preemption, Ctrl-C): pass it on; the trainer saves and exits, and the
         supervisor does not restart it."""
         self.stopping = signal.Signals(signum).name

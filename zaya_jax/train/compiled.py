@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import jax
 
@@ -35,7 +34,7 @@ class TrainStep:
 
     def __init__(self, programs: Programs, watchdog: Watchdog, event: Callable[..., None]):
         self.programs, self.watchdog, self.event = programs, watchdog, event
-        self._compiled: dict[tuple[int, ...], Any] = {}
+        self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}
 
     def __call__(
         self, step: int, state: TrainState, batch: dict[str, jax.Array], lr_scale: float, loss_limit: float

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import signal
 import threading
-from typing import Any
+from types import FrameType
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -89,7 +89,7 @@ class StopRequest:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
 
-    def _handle(self, signum: int, frame: Any) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.requested = signal.Signals(signum).name
 
     def restore(self) -> None:

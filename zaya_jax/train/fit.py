@@ -19,12 +19,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from zaya_jax.config import Config
+
+if TYPE_CHECKING:
+    from zaya_jax.programs import Programs
 
 GB = 1e9
 # Device memory of the accelerators the presets name (GB as the vendors state it, 1e9 bytes).
@@ -91,7 +94,7 @@ def device_capacity(cfg: Config, memory: Any) -> tuple[int | None, str]:
     )
 
 
-def _plan(programs: Any, cfg: Config, shape: tuple[int, int]) -> int:
+def _plan(programs: Programs, cfg: Config, shape: tuple[int, int]) -> int:
     from zaya_jax.programs import build_programs
 
     candidate = build_programs(cfg, programs.layout, objective=programs.objective, groups=programs.groups)
@@ -109,7 +112,7 @@ def _micro_batch_choices(cfg: Config, rows: int, shards: int) -> list[int]:
     return choices
 
 
-def advice(programs: Any, shape: tuple[int, int], memory: Any, capacity: int) -> list[str]:
+def advice(programs: Programs, shape: tuple[int, int], memory: Any, capacity: int) -> list[str]:
     """Settings that fit ``capacity``, each with its compiled plan: more micro-batches and/or full
     rematerialisation (at most ``MAX_ADVICE_COMPILES`` compilations)."""
     cfg = programs.cfg
@@ -145,7 +148,7 @@ def advice(programs: Any, shape: tuple[int, int], memory: Any, capacity: int) ->
     return found
 
 
-def check_fit(programs: Any, shape: tuple[int, int], compiled: Any) -> None:
+def check_fit(programs: Programs, shape: tuple[int, int], compiled: jax.stages.Compiled) -> None:
     """Raise :class:`OutOfMemoryError` (one line: the need, the capacity, settings that fit) when
     the compiled step's plan exceeds the device's memory; nothing when it fits, when the capacity
     is unknown, or with ``runtime.check_fit: false``."""

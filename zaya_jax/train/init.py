@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
@@ -19,6 +19,9 @@ import numpy as np
 from zaya_jax.config import ConfigError, ModelConfig
 from zaya_jax.model.balancing import init_controller
 from zaya_jax.pretrained import load_model, read_model
+
+if TYPE_CHECKING:
+    from zaya_jax.programs import TrainState
 
 
 def source_model_config(path: str | Path) -> ModelConfig:
@@ -38,7 +41,7 @@ def _load_source(path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return files.variables, files.origin()
 
 
-def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+def _shapes(tree: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     return {
         jax.tree_util.keystr(path): tuple(np.shape(leaf))
         for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
@@ -65,14 +68,14 @@ def check_fits(source: dict[str, Any], target: dict[str, Any], origin: str) -> N
 def _place(source: Any, like: Any) -> Any:
     """``source`` (host or single-device arrays) as global arrays in ``like``'s shardings and dtypes."""
 
-    def place(value: Any, target: jax.Array) -> jax.Array:
+    def place(value: np.ndarray | jax.Array, target: jax.Array) -> jax.Array:
         host = np.asarray(value).astype(target.dtype)
         return jax.make_array_from_callback(host.shape, target.sharding, lambda index: host[index])
 
     return jax.tree.map(place, source, like)
 
 
-def initialize_from(path: str | Path, state: Any) -> tuple[Any, dict[str, Any]]:
+def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """``state`` (a fresh TrainState) with the parameters and balancing biases of ``path``; returns
     it and a description of the source for the run's ``init_from`` event."""
     path = Path(path)

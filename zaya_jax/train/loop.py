@@ -23,7 +23,7 @@ import jax
 
 from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
-from zaya_jax.objectives import Producer, RunSetup, build_programs, spec_for
+from zaya_jax.objectives import Evaluator, Producer, RunSetup, build_programs, spec_for
 from zaya_jax.parallel.distributed import Launch, setup_runtime
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog, classify_runtime_error
@@ -150,7 +150,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
     return run, resumed, collaborators
 
 
-def _objective_parts(setup: RunSetup) -> tuple[Producer, Any]:
+def _objective_parts(setup: RunSetup) -> tuple[Producer, Evaluator]:
     """The run's producer and held-out evaluator, from its objective's spec (after the spec's
     preparation, e.g. dpo's reference pass)."""
     spec = spec_for(setup.cfg)

@@ -24,7 +24,7 @@ from zaya_jax.model import param_counts
 from zaya_jax.objectives import build_programs, check
 from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.parallel.distributed import apply_runtime
-from zaya_jax.programs import fingerprint
+from zaya_jax.programs import TrainState, fingerprint
 from zaya_jax.train.fit import peak_bytes
 
 
@@ -75,7 +75,7 @@ def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = Non
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
 
-    def per_device(tree: Any) -> int:
+    def per_device(tree: TrainState) -> int:
         total = 0
         for leaf in jax.tree.leaves(tree):
             shard = leaf.sharding.shard_shape(leaf.shape)

@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from zaya_jax.config import Config, to_dict
 from zaya_jax.train.metrics import MetricsWriter
 
+if TYPE_CHECKING:
+    from zaya_jax.parallel import Layout
+
 
 def start_event(
     writer: MetricsWriter,
     cfg: Config,
-    layout: Any,
+    layout: Layout,
     peak: float,
     peak_source: str,
     resumed_after: int,

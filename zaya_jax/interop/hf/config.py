@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from zaya_jax.config import ConfigError, ModelConfig, model_config_from_dict
@@ -37,13 +37,13 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _first_token_id(value: Any, default: int) -> int:
+def _first_token_id(value: int | Sequence[int] | None, default: int) -> int:
     if value is None:
         return default
     return int(value[0]) if isinstance(value, list | tuple) else int(value)
 
 
-def token_id_list(value: Any) -> tuple[int, ...]:
+def token_id_list(value: int | Sequence[int] | None) -> tuple[int, ...]:
     """HF's ``eos_token_id`` list, kept whole (an int: empty, ``eos_token_id`` says it all)."""
     return tuple(int(v) for v in value) if isinstance(value, list | tuple) else ()
 

@@ -4,8 +4,7 @@ renamed to the ``save_pretrained`` layout's names, per-expert matrices stacked."
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -36,7 +35,7 @@ _LEGACY_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LEGACY_EXPERT = re.compile(r"^zaya_block\.experts\.local_experts\.(\d+)\.linear_fc([12])\.weight$")
 
 
-def is_legacy_layout(names: Any) -> bool:
+def is_legacy_layout(names: Iterable[str]) -> bool:
     return any(".zaya_block." in n or ".self_attn.qkv.linear_q." in n for n in names)
 
 
