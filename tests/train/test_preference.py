@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.hf_reference import make_hf_model, torch
+from zaya_jax import objectives
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, DataConfig, DataSource, load_config
 from zaya_jax.data import DataError, load_tokenizer, make_row_iterator, tokenized_documents
@@ -55,8 +56,8 @@ def test_pairs_are_packed_whole_with_only_the_completions_scored(tmp_path):
     assert [c for c, _ in placed if c != "cba<|end|>\n"] == [c + "<|end|>\n" for c, _ in expected]
     assert ("cba<|end|>\n", "abc<|end|>\n") in placed  # "hello" (the prompt's reply) is not scored
     assert len(placed) == 5  # the pair longer than a row is left out
-    with pytest.raises(ConfigError, match=r"train\.objective=lm cannot use"):
-        load_config("tiny", [f"data.sources=[{{name: p, kind: preference, path: {path}}}]"])
+    with pytest.raises(ConfigError, match=r"train\.objective=lm cannot use"):  # the lm spec's check
+        objectives.check(load_config("tiny", [f"data.sources=[{{name: p, kind: preference, path: {path}}}]"]))
 
     documents = tokenized_documents(data, "all", BYTE)[0].documents
     np.testing.assert_array_equal(documents[0], ENCODER.encode(pairs[0]))
@@ -81,6 +82,16 @@ def test_pairs_are_packed_whole_with_only_the_completions_scored(tmp_path):
             "no assistant message",
         ),
         ({"prompt": [{"role": "robot", "content": "p"}], "chosen": "a", "rejected": "b"}, "role 'robot'"),
+        ({"prompt": "p", "chosen": "", "rejected": "b"}, "'chosen' is missing or empty"),
+        ({"prompt": "p", "chosen": "same", "rejected": "same"}, "are the same"),
+        (
+            {
+                "prompt": [{"role": "user", "content": "p"}, {"role": "assistant", "content": "a"}],
+                "chosen": "a",
+                "rejected": "b",
+            },
+            "ends with an assistant message",
+        ),
     ],
 )
 def test_a_bad_pair_is_named_with_its_line_or_skipped(tmp_path, record, problem):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
 
@@ -21,10 +23,10 @@ class PreferenceConfig:
     simpo_gamma: float = 0.5  # simpo: the target margin between chosen and rejected rewards
 
     def validate(self) -> None:
-        if not self.beta > 0:
-            raise ConfigError(f"preference.beta={self.beta} must be > 0")
-        if self.simpo_gamma < 0:
-            raise ConfigError(f"preference.simpo_gamma={self.simpo_gamma} must be >= 0")
+        if not 0 < self.beta < math.inf:
+            raise ConfigError(f"preference.beta={self.beta} must be a finite number > 0")
+        if not 0 <= self.simpo_gamma < math.inf:
+            raise ConfigError(f"preference.simpo_gamma={self.simpo_gamma} must be a finite number >= 0")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +63,10 @@ class RLConfig:
     # the device to score every rollout.
     kl: float = 0.0
     eval_prompts: int = 64  # held-out prompts whose mean greedy reward is eval_reward
+    # When the reward function raises or returns something that is not a finite number: "stop" the
+    # run with its message and the prompt, or "skip" that prompt's group (advantage 0, counted as
+    # reward_errors in metrics.jsonl, the first problem in a reward_error event).
+    on_reward_error: Literal["stop", "skip"] = "stop"
     prompt_seed: int = 0  # seed of the built-in task's prompts (held-out ones come from seed + 1)
 
     def validate(self) -> None:
@@ -71,9 +77,15 @@ class RLConfig:
             raise ConfigError(
                 f"rl.group_size={self.group_size}: a group needs >= 2 completions for an advantage"
             )
-        if not 0 <= self.clip_low < 1 or self.clip_high < 0:
-            raise ConfigError("rl.clip_low must be in [0, 1) and rl.clip_high >= 0")
-        if self.kl < 0 or self.temperature <= 0:
-            raise ConfigError("rl.kl must be >= 0 and rl.temperature > 0")
+        if not 0 <= self.clip_low < 1 or not 0 <= self.clip_high < math.inf:
+            raise ConfigError(
+                f"rl.clip_low={self.clip_low} must be in [0, 1) and rl.clip_high={self.clip_high} a finite number >= 0"
+            )
+        if not (self.kl >= 0 and math.isfinite(self.kl)) or not (
+            self.temperature > 0 and math.isfinite(self.temperature)
+        ):
+            raise ConfigError(
+                f"rl.kl={self.kl} must be a finite number >= 0 and rl.temperature={self.temperature} a finite number > 0"
+            )
         if ":" not in self.reward:
             raise ConfigError(f"rl.reward={self.reward!r} must be 'module:function'")

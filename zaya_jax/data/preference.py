@@ -41,7 +41,7 @@ _FIX_RECORD = 'write one {"prompt": "..." or [messages], "chosen": "..." or [mes
 
 def _completion(value: Any) -> list[dict[str, Any]] | None:
     if isinstance(value, str):
-        return [{"role": "assistant", "content": value}]
+        return [{"role": "assistant", "content": value}] if value else None
     if isinstance(value, dict):
         return [value]
     if isinstance(value, list) and value:
@@ -58,6 +58,8 @@ def split_record(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list, li
     if not isinstance(prompt, list) or not prompt:
         fields = ", ".join(map(repr, record)) or "none"
         return f"no prompt: give 'prompt' (a string or a list of messages) or 'messages' (fields: {fields})"
+    if isinstance(prompt[-1], dict) and prompt[-1].get("role") == "assistant":
+        return "the prompt ends with an assistant message; it ends before the reply: put the reply in 'chosen' and 'rejected'"
     completions = []
     for side in ("chosen", "rejected"):
         messages = _completion(record.get(side))
@@ -69,6 +71,8 @@ def split_record(record: dict[str, Any]) -> tuple[list[dict[str, Any]], list, li
         if problem is not None:
             return f"{side}: {problem}"
         completions.append(messages)
+    if completions[0] == completions[1]:
+        return "'chosen' and 'rejected' are the same: the pair prefers nothing"
     return prompt, completions[0], completions[1]
 
 

@@ -11,7 +11,7 @@ from zaya_jax.config import Config, ConfigError
 from zaya_jax.loss import Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
-from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, load_reward
+from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, RewardFunction, held_out_reward, load_reward
 from zaya_jax.objectives.rollouts import Rollouts, kl_reference, rollout_fields
 from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
 
@@ -38,13 +38,15 @@ def check_grpo(cfg: Config) -> None:
         raise ConfigError(
             "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
         )
+    load_reward(rl.reward)  # a module that cannot be imported stops the run here, before any compile
 
 
 def evaluate_saved(saved: SavedRun) -> dict[str, Any]:
     """The mean greedy reward of the run's held-out prompts (``eval_loss`` is its negation)."""
     cfg = saved.cfg
     prompts = PromptSet(cfg).held_out
-    mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, load_reward(cfg.rl.reward))
+    reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
+    mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, reward)
     what = f"the run's held-out reward (step {saved.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
     return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
 
@@ -55,7 +57,9 @@ GRPO = register(
         loss=policy_gradient,
         check=check_grpo,
         prepare=lambda setup: PromptSet(setup.cfg),  # shared: the producer's and the held-out prompts
-        producer=lambda setup, prompts: Rollouts(setup.cfg, setup.tokenizer, kl_reference(setup), prompts),
+        producer=lambda setup, prompts: Rollouts(
+            setup.cfg, setup.tokenizer, kl_reference(setup), prompts, setup.event
+        ),
         held_out=lambda setup, prompts: HeldOutReward(setup.cfg, setup.tokenizer, prompts, setup.beat),
         evaluate_saved=evaluate_saved,
     )

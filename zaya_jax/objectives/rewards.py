@@ -12,8 +12,14 @@ every epoch.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
-from collections.abc import Callable, Sequence
+import math
+import numbers
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -31,19 +37,94 @@ BLOCK = 1024
 Reward = Callable[[dict[str, Any], str], float]
 
 
+class RewardError(ValueError):
+    """The reward function failed, or returned something that is not a reward (``rl.on_reward_error: stop``)."""
+
+
+@contextlib.contextmanager
+def _working_directory_importable() -> Iterator[None]:
+    """The working directory at the end of ``sys.path`` while a reward module is imported: the
+    ``zaya`` command (a console script) does not put it there, ``python -m`` does."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path and "" not in sys.path
+    if added:
+        sys.path.append(cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
+def _import_failure(spec: str, module_name: str, err: BaseException) -> ConfigError:
+    """One line for a reward module that cannot be imported: what failed, and where."""
+    if isinstance(err, ModuleNotFoundError) and err.name and module_name.startswith(err.name):
+        return ConfigError(
+            f"rl.reward={spec!r}: no module named {err.name!r}; a reward module is imported from the "
+            "working directory, PYTHONPATH or an installed package (rl.reward=MODULE:FUNCTION)"
+        )
+    frames = traceback.extract_tb(err.__traceback__)
+    where = (
+        f" ({frames[-1].filename}:{frames[-1].lineno})" if frames and not isinstance(err, SyntaxError) else ""
+    )
+    return ConfigError(
+        f"rl.reward={spec!r}: importing {module_name!r} failed{where}: {type(err).__name__}: {err}; fix the module"
+    )
+
+
 def load_reward(spec: str) -> Reward:
-    """``"module:function"`` -> the function (called as ``function(record, completion_text)``)."""
+    """``"module:function"`` -> the function (called as ``function(record, completion_text)``);
+    ``module`` is imported from ``sys.path`` and then the working directory. Any failure is one
+    :class:`ConfigError` naming ``rl.reward`` (a module that raises or does not compile included)."""
     module_name, _, name = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(
-            f"rl.reward={spec!r}: cannot import {module_name!r} ({err}); check the module path"
-        ) from None
+        with _working_directory_importable():
+            module = importlib.import_module(module_name)
+    except Exception as err:  # anything the user's module raises at import, SyntaxError included
+        raise _import_failure(spec, module_name, err) from None
     fn = getattr(module, name, None)
     if not callable(fn):
         raise ConfigError(f"rl.reward={spec!r}: {module_name} has no function {name!r}")
     return fn
+
+
+def _prompt_text(record: dict[str, Any]) -> str:
+    messages = prompt_messages(record) if isinstance(record.get("messages"), list) else []
+    text = " | ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
+    return text if len(text) <= 120 else text[:117] + "..."
+
+
+class RewardFunction:
+    """``rl.reward`` as the run calls it: ``reward(record, completion_text)`` is a finite float, or
+    None when the function raised or returned something that is not a finite number and
+    ``rl.on_reward_error`` is ``skip`` (counted in :attr:`errors`; the first problem kept in
+    :attr:`problem`). With ``stop`` (the default) that is a :class:`RewardError` naming the function,
+    what it did and the prompt."""
+
+    def __init__(self, spec: str, on_error: str = "stop"):
+        self.spec, self.on_error = spec, on_error
+        self.fn = load_reward(spec)
+        self.errors = 0
+        self.problem: str | None = None
+
+    def __call__(self, record: dict[str, Any], text: str) -> float | None:
+        try:
+            value = self.fn(record, text)
+        except Exception as err:  # the user's function: reported, never a traceback
+            problem = f"raised {type(err).__name__}: {err}"
+        else:
+            if isinstance(value, numbers.Real) and math.isfinite(value):
+                return float(value)
+            problem = f"returned {value!r} ({type(value).__name__}), not a finite number"
+        problem = f"rl.reward={self.spec} {problem} for the prompt {_prompt_text(record)!r}"
+        if self.on_error == "stop":
+            raise RewardError(
+                f"{problem}; fix the function, or set rl.on_reward_error=skip to skip that prompt's group "
+                "(counted as reward_errors)"
+            )
+        self.errors += 1
+        self.problem = self.problem or problem
+        return None
 
 
 def prompt_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -148,9 +229,10 @@ def held_out_reward(
     variables: dict[str, Any],
     tokenizer: Tokenizer,
     records: Sequence[dict[str, Any]],
-    reward: Reward,
+    reward: Callable[[dict[str, Any], str], float | None],
 ) -> float:
-    """The mean reward of greedy completions (``rl.max_new_tokens``) of ``records``' prompts."""
+    """The mean reward of greedy completions (``rl.max_new_tokens``) of ``records``' prompts, over
+    the completions ``reward`` scored (None: skipped, see :class:`RewardFunction`)."""
     encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
     ids, mask, _ = encode(records)
     out = generate(
@@ -163,7 +245,10 @@ def held_out_reward(
         vocab_limit=tokenizer.vocab_size,
     )
     texts = completion_texts(tokenizer, out.rows())
-    return float(np.mean([reward(r, t) for r, t in zip(records, texts, strict=True)]))
+    scores = [score for r, t in zip(records, texts, strict=True) if (score := reward(r, t)) is not None]
+    if not scores:
+        raise RewardError(f"no held-out completion could be scored: {getattr(reward, 'problem', '')}")
+    return float(np.mean(scores))
 
 
 class HeldOutReward:
@@ -174,7 +259,7 @@ class HeldOutReward:
         self, cfg: Config, tokenizer: Tokenizer, prompts: PromptSet, beat: Callable[[int, str], None]
     ):
         self.cfg, self.tokenizer, self.prompts, self.beat = cfg, tokenizer, prompts, beat
-        self.reward = load_reward(cfg.rl.reward)
+        self.reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
 
     def __call__(self, step: int, state: TrainState) -> dict[str, float]:
         self.beat(step, "eval")

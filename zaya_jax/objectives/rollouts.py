@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -34,13 +35,13 @@ from typing import Any
 import jax
 import numpy as np
 
-from zaya_jax.config import Config, ConfigError
+from zaya_jax.config import Config, ConfigError, ModelConfig
 from zaya_jax.data import BATCH_KEYS, BadDocuments, DataError, jsonl_records
 from zaya_jax.data.batch import empty_row
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.loss import FieldSpec
-from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, completion_texts, load_reward
+from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, RewardFunction, completion_texts
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
 from zaya_jax.parallel import put_batch
 
@@ -63,7 +64,7 @@ class Completion:
     prompt: np.ndarray  # prompt ids
     tokens: np.ndarray  # completion ids (the stop token included)
     logprobs: np.ndarray  # the sampler's log-probability of each completion token
-    reward: float
+    reward: float | None  # None: the reward function failed on it (rl.on_reward_error: skip)
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
 
 
@@ -132,10 +133,12 @@ class Rollouts:
         tokenizer: Tokenizer,
         reference: Callable[[HostBatch], np.ndarray] | None = None,
         prompts: PromptSet | None = None,
+        event: Callable[..., None] = lambda name, **detail: None,
     ):
         """``reference(host batch) -> (rows, seq)`` target log-probabilities of the reference
         weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
-        prompt set (default: read from ``cfg.rl``)."""
+        prompt set (default: read from ``cfg.rl``); ``event(name, **detail)`` records what a
+        rollout skipped (``reward_error``)."""
         if jax.process_count() > 1:
             raise ConfigError(
                 "train.objective=grpo runs in one process for now; launch it without --num-processes"
@@ -143,7 +146,8 @@ class Rollouts:
         if cfg.rl.kl > 0 and reference is None:
             raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
         self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
-        self.reward = load_reward(cfg.rl.reward)
+        self.reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
+        self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
         self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
@@ -209,7 +213,7 @@ class Rollouts:
             routes = out.row_routes(i)[:-1]
             record = records[i // group]
             completions.append(
-                Completion(start + i // group, prompt, out.tokens[i, :n], out.logprobs[i, :n], float(self.reward(record, text)), routes)
+                Completion(start + i // group, prompt, out.tokens[i, :n], out.logprobs[i, :n], self.reward(record, text), routes)
             )  # fmt: skip
         return completions
 
@@ -220,8 +224,15 @@ class Rollouts:
         return [records[(start + i) % len(records)] for i in range(self.size)]
 
     def _rows(self, completions: list[Completion]) -> list[dict[str, np.ndarray]]:
-        rewards = np.asarray([c.reward for c in completions], np.float32)
+        failed = {json.dumps(c.group, sort_keys=True) for c in completions if c.reward is None}
+        scored = np.asarray([json.dumps(c.group, sort_keys=True) not in failed for c in completions])
+        # a group with an unscored completion trains nothing: equal rewards, advantage 0
+        rewards = np.asarray(
+            [c.reward if s else 0.0 for c, s in zip(completions, scored, strict=True)], np.float32
+        )
         advantages, group_std = group_advantages([c.group for c in completions], rewards)
+        if failed:
+            self.event("reward_error", groups=len(failed), first=self.reward.problem)
         pad = self.tokenizer.pad_id
         rows = [
             completion_row(self.cfg, c, float(a), pad) for c, a in zip(completions, advantages, strict=True)
@@ -229,10 +240,11 @@ class Rollouts:
         if self.reference is not None:
             self._score_reference(rows)
         self.stats = (
-            ("reward", float(rewards.mean())),
+            ("reward", float(rewards[scored].mean()) if scored.any() else float("nan")),
             ("reward_group_std", float(group_std)),
             ("completion_length", float(np.mean([len(c.tokens) for c in completions]))),
             ("zero_advantage", float(np.mean(advantages == 0))),
+            *((("reward_errors", float(len(failed))),) if self.cfg.rl.on_reward_error == "skip" else ()),
         )
         return rows
 
@@ -246,11 +258,10 @@ class Rollouts:
 
 def _read_rollout_files(cfg: Config) -> list[Completion]:
     """Every record of ``rl.rollouts``, checked (see the module doc for the format)."""
-    layers, classes = cfg.model.num_layers, cfg.model.num_experts + 1
     out = []
     for _, where, record in jsonl_records(cfg.rl.rollouts, BadDocuments("error"), name="rollouts"):
         try:
-            out.append(_completion_from_record(record, layers, classes))
+            out.append(_completion_from_record(record, cfg.model))
         except (KeyError, TypeError, ValueError) as err:
             raise DataError(
                 f"{where}: not a rollout record ({err}); see zaya_jax.objectives.rollouts for the format"
@@ -261,16 +272,30 @@ def _read_rollout_files(cfg: Config) -> list[Completion]:
     return out
 
 
-def _completion_from_record(record: dict[str, Any], layers: int, classes: int) -> Completion:
-    prompt = np.asarray(record["prompt_ids"], np.int32)
-    tokens = np.asarray(record["completion_ids"], np.int32)
+def _token_ids(value: Any, name: str, vocab: int) -> np.ndarray:
+    ids = np.asarray(value)
+    if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu":
+        raise ValueError(f"{name} must be a non-empty list of token ids")
+    bad = ids[(ids < 0) | (ids >= vocab)]
+    if len(bad):
+        raise ValueError(f"{name} holds id {int(bad[0])}, outside the model's vocabulary [0, {vocab})")
+    return ids.astype(np.int32)
+
+
+def _completion_from_record(record: dict[str, Any], model: ModelConfig) -> Completion:
+    prompt = _token_ids(record["prompt_ids"], "prompt_ids", model.vocab_size)
+    tokens = _token_ids(record["completion_ids"], "completion_ids", model.vocab_size)
     logprobs = np.asarray(record["logprobs"], np.float32)
-    if prompt.ndim != 1 or tokens.ndim != 1 or not len(prompt) or not len(tokens):
-        raise ValueError("prompt_ids and completion_ids must be non-empty lists of token ids")
     if logprobs.shape != tokens.shape:
         raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} completion tokens")
+    if not np.isfinite(logprobs).all() or logprobs.max() > 1e-4:
+        raise ValueError("logprobs must be finite log-probabilities (<= 0)")
+    reward = float(record["reward"])
+    if not math.isfinite(reward):
+        raise ValueError(f"reward {reward} is not a finite number")
     routes = None
     if record.get("routes") is not None:
+        layers, classes = model.num_layers, model.num_experts + 1
         routes = np.asarray(record["routes"], np.int32)
         expected = (len(prompt) + len(tokens) - 1, layers)
         if routes.shape != expected:
@@ -279,7 +304,7 @@ def _completion_from_record(record: dict[str, Any], layers: int, classes: int) -
             raise ValueError(
                 f"routes must be classes in [-1, {classes - 1}] (the skip class is {classes - 1})"
             )
-    return Completion(record["group"], prompt, tokens, logprobs, float(record["reward"]), routes)
+    return Completion(record["group"], prompt, tokens, logprobs, reward, routes)
 
 
 def kl_reference(setup: RunSetup) -> Callable[[HostBatch], np.ndarray] | None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -94,8 +95,8 @@ def train(
         "steps": ran.step,
         "interrupted": ran.step < cfg.train.steps,
         "tokens": (last.data_state if last is not None else resumed.position)["tokens_seen"],
-        "final_loss": r.writer.last.get("loss"),
-        "eval_loss": last.eval_loss if last is not None else None,  # None: no step ran (already complete)
+        "final_loss": _finite(r.writer.last.get("loss")),  # None: not a number (JSON has no NaN)
+        "eval_loss": _finite(last.eval_loss if last is not None else None),  # None also: no step ran
         "wall_time_s": time.perf_counter() - start_time,
     })  # fmt: skip
     r.writer.event("end", **summary)
@@ -178,6 +179,10 @@ def _resume(
         state, initialized = initialize_from(cfg.train.init_from, fresh)
         return _Resumed(state, 1, unreadable, initialized)
     return _Resumed(fresh, 1, unreadable, None)
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
 
 
 def _summary(run: RunDir, cfg: Config, first_step: int, fields: dict[str, Any]) -> dict[str, Any]:
