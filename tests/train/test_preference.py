@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 
 import numpy as np
 import pytest
 
 from tests.hf_reference import make_hf_model, torch
+from tests.train.test_loop import MINI
 from zaya_jax import objectives
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, DataConfig, DataSource, load_config
@@ -214,3 +216,60 @@ def test_the_preference_losses_follow_their_formulas(tmp_path, objective):
             expected.append(np.log1p(np.exp(-margin)))
     assert float(stats["weight"]) == len(expected) >= 1
     np.testing.assert_allclose(float(loss), sum(expected), rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["truncated", "empty", "manifest_list", "deleted"],
+)
+def test_damaged_reference_scores_are_computed_again_from_the_starting_weights(tmp_path, capsys, damage):
+    """A resumed dpo run whose ``reference/`` is truncated, emptied, holds a manifest of the wrong
+    type, or is gone scores the pairs again from its starting weights (the seed's initialisation
+    here, whose fingerprint the first pass recorded): the same values, no traceback; ``zaya eval``
+    of the damaged run is one line saying how to recover."""
+    path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(8, seed=4))
+    run = tmp_path / "run"
+    args = [
+        "train", "dpo", *MINI, f"run.dir={run}", "--no-progress", "model.vocab_size=264",
+        f"data.sources=[{{name: pairs, kind: preference, path: {path}}}]", "data.held_out_fraction=0.25",
+        "train.seq_len=128", "eval.batches=1", "checkpoint.every_steps=1",
+    ]  # fmt: skip
+    assert main([*args, "train.steps=1"]) == 0
+    stored = run / "reference" / "logps.npz"
+    with np.load(stored) as saved:
+        first = saved["0"]
+    if damage == "truncated":
+        stored.write_bytes(stored.read_bytes()[:40])
+    elif damage == "empty":
+        stored.write_bytes(b"")
+    elif damage == "manifest_list":
+        (run / "reference" / "manifest.json").write_text("[]")
+    else:
+        shutil.rmtree(run / "reference")
+    capsys.readouterr()
+    if damage != "deleted":
+        assert main(["eval", str(run), "--json"]) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "resume the run" in err and len(err.strip().splitlines()) == 1
+    assert main([*args, "train.steps=2"]) == 0
+    assert "computing the reference log-probabilities again" in capsys.readouterr().err
+    with np.load(stored) as saved:
+        np.testing.assert_array_equal(saved["0"], first)
+    events = _events(run, "reference")
+    assert len(events) == 2 and events[1]["recomputed"] and events[0]["weights"] == events[1]["weights"]
+
+
+def test_damaged_reference_scores_are_refused_when_the_starting_weights_changed(tmp_path, capsys):
+    path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(8, seed=4))
+    run = tmp_path / "run"
+    args = [
+        "train", "dpo", *MINI, f"run.dir={run}", "--no-progress", "model.vocab_size=264",
+        f"data.sources=[{{name: pairs, kind: preference, path: {path}}}]", "data.held_out_fraction=0.25",
+        "train.seq_len=128", "eval.batches=1", "checkpoint.every_steps=1",
+    ]  # fmt: skip
+    assert main([*args, "train.steps=1"]) == 0
+    shutil.rmtree(run / "reference")
+    capsys.readouterr()
+    assert main([*args, "train.steps=2", "train.seed=7"]) == 2  # another initialisation
+    err = capsys.readouterr().err
+    assert "are not the ones they were computed from" in err and "Traceback" not in err

@@ -14,10 +14,12 @@ forward over the whole set, each process feeding its rows of every batch); proce
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import sys
 import time
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -25,11 +27,12 @@ from typing import Any
 import jax
 import numpy as np
 
+from zaya_jax.checkpoint.fingerprint import fingerprints
 from zaya_jax.config import Config, ConfigError, DataConfig
 from zaya_jax.data import make_row_iterator, tokenized_documents
 from zaya_jax.data.packing import pair_fits
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.files import write_atomic
+from zaya_jax.files import EVENTS, write_atomic
 from zaya_jax.objectives.spec import RunSetup, SavedRun
 from zaya_jax.parallel import local_rows, put_batch
 from zaya_jax.programs import Programs, TrainState
@@ -107,17 +110,19 @@ def _write(directory: Path, references: dict[str, np.ndarray], manifest: dict[st
     )  # last: marks it complete
 
 
+class _Unreadable(Exception):
+    """The stored reference values are damaged or gone (recoverable from the starting weights)."""
+
+
 def _read(directory: Path, expected: dict[str, Any]) -> dict[str, np.ndarray]:
-    manifest_path = directory / "manifest.json"
+    """The stored values, checked against what this run would compute them from; damage is
+    :class:`_Unreadable`, other data a :class:`ConfigError`."""
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((directory / "manifest.json").read_text())
         with np.load(directory / "logps.npz") as arrays:
-            values = {name: arrays[str(i)] for i, name in enumerate(manifest["sources"])}
-    except (OSError, ValueError, KeyError) as err:
-        raise ConfigError(
-            f"cannot read the run's reference log-probabilities in {directory} ({err}); they come from the "
-            "starting weights: start a new run (another run.name) to compute them again"
-        ) from None
+            values = {name: np.asarray(arrays[str(i)]) for i, name in enumerate(manifest["sources"])}
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as err:
+        raise _Unreadable(f"cannot read {directory} ({type(err).__name__}: {err})") from None
     recorded = {k: manifest.get(k) for k in expected if k != "computed_from"}
     wanted = {k: v for k, v in expected.items() if k != "computed_from"}
     if recorded != wanted:
@@ -125,48 +130,106 @@ def _read(directory: Path, expected: dict[str, Any]) -> dict[str, np.ndarray]:
             f"the reference log-probabilities in {directory} were computed for {recorded}, but this run has "
             f"{wanted}: the preference data, tokenizer or train.seq_len changed; restore them or start a new run"
         )
+    for name, source in expected["sources"].items():
+        if values[name].shape != (source["pairs"], 2):
+            raise _Unreadable(
+                f"{directory} holds {values[name].shape} values for the {source['pairs']} pairs of {name!r}"
+            )
     return values
 
 
-def preference_references(setup: RunSetup) -> dict[str, np.ndarray]:
-    """The run's reference log-probabilities: read from ``<run>/reference/``, or computed from
-    ``setup.state`` (the starting weights) when the run starts from step 1 without them; the pass
-    is recorded as a ``reference`` event, the watchdog beaten after each of its batches."""
-    cfg, run_dir, tokenizer = setup.cfg, setup.run_dir, setup.tokenizer
-    directory = run_dir / REFERENCE
-    expected = _describe(cfg, tokenizer)
-    if (directory / "manifest.json").is_file():
-        return _read(directory, expected)
-    if not setup.fresh_start:
-        raise ConfigError(
-            f"{run_dir} has checkpoints but no reference log-probabilities ({directory}); they come from the "
-            "starting weights, which are gone: start a new run (another run.name)"
-        )
+def weights_fingerprint(state: TrainState) -> str:
+    """A short hash of the parameters' and balancing biases' array fingerprints."""
+    prints = fingerprints({"params": state.params, "balancing": state.balancing})
+    return hashlib.sha256(json.dumps(sorted(prints.items())).encode()).hexdigest()[:16]
+
+
+def _recorded_weights(run_dir: Path) -> str | None:
+    """The starting weights' fingerprint the run's last ``reference`` event recorded."""
+    found = None
+    try:
+        lines = (run_dir / EVENTS).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "reference":
+            found = (event.get("detail") or {}).get("weights", found)
+    return found
+
+
+def _compute(
+    setup: RunSetup, state: TrainState, expected: dict[str, Any], recomputed: bool
+) -> dict[str, np.ndarray]:
+    """Every pair scored by ``state`` (the starting weights), written to ``<run>/reference/``."""
+    cfg = setup.cfg
     started = time.perf_counter()
     if jax.process_index() == 0:
         pairs = sum(s["pairs"] for s in expected["sources"].values())
         print(f"zaya train: scoring {pairs} preference pairs with the starting weights...", file=sys.stderr)
-    references = score_pairs(cfg, setup.programs, setup.state, tokenizer, lambda: setup.beat(0, "reference"))
+    references = score_pairs(cfg, setup.programs, state, setup.tokenizer, lambda: setup.beat(0, "reference"))
     too_long = {name: int(np.isnan(v[:, 0]).sum()) for name, v in references.items()}
     if all(too_long[name] == s["pairs"] for name, s in expected["sources"].items()):
         raise ConfigError(
             f"every preference pair is longer than train.seq_len={cfg.train.max_seq_len} tokens (chosen and "
             "rejected together, each with EOS); raise train.seq_len"
         )
-    manifest = {
-        **expected,
-        "computed_from": cfg.train.init_from or f"initialisation, train.seed={cfg.train.seed}",
-    }
+    weights = weights_fingerprint(state)
+    computed_from = cfg.train.init_from or f"initialisation, train.seed={cfg.train.seed}"
     if jax.process_index() == 0:
-        _write(directory, references, manifest)
-    seconds = round(time.perf_counter() - started, 3)
+        _write(
+            setup.run_dir / REFERENCE,
+            references,
+            {**expected, "computed_from": computed_from, "weights": weights},
+        )
     setup.event(
         "reference",
         pairs={k: s["pairs"] for k, s in expected["sources"].items()},
         too_long=too_long,
-        seconds=seconds,
+        seconds=round(time.perf_counter() - started, 3),
+        weights=weights,
+        **({"recomputed": True} if recomputed else {}),
     )
     return references
+
+
+def preference_references(setup: RunSetup) -> dict[str, np.ndarray]:
+    """The run's reference log-probabilities: read from ``<run>/reference/``, or computed from
+    ``setup.state`` (the starting weights) when the run starts from step 1 without them; the pass
+    is recorded as a ``reference`` event with the starting weights' fingerprint.
+
+    A resumed run whose stored values are damaged or gone computes them again from its starting
+    weights (``train.init_from``, or the initialisation of ``train.seed``) when those still have the
+    fingerprint the run recorded; otherwise it is refused, naming what to restore."""
+    directory = setup.run_dir / REFERENCE
+    expected = _describe(setup.cfg, setup.tokenizer)
+    stored = (directory / "manifest.json").is_file()
+    try:
+        if stored:
+            return _read(directory, expected)
+        problem = f"{directory} is missing"
+    except _Unreadable as err:
+        problem = str(err)
+    if setup.fresh_start:
+        return _compute(setup, setup.state, expected, recomputed=stored)
+    recorded = _recorded_weights(setup.run_dir)
+    if recorded is None:
+        raise ConfigError(
+            f"the run's reference log-probabilities cannot be used ({problem}) and the run recorded no "
+            "fingerprint of its starting weights to compute them again: restore them or start a new run (another run.name)"
+        )
+    starting = setup.starting_weights()
+    if weights_fingerprint(starting) != recorded:
+        raise ConfigError(
+            f"the run's reference log-probabilities cannot be used ({problem}), and its starting weights "
+            f"({setup.cfg.train.init_from or 'the initialisation of train.seed'}) are not the ones they were "
+            "computed from (another fingerprint): restore them or start a new run (another run.name)"
+        )
+    print(f"zaya train: {problem}; computing the reference log-probabilities again", file=sys.stderr)
+    return _compute(setup, starting, expected, recomputed=True)
 
 
 def read_references(saved: SavedRun) -> dict[str, np.ndarray]:
@@ -178,4 +241,10 @@ def read_references(saved: SavedRun) -> dict[str, np.ndarray]:
             f"{saved.run_dir} is a {saved.cfg.train.objective} run without its reference log-probabilities "
             f"({directory}); evaluate the run directory itself (not a copied checkpoint), or give --data"
         )
-    return _read(directory, _describe(saved.cfg, saved.tokenizer))
+    try:
+        return _read(directory, _describe(saved.cfg, saved.tokenizer))
+    except _Unreadable as err:
+        raise ConfigError(
+            f"{err}; resume the run (zaya train) to compute the reference log-probabilities again from its "
+            "starting weights, or evaluate with --data"
+        ) from None
