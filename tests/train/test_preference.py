@@ -273,3 +273,26 @@ def test_damaged_reference_scores_are_refused_when_the_starting_weights_changed(
     assert main([*args, "train.steps=2", "train.seed=7"]) == 2  # another initialisation
     err = capsys.readouterr().err
     assert "are not the ones they were computed from" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("objective", ["simpo", "dpo"])
+def test_a_source_whose_every_pair_is_too_long_is_refused_not_a_hang(tmp_path, capsys, objective):
+    """simpo (no reference pass), and dpo with a second source that fits: the packer, having left
+    out a whole pass of its stream, stops with the source's name instead of reading forever."""
+    long = write_records(
+        tmp_path / "long.jsonl", [{"prompt": "reverse: " + "q" * 200, "chosen": "a", "rejected": "b"}] * 20
+    )
+    fits = write_records(tmp_path / "fits.jsonl", reverse_pairs(8, seed=4))
+    sources = [f"{{name: long, kind: preference, path: {long}}}"]
+    if objective == "dpo":
+        sources.append(f"{{name: fits, kind: preference, path: {fits}}}")
+    args = [
+        "train", "dpo", *MINI, f"train.objective={objective}", f"run.dir={tmp_path / 'run'}", "--no-progress",
+        "model.vocab_size=264", f"data.sources=[{', '.join(sources)}]", "data.held_out_fraction=0.25",
+        "train.seq_len=128", "train.steps=2", "optim.warmup_steps=1",
+    ]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert (
+        "every preference pair of 'long'" in err and "raise train.seq_len" in err and "Traceback" not in err
+    )

@@ -51,6 +51,7 @@ import numpy as np
 from zaya_jax.data.batch import empty_row
 from zaya_jax.data.documents import DocumentSequence, ScoredPair
 from zaya_jax.data.preference import CHOSEN, REJECTED
+from zaya_jax.data.sources import DataError
 
 # Synchronous reads: documents are in memory or a local ArrayRecord read of ~10 us, and the
 # Prefetcher thread already overlaps the whole pipeline with the training step.
@@ -69,9 +70,19 @@ class _PackDatasetIterator(grain.DatasetIterator):
     pairs are already placed; restoring re-reads that one document, so the state stays small.
     """
 
-    def __init__(self, parent: grain.DatasetIterator, seq_len: int, eos_id: int, pad_id: int):
+    def __init__(
+        self,
+        parent: grain.DatasetIterator,
+        seq_len: int,
+        eos_id: int,
+        pad_id: int,
+        pass_length: int = 0,
+        name: str = "",
+    ):
         super().__init__(parent)
         self._seq_len = seq_len
+        self._pass_length, self._name = pass_length, name
+        self._dropped = 0  # pairs left out (too long) since the last piece placed
         self._eos = np.asarray([eos_id], np.int32)
         self._pad_id = pad_id
         self._doc: np.ndarray | None = None  # the current document + EOS, int32
@@ -128,7 +139,17 @@ class _PackDatasetIterator(grain.DatasetIterator):
             if self._pair is not None:
                 if not pair_fits(self._pair.document, self._seq_len):
                     self._offset = len(self._doc) - 1  # longer than a row: left out
+                    self._dropped += 1
+                    if (
+                        self._pass_length and self._dropped >= self._pass_length
+                    ):  # a repeating stream would loop forever
+                        raise DataError(
+                            f"every preference pair of {self._name or 'the source'} (in this data stream) is longer than "
+                            f"a row of {self._seq_len} tokens (chosen and rejected together, each with EOS); raise "
+                            "train.seq_len or drop the source"
+                        )
                     continue
+                self._dropped = 0
                 if len(self._doc) - 1 > self._seq_len - filled:
                     return row  # padded: the pair starts the next row
                 filled, segment = self._place_pair(row, filled, segment)
@@ -191,14 +212,29 @@ class _PackDatasetIterator(grain.DatasetIterator):
 class PackIterDataset(grain.IterDataset):
     """Rows of exactly ``seq_len`` (input, target) pairs from a dataset of token documents."""
 
-    def __init__(self, parent: grain.IterDataset, *, seq_len: int, eos_id: int, pad_id: int):
+    def __init__(
+        self,
+        parent: grain.IterDataset,
+        *,
+        seq_len: int,
+        eos_id: int,
+        pad_id: int,
+        pass_length: int = 0,
+        name: str = "",
+    ):
+        """``pass_length``: documents in one pass of a repeating ``parent`` (0: unknown), so a
+        pass in which every preference pair is too long for a row is an error, not a hang;
+        ``name`` the source in that error."""
         super().__init__(parent)
         self._seq_len = seq_len
         self._eos_id = eos_id
         self._pad_id = pad_id
+        self._pass_length, self._name = pass_length, name
 
     def __iter__(self) -> _PackDatasetIterator:
-        return _PackDatasetIterator(self._parent.__iter__(), self._seq_len, self._eos_id, self._pad_id)
+        return _PackDatasetIterator(
+            self._parent.__iter__(), self._seq_len, self._eos_id, self._pad_id, self._pass_length, self._name
+        )
 
     def __str__(self) -> str:
         return f"PackIterDataset(seq_len={self._seq_len})"
@@ -221,17 +257,23 @@ def packed_rows(
     stream: int = 0,
     streams: int = 1,
     shuffle_window: int = 0,
+    name: str = "",
 ) -> grain.IterDataset:
     """One source's pipeline: this stream's documents (``stream::streams``), shuffled per epoch, packed into rows, the
-    rows shuffled within windows of ``shuffle_window`` (0 or 1: in packing order)."""
+    rows shuffled within windows of ``shuffle_window`` (0 or 1: in packing order). ``name``: the
+    source, in errors."""
     ds = grain.MapDataset.source(documents)
     if streams > 1:
         ds = ds[stream::streams]
+    pass_length = len(ds)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     if repeat:
         ds = ds.repeat()
-    rows = PackIterDataset(ds.to_iter_dataset(_READ_OPTIONS), seq_len=seq_len, eos_id=eos_id, pad_id=pad_id)
+    rows = PackIterDataset(
+        ds.to_iter_dataset(_READ_OPTIONS), seq_len=seq_len, eos_id=eos_id, pad_id=pad_id, pass_length=pass_length,
+        name=repr(name) if name else "",
+    )  # fmt: skip
     if shuffle and shuffle_window > 1:
         rows = grain.experimental.WindowShuffleIterDataset(rows, window_size=shuffle_window, seed=seed)
     return rows

@@ -113,6 +113,7 @@ class RowIterator:
                 stream=stream,
                 streams=streams,
                 shuffle_window=shuffle_window,
+                name=s.name,
             ).__iter__()
             for s in sources
         ]
