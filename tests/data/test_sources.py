@@ -101,9 +101,25 @@ def test_unreadable_file_names_the_file_or_is_skipped(tmp_path, monkeypatch):
         return real_read_bytes(self)
 
     monkeypatch.setattr(pathlib.Path, "read_bytes", read_bytes)
-    with pytest.raises(DataError, match=r"cannot read .*locked\.txt \(Permission denied\)"):
+    with pytest.raises(
+        DataError, match=r"cannot read .*locked\.txt \(Permission denied\); fix its permissions"
+    ):
         read_documents(text_source(tmp_path))
     assert read_documents(text_source(tmp_path), on_bad_document="skip").skipped == 1
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_a_truncated_gz_source_is_named_as_truncated_not_as_a_permission_problem(tmp_path, kind):
+    import gzip
+
+    body = "".join(f'{{"text": "document {i} {"x" * 50}"}}\n' for i in range(200))
+    data = gzip.compress(body.encode())
+    path = tmp_path / ("d.txt.gz" if kind == "text" else "d.jsonl.gz")
+    path.write_bytes(data[: len(data) // 2])
+    source = DataSource(name="g", kind=kind, path=str(path))
+    with pytest.raises(DataError, match=r"cannot read .*d\.(txt|jsonl)\.gz.*truncated or corrupt") as err:
+        read_documents(source)
+    assert "permissions" not in str(err.value)
 
 
 def test_malformed_jsonl_lines_name_file_and_line(tmp_path):

@@ -24,6 +24,7 @@ import gzip
 import io
 import json
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Literal
@@ -58,12 +59,21 @@ _PATTERN_BY_KIND = {
     "parquet": "*.parquet",
 }
 # What reading a (possibly compressed) file raises when the file is unreadable, truncated or corrupt.
-_READ_ERRORS = (OSError, EOFError, ZstdError)
+_READ_ERRORS = (OSError, EOFError, ZstdError, zlib.error)
 PROBLEMS_KEPT = 20
 _SKIP_HINT = (
     "or set data.on_bad_document=skip (zaya data prepare --on-bad-document skip) to skip and count bad "
     "documents"
 )
+
+
+def _read_fix(err: BaseException) -> str:
+    """What to do about a file that could not be read, by what went wrong."""
+    if isinstance(err, PermissionError):
+        return "fix its permissions or remove it"
+    if isinstance(err, (EOFError, ZstdError, gzip.BadGzipFile, zlib.error)):
+        return "it is truncated or corrupt (a partial download or copy?): replace it or remove it"
+    return "check that it is a readable file, or remove it"
 
 
 class DataError(ValueError):
@@ -239,7 +249,7 @@ def text_documents(files: list[tuple[str, Path]], bad: BadDocuments) -> Iterator
         except _READ_ERRORS as err:
             bad.report(
                 f"cannot read {path} ({getattr(err, 'strerror', None) or err})",
-                "fix its permissions or remove it",
+                _read_fix(err),
             )
             continue
         text = _decode(data, str(path), bad)
@@ -303,7 +313,7 @@ def iter_record_range(
         at = f" after line {line_no}" if line_no >= first_line else ""
         bad.report(
             f"cannot read {path}{at} ({getattr(err, 'strerror', None) or err})",
-            "fix its permissions or remove it",
+            _read_fix(err),
         )
 
 
