@@ -124,3 +124,28 @@ def test_an_option_variant_is_timed_with_its_compiler_option():
     cfg = load_config("tiny", overrides=MINI).model
     seconds = measure(cfg, 64, jax.devices()[0], ("sorted",), rounds=1, variants=("sorted_grouped_gemm",))
     assert set(seconds) == {"sorted", "sorted_grouped_gemm"} and all(0 < s < 60 for s in seconds.values())
+
+
+def test_a_path_whose_plan_would_not_fit_is_not_run_to_be_timed(monkeypatch):
+    """The dense path computes every expert for every token: where its compiled plan takes more
+    than half of the device's memory it is left out of the timing (the ``small`` preset's dense
+    path would have taken 21 GB of a 24 GB host before the run's own fit check)."""
+    import jax
+
+    from zaya_jax.programs.memory import peak_bytes
+
+    cfg = load_config("tiny").model
+    device = jax.devices()[0]
+    plans = {
+        impl: peak_bytes(moe._program(impl, cfg, 4096, device)[0].memory_analysis()) for impl in moe.PATHS
+    }
+    assert plans["dense"] > plans["sorted"]
+    budget = (plans["dense"] + plans["sorted"]) // 2  # half of it fits sorted, not dense
+    monkeypatch.setattr(moe, "device_capacity", lambda **kwargs: (2 * budget, "a small device"))
+    assert "dense" not in measure(cfg, 4096, device, rounds=1) and "sorted" in measure(
+        cfg, 4096, device, rounds=1
+    )
+    monkeypatch.setattr(moe, "device_capacity", lambda **kwargs: (1, "no memory at all"))
+    assert list(measure(cfg, 4096, device, rounds=1)) == [
+        min(plans, key=plans.get)
+    ]  # the least, untimed by others

@@ -129,3 +129,25 @@ def test_an_allocation_failure_in_the_step_names_the_runs_settings():
     step._compiled[(8, 32)] = failing
     with pytest.raises(OutOfMemoryError, match=r"train\.micro_batches=2.*9\.1GiB"):
         step(1, None, {"inputs": np.zeros((8, 32))}, 1.0, np.inf)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides"),
+    [("zaya1-8b", []), ("tiny", [*MINI, "runtime.memory_limit_gb=0.0001"])],
+)
+def test_a_state_too_big_for_the_machine_stops_in_one_line_before_anything_is_built(
+    tmp_path, capsys, config, overrides
+):
+    """ZAYA1-8B's state (73 GB on one device) on a host with less RAM, and a tiny model under a
+    tiny memory limit: one line naming the need and the capacity, before any MoE timing, compile
+    or allocation, and no run directory written."""
+    from zaya_jax.programs.memory import available_host_bytes
+
+    if not overrides and (available_host_bytes() or 0) > 73e9:
+        pytest.skip("this host has the RAM for ZAYA1-8B's state")
+    run = tmp_path / "run"
+    assert main(["train", config, *overrides, f"run.dir={run}", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "the train state alone" in line)
+    assert "per device and the device has" in line and "mesh.fsdp" in line
+    assert "compiling" not in err and "Traceback" not in err and not run.exists()

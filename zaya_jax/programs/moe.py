@@ -40,6 +40,7 @@ from zaya_jax.config import Config, ModelConfig
 from zaya_jax.model.experts import dense_experts, sorted_experts
 from zaya_jax.ops.platform import planning_device_kind, planning_target
 from zaya_jax.parallel import Layout
+from zaya_jax.programs.memory import device_capacity, peak_bytes
 
 PATHS: dict[str, Callable[..., jax.Array]] = {"sorted": sorted_experts, "dense": dense_experts}
 # What an unresolved ``auto`` runs (a model traced outside a run), and auto with expert parallelism.
@@ -114,11 +115,13 @@ def measure(
 ) -> dict[str, float]:
     """Seconds per forward + backward of each candidate (and of each of ``variants``, names of
     :data:`OPTION_VARIANTS`) at ``tokens`` tokens on ``device``: each compiled and run once, then
-    ``rounds`` rounds over all of them in turn, best round kept."""
+    ``rounds`` rounds over all of them in turn, best round kept. A candidate whose plan takes more
+    than half of the device's memory is not run and not in the result (:func:`_within_memory`)."""
     programs = {impl: _program(impl, cfg, tokens, device) for impl in candidates}
     for name in variants:
         impl, options = OPTION_VARIANTS[name]
         programs[name] = _program(impl, cfg, tokens, device, options)
+    programs = _within_memory(programs, device)
     for compiled, args in programs.values():
         jax.block_until_ready(compiled(*args))
     best = dict.fromkeys(programs, float("inf"))
@@ -128,6 +131,24 @@ def measure(
             jax.block_until_ready(compiled(*args))
             best[impl] = min(best[impl], time.perf_counter() - start)
     return best
+
+
+def _within_memory(
+    programs: dict[str, tuple[jax.stages.Compiled, tuple[jax.Array, ...]]], device: jax.Device
+) -> dict[str, tuple[jax.stages.Compiled, tuple[jax.Array, ...]]]:
+    """The candidates whose compiled plan takes at most half of the device's memory (the run's
+    state and step need the rest): a path that would exhaust the host (the dense path computes
+    every expert for every token) is not run to be timed. When none fits, the one that plans
+    least is kept."""
+    capacity, _ = device_capacity(device=device)
+    plans = {
+        name: peak_bytes(memory) if (memory := compiled.memory_analysis()) is not None else 0
+        for name, (compiled, _) in programs.items()
+    }
+    if capacity is None:
+        return programs
+    kept = {name: program for name, program in programs.items() if plans[name] <= capacity // 2}
+    return kept or {min(plans, key=plans.get): programs[min(plans, key=plans.get)]}
 
 
 class ChoiceCache:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import jax
 
@@ -30,38 +31,56 @@ from zaya_jax.train.fit import (
 
 
 class TrainStep:
-    """``(state, batch, lr_scale, loss_limit) -> (state, metrics)``, compiled once per batch shape."""
+    """``(state, batch, lr_scale, loss_limit) -> (state, metrics)``, compiled once per batch shape.
+    :meth:`compile` may run before the run has a state or a writer (the fit check before the state
+    is built); its ``compiled`` events wait for :meth:`attach`."""
 
-    def __init__(self, programs: Programs, watchdog: Watchdog, event: Callable[..., None]):
+    def __init__(self, programs: Programs, watchdog: Watchdog, event: Callable[..., None] | None = None):
         self.programs, self.watchdog, self.event = programs, watchdog, event
         self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}
+        self._pending: list[dict[str, Any]] = []
+
+    def attach(self, event: Callable[..., None]) -> None:
+        """Events from here on go to ``event``, with the ones recorded before."""
+        self.event = event
+        for detail in self._pending:
+            event("compiled", **detail)
+        self._pending.clear()
+
+    def compile(self, rows: int, seq: int, after_step: int = 0) -> None:
+        """Compile the step for batches of ``rows`` x ``seq`` (once) and check that its plan fits
+        the device (:func:`~zaya_jax.train.fit.check_fit`: stops with settings that would)."""
+        shape = (rows, seq)
+        if shape in self._compiled:
+            return
+        self.watchdog.beat(after_step, "compile")
+        if jax.process_index() == 0:
+            print(
+                f"zaya train: compiling the train step for batches of {rows} x {seq} tokens...",
+                file=sys.stderr,
+                flush=True,
+            )
+        lowered = self.programs.lower_train_step(*shape)  # from abstract inputs, as planning does
+        compiled = lowered.compile()
+        memory = compiled.memory_analysis()
+        detail = {"program": "train_step", "batch": list(shape), "fingerprint": fingerprint(lowered)}
+        if memory is not None:
+            detail["peak_bytes_per_device"] = peak_bytes(memory)
+        if self.event is None:
+            self._pending.append(detail)
+        else:
+            self.event("compiled", **detail)
+        check_fit(self.programs, shape, compiled)  # before the step runs: stop with advice
+        self._compiled[shape] = compiled
+        barrier(f"step {shape}", self.programs.cfg.runtime.barrier_timeout_s)
 
     def __call__(
         self, step: int, state: TrainState, batch: dict[str, jax.Array], lr_scale: float, loss_limit: float
     ):
         args = self.programs.step_arguments(state, batch, lr_scale, loss_limit)
-        shape = batch["inputs"].shape
+        shape = tuple(batch["inputs"].shape)
         if shape not in self._compiled:
-            self.watchdog.beat(step - 1, "compile")
-            if jax.process_index() == 0:
-                print(
-                    f"zaya train: compiling the train step for batches of {shape[0]} x {shape[1]} tokens...",
-                    file=sys.stderr,
-                    flush=True,
-                )
-            lowered = self.programs.lower_train_step(*shape)  # from abstract inputs, as planning does
-            compiled = lowered.compile()
-            memory = compiled.memory_analysis()
-            self.event(
-                "compiled",
-                program="train_step",
-                batch=list(shape),
-                fingerprint=fingerprint(lowered),
-                **({"peak_bytes_per_device": peak_bytes(memory)} if memory is not None else {}),
-            )
-            check_fit(self.programs, shape, compiled)  # before the first step: stop with advice
-            self._compiled[shape] = compiled
-            barrier(f"step {shape}", self.programs.cfg.runtime.barrier_timeout_s)
+            self.compile(*shape, after_step=step - 1)
         try:
             return self._compiled[shape](*args)
         except jax.errors.JaxRuntimeError as err:

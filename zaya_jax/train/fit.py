@@ -1,6 +1,8 @@
-"""Fit before running: the compiled train step's planned memory against the device's, checked before
-the first step, with settings that would fit when it does not; and an out-of-memory error at run
-time as one line with the same kind of advice.
+"""Fit before running: the train state's size against the device's memory before anything is
+compiled or allocated (:func:`check_state_fits`), then the compiled train step's planned memory
+before the state is built (:func:`check_fit`), with settings that would fit when it does not; and
+an out-of-memory error at run time as one line with the same kind of advice. The numbers are
+:mod:`zaya_jax.programs.memory`'s.
 
 - **Need**: XLA's buffer assignment of the compiled step (arguments + temporaries + outputs -
   aliased), the number ``--compile-only`` prints as ``peak_bytes_per_device``.
@@ -18,18 +20,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from zaya_jax.config import Config
+from zaya_jax.programs.memory import GB, peak_bytes, tree_bytes_per_device
+from zaya_jax.programs.memory import device_capacity as memory_capacity
 
 if TYPE_CHECKING:
+    from zaya_jax.parallel import Layout
     from zaya_jax.programs import Programs
 
-GB = 1e9
 # Device memory of the accelerators the presets name (GB as the vendors state it, 1e9 bytes).
 DEVICE_MEMORY_GB = {
     "h100": 80.0,
@@ -51,46 +54,36 @@ class OutOfMemoryError(RuntimeError):
     """The train step does not fit (planned before the first step, or failed to allocate)."""
 
 
-def peak_bytes(memory: Any) -> int:
-    """Arguments + temporaries + outputs - aliased (donated) bytes: a compiled program's per-device
-    peak as XLA's buffer assignment plans it."""
-    return int(
-        memory.argument_size_in_bytes
-        + memory.temp_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-    )
-
-
-def _available_host_bytes() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return None
-
-
 def device_capacity(cfg: Config, memory: Any) -> tuple[int | None, str]:
-    """(bytes one device may use for the step, where the number comes from); None when unknown."""
-    if cfg.runtime.memory_limit_gb > 0:
-        return int(cfg.runtime.memory_limit_gb * GB), "runtime.memory_limit_gb"
-    device = jax.local_devices()[0]
-    if device.platform != "cpu":
-        stats = device.memory_stats() or {}
-        limit = stats.get("bytes_limit")
-        return (int(limit), f"{device.device_kind} memory") if limit else (None, "unknown")
-    available = _available_host_bytes()
-    if available is None:
-        return None, "unknown"
-    share = available // jax.local_device_count() + int(memory.argument_size_in_bytes)
-    return share, "host RAM available" + (
-        f" / {jax.local_device_count()} devices" if jax.local_device_count() > 1 else ""
+    """(bytes one device may use for the step, where the number comes from); None when unknown.
+    On CPU the step's arguments, already in memory when it runs, are added to the RAM available."""
+    capacity, source = memory_capacity(cfg.runtime.memory_limit_gb)
+    if capacity is not None and jax.local_devices()[0].platform == "cpu" and cfg.runtime.memory_limit_gb <= 0:
+        capacity += int(memory.argument_size_in_bytes)
+    return capacity, source
+
+
+def check_state_fits(cfg: Config, layout: Layout) -> None:
+    """Raise :class:`OutOfMemoryError` at once, before anything is measured, compiled or allocated,
+    when the train state alone (parameters and optimizer state, per device on ``layout``) exceeds
+    the device's memory (the host's available RAM on CPU); ``runtime.check_fit: false`` skips it."""
+    from zaya_jax.objectives import spec_for
+    from zaya_jax.programs import Programs
+
+    if not cfg.runtime.check_fit:
+        return
+    capacity, source = memory_capacity(cfg.runtime.memory_limit_gb)
+    # the parameters' shapes do not depend on the kernels: nothing is resolved (or timed) for this
+    shapes = dataclasses.replace(
+        cfg, model=dataclasses.replace(cfg.model, moe_impl="sorted", attention_impl="blocked")
+    )
+    state = tree_bytes_per_device(Programs(shapes, layout, spec_for(cfg).loss).abstract_state)
+    if capacity is None or state <= capacity:
+        return
+    raise OutOfMemoryError(
+        f"the train state alone (parameters and optimizer state) is {size(state)} per device and the device "
+        f"has {size(capacity)} ({source}): shard it over more devices (mesh.fsdp, mesh.expert) or use a "
+        "smaller model. Plan layouts with zaya train --compile-only; runtime.check_fit=false skips this check"
     )
 
 

@@ -25,6 +25,7 @@ import jax
 from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
 from zaya_jax.objectives import Evaluator, Producer, RunSetup, build_programs, spec_for
+from zaya_jax.parallel import make_layout
 from zaya_jax.parallel.distributed import Launch, setup_runtime
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog, classify_runtime_error
@@ -32,13 +33,14 @@ from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.compiled import TrainStep
 from zaya_jax.train.consensus import StopRequest
 from zaya_jax.train.evaluation import Evaluation
+from zaya_jax.train.fit import check_state_fits
 from zaya_jax.train.flops import peak_flops
 from zaya_jax.train.hooks import Hook, Logging, Profiling, RunContext
 from zaya_jax.train.init import initialize_from
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.pipeline import StepPipeline
 from zaya_jax.train.rundir import RunDir
-from zaya_jax.train.schedule import check_run
+from zaya_jax.train.schedule import check_run, final_batch_size
 from zaya_jax.train.startup import start_event
 from zaya_jax.train.steps import Collaborators, TrainingSteps
 from zaya_jax.train.throughput import Throughput
@@ -111,10 +113,14 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
     producer and evaluator, and the hooks."""
     primary = jax.process_index() == 0
     tokenizer = check_run(cfg)
+    layout = make_layout(cfg)
+    check_state_fits(cfg, layout)  # in seconds, before anything is measured, compiled, allocated or written
     run, resuming = RunDir.open(cfg)
-    programs = build_programs(cfg)
+    programs = build_programs(cfg, layout)
     resilience = cfg.resilience
     watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
+    train_step = TrainStep(programs, watchdog)
+    train_step.compile(final_batch_size(cfg), cfg.train.max_seq_len)  # the run's largest step fits, or stop
     watchdog.beat(0, "restore" if resuming else "init")
     checkpoints = Checkpointing(cfg, run, watchdog)
     fresh = programs.init_state()
@@ -131,6 +137,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
     peak, peak_source = peak_flops(cfg.model.dtype)
     moe = programs.moe.record() if programs.moe is not None else None
     start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized, moe)
+    train_step.attach(writer.event)
     setup = RunSetup(
         cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
         lambda: _starting_weights(cfg, fresh), writer.event, watchdog.beat,
@@ -145,7 +152,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         hook.start(RunContext(cfg, run, checkpoints, writer, primary))
     batches = Prefetcher(producer, producer.prefetch)
     collaborators = Collaborators(
-        cfg, programs, TrainStep(programs, watchdog, writer.event), producer, batches, watchdog, writer, meter,
+        cfg, programs, train_step, producer, batches, watchdog, writer, meter,
         Evaluation(held_out, cfg, meter), checkpoints, every,
     )  # fmt: skip
     return run, resumed, collaborators
