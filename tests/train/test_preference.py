@@ -218,6 +218,15 @@ def test_the_preference_losses_follow_their_formulas(tmp_path, objective):
     np.testing.assert_allclose(float(loss), sum(expected), rtol=1e-4)
 
 
+def _tiny_dpo(pairs, run) -> list[str]:
+    """``zaya train`` arguments of a small dpo run on ``pairs``, saving every step."""
+    return [
+        "train", "dpo", *MINI, f"run.dir={run}", "--no-progress", "model.vocab_size=264",
+        f"data.sources=[{{name: pairs, kind: preference, path: {pairs}}}]", "data.held_out_fraction=0.25",
+        "train.seq_len=128", "eval.batches=1", "checkpoint.every_steps=1",
+    ]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "damage",
     ["truncated", "empty", "manifest_list", "deleted"],
@@ -229,11 +238,7 @@ def test_damaged_reference_scores_are_computed_again_from_the_starting_weights(t
     of the damaged run is one line saying how to recover."""
     path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(8, seed=4))
     run = tmp_path / "run"
-    args = [
-        "train", "dpo", *MINI, f"run.dir={run}", "--no-progress", "model.vocab_size=264",
-        f"data.sources=[{{name: pairs, kind: preference, path: {path}}}]", "data.held_out_fraction=0.25",
-        "train.seq_len=128", "eval.batches=1", "checkpoint.every_steps=1",
-    ]  # fmt: skip
+    args = _tiny_dpo(path, run)
     assert main([*args, "train.steps=1"]) == 0
     stored = run / "reference" / "logps.npz"
     with np.load(stored) as saved:
@@ -262,11 +267,7 @@ def test_damaged_reference_scores_are_computed_again_from_the_starting_weights(t
 def test_damaged_reference_scores_are_refused_when_the_starting_weights_changed(tmp_path, capsys):
     path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(8, seed=4))
     run = tmp_path / "run"
-    args = [
-        "train", "dpo", *MINI, f"run.dir={run}", "--no-progress", "model.vocab_size=264",
-        f"data.sources=[{{name: pairs, kind: preference, path: {path}}}]", "data.held_out_fraction=0.25",
-        "train.seq_len=128", "eval.batches=1", "checkpoint.every_steps=1",
-    ]  # fmt: skip
+    args = _tiny_dpo(path, run)
     assert main([*args, "train.steps=1"]) == 0
     shutil.rmtree(run / "reference")
     capsys.readouterr()
