@@ -137,6 +137,11 @@ def load(path: str | Path, tokenizer: str | None = None) -> LanguageModel:
         tok, problem = load_tokenizer(tokenizer), None
     else:
         tok, problem = find_tokenizer(path, files.run)
+    if tok is not None and tok.vocab_size > files.model.vocab_size:
+        raise ValueError(
+            f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {files.model.vocab_size}: it is not "
+            "the model's; pass the tokenizer the model was trained with (--tokenizer PATH)"
+        )
     variables = jax.tree.map(jnp.asarray, files.variables)
     return LanguageModel(files.model, variables, files.run, files.step, tok, problem)
 

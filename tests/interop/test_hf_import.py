@@ -208,3 +208,38 @@ def test_generation_config_supplies_the_eos_list(hf_dir, tmp_path):
     (copy / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
     cfg = hf_directory_model(copy)
     assert cfg.eos_token_ids == (1, 5) and {1, 5} <= set(cfg.stop_token_ids)
+
+
+def test_a_model_converted_without_a_tokenizer_has_none_and_samples_its_whole_vocabulary(tmp_path, capsys):
+    """No tokenizer.json beside the weights: the run has no tokenizer (not a guessed byte one, whose
+    259 ids would cap sampling of a 512-id model), so sampling from ids takes the model's argmax
+    over its whole vocabulary, and a text prompt says what to give."""
+    hf = make_hf_model(seed=4, vocab_size=512)
+    src, dst = tmp_path / "hf", tmp_path / "run"
+    hf.save_pretrained(src)
+    assert main(["convert", "hf-to-zaya", str(src), str(dst)]) == 0
+    lm = zaya_jax.load(dst)
+    assert lm.tokenizer is None and "no tokenizer" in lm.tokenizer_problem
+    ids = np.random.default_rng(3).integers(3, 500, size=(4, 12))
+    expected = lm.logits(ids)[:, -1].argmax(-1)
+    assert (expected >= 259).any()  # what a byte tokenizer's limit would have changed
+    out = lm.generate(ids.tolist(), max_new_tokens=1, temperature=0.0)
+    np.testing.assert_array_equal([row[0] for row in out.rows()], expected)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        lm.generate("hello", max_new_tokens=1)
+
+
+def test_a_model_converted_with_its_tokenizer_keeps_it(tmp_path):
+    from tests.data.corpora import train_bpe_tokenizer
+    from zaya_jax.data import HFTokenizer
+
+    hf = make_hf_model(seed=5, vocab_size=320)
+    src, dst = tmp_path / "hf", tmp_path / "run"
+    hf.save_pretrained(src)
+    train_bpe_tokenizer(src / "tokenizer.json", vocab_size=300)
+    assert main(["convert", "hf-to-zaya", str(src), str(dst)]) == 0
+    assert (dst / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    lm = zaya_jax.load(dst)
+    original = HFTokenizer(src / "tokenizer.json")
+    assert lm.tokenizer.vocab_size == original.vocab_size and lm.tokenizer.eos_id == original.eos_id
+    assert main(["convert", "hf-to-zaya", str(src), str(dst)]) == 0  # a rerun over it matches

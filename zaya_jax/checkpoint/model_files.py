@@ -124,7 +124,15 @@ def same_model_run(new: Path, existing: Path) -> bool:
     if (new / "config.yaml").read_bytes() != (existing / "config.yaml").read_bytes():
         return False
     names = {p.name for p in (existing / CHECKPOINTS).iterdir()}
-    if sorted(names) != ["0"] or sorted(p.name for p in existing.iterdir()) != [CHECKPOINTS, "config.yaml"]:
+    files = sorted(p.name for p in existing.iterdir())
+    if sorted(names) != ["0"] or files != sorted(p.name for p in new.iterdir()):
+        return False
+    if not set(files) <= {CHECKPOINTS, "config.yaml", "tokenizer.json"}:
+        return False
+    if (
+        "tokenizer.json" in files
+        and (new / "tokenizer.json").read_bytes() != (existing / "tokenizer.json").read_bytes()
+    ):
         return False
     try:
         cfg_a, vars_a, _ = restore_model(new)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +70,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     (:mod:`zaya_jax.staging`): a killed conversion leaves no half-written ``dst``, and the same
     command can be rerun; a rerun over a finished conversion checks that it holds the same result."""
     from zaya_jax import checkpoint
-    from zaya_jax.config import RunConfig
+    from zaya_jax.config import DataConfig, RunConfig
     from zaya_jax.interop.hf import load_hf_directory
     from zaya_jax.staging import StagedDirectory, is_empty_dir
 
@@ -90,10 +91,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
             raise ConfigError(f"--set {text!r} must look like model.KEY=VALUE")
         overrides[keys[1]] = value
     model_cfg, variables = load_hf_directory(args.src, **overrides)
-    cfg = Config(run=RunConfig(name=dst.name, dir=str(dst)), model=model_cfg)
+    tokenizer = Path(args.src) / "tokenizer.json"
+    # The model's own tokenizer, copied beside it; a model converted without one has none ("none")
+    # until one is given: a guessed tokenizer would limit or mistranslate its ids in silence.
+    spec = str(dst.resolve() / "tokenizer.json") if tokenizer.is_file() else "none"
+    cfg = Config(run=RunConfig(name=dst.name, dir=str(dst)), model=model_cfg, data=DataConfig(tokenizer=spec))
     cfg.validate()
     with StagedDirectory(dst, "zaya convert hf-to-zaya") as staged:
         checkpoint.save_model(staged.path, cfg, variables, step=0)
+        if tokenizer.is_file():
+            shutil.copyfile(tokenizer, staged.path / "tokenizer.json")
         staged.publish_or_match(checkpoint.same_model_run)
     print(
         f"{dst / checkpoint.CHECKPOINTS / '0'}: {model_cfg.num_layers} layers, {model_cfg.num_experts} experts"

@@ -38,7 +38,8 @@ class DataConfig:
     """Where training text comes from and how it becomes token rows."""
 
     sources: tuple[DataSource, ...] = (DataSource(),)  # the inputs of the mixture (see below)
-    # "byte" (no download; ids 0/1/2 = pad/eos/bos, byte b -> b + 3) or a path to an HF tokenizer.json.
+    # "byte" (no download; ids 0/1/2 = pad/eos/bos, byte b -> b + 3), a path to an HF tokenizer.json, or
+    # "none" (a model converted without one: give one to train, evaluate text or generate from text).
     tokenizer: str = "byte"
     held_out_fraction: float = 0.02  # documents held out for evaluation (by hashed key)
     # "error": an unreadable or undecodable document stops the run naming the file; "skip": counted.

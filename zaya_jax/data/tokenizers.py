@@ -272,6 +272,11 @@ def load_tokenizer(spec: str | Path) -> ByteTokenizer | HFTokenizer:
     """``"byte"`` -> :class:`ByteTokenizer`; anything else is the path of a local tokenizer.json."""
     if str(spec) == "byte":
         return ByteTokenizer()
+    if str(spec) == "none":
+        raise DataError(
+            "the model has no tokenizer (converted from a Hugging Face directory without tokenizer.json); "
+            "give the one it was trained with: --tokenizer PATH, or data.tokenizer=PATH to train"
+        )
     path = Path(spec).expanduser()
     if path.is_dir() and (path / "tokenizer.json").is_file():
         path = path / "tokenizer.json"
