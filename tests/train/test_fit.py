@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import threading
 
 import jax
 import numpy as np
@@ -82,6 +83,7 @@ def test_a_step_that_will_not_fit_stops_before_the_first_step_with_settings_that
     micro = int(re.search(r"train\.micro_batches=(\d+)", line).group(1))
     assert micro in (2, 4)
     assert not list(run.glob("checkpoints/*"))  # stopped before any step
+    assert not [t for t in threading.enumerate() if t.name == "zaya-watchdog"]  # the stopped run's is closed
     # the named setting does fit: the same run with it trains
     code = main(["train", *MINI, *shape, limit, f"train.micro_batches={micro}", f"run.dir={tmp_path / 'ok'}",
                  "train.steps=2", "--no-progress"])  # fmt: skip

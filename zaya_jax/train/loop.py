@@ -12,6 +12,7 @@ state is shared through closures: every helper returns what changed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -117,44 +118,53 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
     check_state_fits(cfg, layout)  # in seconds, before anything is measured, compiled, allocated or written
     run, resuming = RunDir.open(cfg)
     programs = build_programs(cfg, layout)
-    resilience = cfg.resilience
-    watchdog = Watchdog(run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary)
-    train_step = TrainStep(programs, watchdog)
-    train_step.compile(final_batch_size(cfg), cfg.train.max_seq_len)  # the run's largest step fits, or stop
-    watchdog.beat(0, "restore" if resuming else "init")
-    checkpoints = Checkpointing(cfg, run, watchdog)
-    fresh = programs.init_state()
-    resumed = _resume(cfg, run, resuming, fresh, checkpoints)
+    with contextlib.ExitStack() as cleanup:  # undone only when setting up fails: the loop owns them after
+        resilience = cfg.resilience
+        watchdog = Watchdog(
+            run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary
+        )
+        cleanup.callback(watchdog.close)  # a watchdog left running would end this process later
+        train_step = TrainStep(programs, watchdog)
+        train_step.compile(
+            final_batch_size(cfg), cfg.train.max_seq_len
+        )  # the run's largest step fits, or stop
+        watchdog.beat(0, "restore" if resuming else "init")
+        checkpoints = Checkpointing(cfg, run, watchdog)
+        cleanup.callback(checkpoints.close)
+        fresh = programs.init_state()
+        resumed = _resume(cfg, run, resuming, fresh, checkpoints)
 
-    after = resumed.first_step - 1
-    writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
-    for detail in resumed.unreadable:
-        writer.event("checkpoint_unreadable", **detail)
-    if after > 0:
-        writer.event("resume", from_step=after)
-    if resumed.initialized:
-        writer.event("init_from", **resumed.initialized)
-    peak, peak_source = peak_flops(cfg.model.dtype)
-    moe = programs.moe.record() if programs.moe is not None else None
-    start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized, moe)
-    train_step.attach(writer.event)
-    setup = RunSetup(
-        cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
-        lambda: _starting_weights(cfg, fresh), writer.event, watchdog.beat,
-    )  # fmt: skip
-    producer, held_out = _objective_parts(setup)
-    if resumed.data_states is not None:
-        producer.set_state(resumed.data_states)
-    resumed.position = producer.get_state()
-    meter = Throughput(peak)
-    every = [Logging(cfg, writer, meter), Profiling(cfg, run), *hooks]
-    for hook in every:
-        hook.start(RunContext(cfg, run, checkpoints, writer, primary))
-    batches = Prefetcher(producer, producer.prefetch)
-    collaborators = Collaborators(
-        cfg, programs, train_step, producer, batches, watchdog, writer, meter,
-        Evaluation(held_out, cfg, meter), checkpoints, every,
-    )  # fmt: skip
+        after = resumed.first_step - 1
+        writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
+        cleanup.callback(writer.close, failing=True)
+        for detail in resumed.unreadable:
+            writer.event("checkpoint_unreadable", **detail)
+        if after > 0:
+            writer.event("resume", from_step=after)
+        if resumed.initialized:
+            writer.event("init_from", **resumed.initialized)
+        peak, peak_source = peak_flops(cfg.model.dtype)
+        moe = programs.moe.record() if programs.moe is not None else None
+        start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized, moe)
+        train_step.attach(writer.event)
+        setup = RunSetup(
+            cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
+            lambda: _starting_weights(cfg, fresh), writer.event, watchdog.beat,
+        )  # fmt: skip
+        producer, held_out = _objective_parts(setup)
+        if resumed.data_states is not None:
+            producer.set_state(resumed.data_states)
+        resumed.position = producer.get_state()
+        meter = Throughput(peak)
+        every = [Logging(cfg, writer, meter), Profiling(cfg, run), *hooks]
+        for hook in every:
+            hook.start(RunContext(cfg, run, checkpoints, writer, primary))
+        batches = Prefetcher(producer, producer.prefetch)
+        collaborators = Collaborators(
+            cfg, programs, train_step, producer, batches, watchdog, writer, meter,
+            Evaluation(held_out, cfg, meter), checkpoints, every,
+        )  # fmt: skip
+        cleanup.pop_all()
     return run, resumed, collaborators
 
 
