@@ -177,7 +177,14 @@ def evaluate_path(
     data = lm.run_config.data if lm.run_config is not None else DataConfig()
     split = "held_out"
     if data_paths:
-        data = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in data_paths))
+        sources = tuple(source_for_path(p) for p in data_paths)
+        pairs = [s.path for s in sources if s.kind == "preference"]
+        if pairs:
+            raise ValueError(
+                f"{', '.join(pairs)} hold preference pairs; --data scores text (next-token loss). A preference "
+                "run's pair metrics are its own held-out evaluation: zaya eval RUN without --data"
+            )
+        data = dataclasses.replace(data, sources=sources)
         split = "all"
     shape = {"seq_len": seq_len or 512, "batch_size": batch_size or 8, "max_batches": max_batches or 16}
     result = evaluate(lm, data, split=split, tokenizer=tok, progress=progress, **shape)

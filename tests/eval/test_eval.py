@@ -124,3 +124,16 @@ def test_loading_from_python_uses_the_compilation_cache_as_the_command_does(run)
         assert jax.config.jax_compilation_cache_dir == str(compilation_cache_path("auto"))
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_eval_data_of_preference_pairs_is_refused_not_read_as_text(run, tmp_path, capsys):
+    from zaya_jax.data.tasks import reverse_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps(p) + "\n" for p in reverse_pairs(3)))
+    capsys.readouterr()
+    assert main(["eval", str(run), "--data", str(pairs)]) == 2
+    err = capsys.readouterr().err
+    assert "hold preference pairs" in err and "without --data" in err and len(err.strip().splitlines()) == 1
+    assert main(["data", "prepare", str(pairs), "--out", str(tmp_path / "prepared")]) == 2
+    assert "are not prepared" in capsys.readouterr().err and not (tmp_path / "prepared").exists()

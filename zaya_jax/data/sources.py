@@ -116,16 +116,17 @@ def source_for_path(
     """A :class:`DataSource` for one input of ``zaya data prepare`` or ``zaya eval --data``:
     ``*.jsonl`` (also ``.jsonl.gz``, ``.jsonl.zst``) -> jsonl with the field ``text_field``, or chat
     when its first record has a ``messages`` field and no ``text_field`` (``data_format="auto"``) or
-    when ``data_format="chat"``; ``*.parquet`` -> parquet (also as the last part of a glob); anything
+    when ``data_format="chat"``, or preference when it has ``chosen`` and ``rejected``; ``*.parquet`` -> parquet (also as the last part of a glob); anything
     else (files, directories, globs) -> text."""
     if data_format not in ("auto", "text", "chat"):
         raise DataError(f"format {data_format!r} is unknown; use 'auto', 'text' or 'chat'")
     text = str(path)
     stem = Path(text.removesuffix(".gz").removesuffix(".zst"))
     kind = _KIND_BY_SUFFIX.get(stem.suffix.lower(), "text")
-    if data_format == "chat" or (
-        data_format == "auto" and kind == "jsonl" and _holds_chats(text, text_field)
-    ):
+    first = _first_record(text) if data_format == "auto" and kind == "jsonl" else None
+    if first is not None and "chosen" in first and "rejected" in first and text_field not in first:
+        kind = "preference"
+    elif data_format == "chat" or (first is not None and "messages" in first and text_field not in first):
         kind = "chat"
     source = DataSource(name=name or text, kind=kind, path=text, text_field=text_field)  # type: ignore[arg-type]
     if kind == "chat":
@@ -133,19 +134,19 @@ def source_for_path(
     return source
 
 
-def _holds_chats(path: str, text_field: str) -> bool:
-    """Whether the first record of the first JSONL file of ``path`` is a chat (``messages``, no
-    ``text_field``)."""
+def _first_record(path: str) -> dict | None:
+    """The first record of the first JSONL file of ``path`` (None: not JSONL, or unreadable:
+    reading it reports the problem)."""
     try:
         files = resolve_files(DataSource(name=path, kind="jsonl", path=path))
         with open_bytes(files[0][1]) as f:
             for raw in f:
                 if raw.strip():
                     record = json.loads(raw)
-                    return isinstance(record, dict) and "messages" in record and text_field not in record
+                    return record if isinstance(record, dict) else None
     except (DataError, ValueError, *_READ_ERRORS):
-        return False  # not JSONL, or unreadable: reading it as text reports the problem
-    return False
+        return None
+    return None
 
 
 def open_bytes(path: Path) -> IO[bytes]:

@@ -18,7 +18,9 @@ from zaya_jax.objectives.lm import BatchProducer
 from zaya_jax.objectives.reference import preference_references, read_references
 from zaya_jax.objectives.spec import ObjectiveSpec, register
 
-PREFERENCE_METRICS = ("loss", "pair_accuracy", "reward_margin", "chosen_logp", "rejected_logp")
+PREFERENCE_METRICS = (
+    "loss", "pair_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp",
+)  # fmt: skip
 
 
 def only_preference_sources(cfg: Config) -> None:

@@ -104,6 +104,12 @@ def prepare(
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(out_dir)
     sources = [source_for_path(item, text_field=text_field, data_format=data_format) for item in inputs]
+    pairs = [s.path for s in sources if s.kind == "preference"]
+    if pairs:
+        raise DataError(
+            f"{', '.join(pairs)} hold preference pairs, which are not prepared: dpo, ipo and simpo read them "
+            "as they are (data.sources: [{kind: preference, path: PAIRS.jsonl}])"
+        )
     sources = [dataclasses.replace(s, chat_template=chat_template) for s in sources]
     encoder = _chat_encoder(sources, tokenizer)
     settings = {
