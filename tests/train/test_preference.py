@@ -227,41 +227,39 @@ def _tiny_dpo(pairs, run) -> list[str]:
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "damage",
-    ["truncated", "empty", "manifest_list", "deleted"],
-)
-def test_damaged_reference_scores_are_computed_again_from_the_starting_weights(tmp_path, capsys, damage):
+def test_damaged_reference_scores_are_computed_again_from_the_starting_weights(tmp_path, capsys):
     """A resumed dpo run whose ``reference/`` is truncated, emptied, holds a manifest of the wrong
     type, or is gone scores the pairs again from its starting weights (the seed's initialisation
     here, whose fingerprint the first pass recorded): the same values, no traceback; ``zaya eval``
     of the damaged run is one line saying how to recover."""
     path = write_records(tmp_path / "pairs.jsonl", reverse_pairs(8, seed=4))
-    run = tmp_path / "run"
-    args = _tiny_dpo(path, run)
-    assert main([*args, "train.steps=1"]) == 0
-    stored = run / "reference" / "logps.npz"
-    with np.load(stored) as saved:
+    trained = tmp_path / "trained"
+    assert main([*_tiny_dpo(path, trained), "train.steps=1"]) == 0
+    with np.load(trained / "reference" / "logps.npz") as saved:
         first = saved["0"]
-    if damage == "truncated":
-        stored.write_bytes(stored.read_bytes()[:40])
-    elif damage == "empty":
-        stored.write_bytes(b"")
-    elif damage == "manifest_list":
-        (run / "reference" / "manifest.json").write_text("[]")
-    else:
-        shutil.rmtree(run / "reference")
-    capsys.readouterr()
-    if damage != "deleted":
-        assert main(["eval", str(run), "--json"]) == 2
-        err = capsys.readouterr().err
-        assert "Traceback" not in err and "resume the run" in err and len(err.strip().splitlines()) == 1
-    assert main([*args, "train.steps=2"]) == 0
-    assert "computing the reference log-probabilities again" in capsys.readouterr().err
-    with np.load(stored) as saved:
-        np.testing.assert_array_equal(saved["0"], first)
-    events = _events(run, "reference")
-    assert len(events) == 2 and events[1]["recomputed"] and events[0]["weights"] == events[1]["weights"]
+    for damage in ("truncated", "empty", "manifest_list", "deleted"):
+        run = tmp_path / damage
+        shutil.copytree(trained, run)
+        stored = run / "reference" / "logps.npz"
+        if damage == "truncated":
+            stored.write_bytes(stored.read_bytes()[:40])
+        elif damage == "empty":
+            stored.write_bytes(b"")
+        elif damage == "manifest_list":
+            (run / "reference" / "manifest.json").write_text("[]")
+        else:
+            shutil.rmtree(run / "reference")
+        capsys.readouterr()
+        if damage != "deleted":
+            assert main(["eval", str(run), "--json"]) == 2
+            err = capsys.readouterr().err
+            assert "Traceback" not in err and "resume the run" in err and len(err.strip().splitlines()) == 1
+        assert main([*_tiny_dpo(path, run), "train.steps=2"]) == 0, damage
+        assert "computing the reference log-probabilities again" in capsys.readouterr().err
+        with np.load(stored) as saved:
+            np.testing.assert_array_equal(saved["0"], first)
+        events = _events(run, "reference")
+        assert len(events) == 2 and events[1]["recomputed"] and events[0]["weights"] == events[1]["weights"]
 
 
 def test_damaged_reference_scores_are_refused_when_the_starting_weights_changed(tmp_path, capsys):

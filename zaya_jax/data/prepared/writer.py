@@ -62,6 +62,15 @@ def _check_out_dir(out: Path) -> None:
         )
 
 
+def _refuse_pairs(sources: Sequence[DataSource]) -> None:
+    pairs = [s.path for s in sources if s.kind == "preference"]
+    if pairs:
+        raise DataError(
+            f"{', '.join(pairs)} hold preference pairs, which are not prepared: dpo, ipo and simpo read them "
+            "as they are (data.sources: [{kind: preference, path: PAIRS.jsonl}])"
+        )
+
+
 def prepare(
     inputs: Sequence[str | Path],
     out_dir: str | Path,
@@ -104,12 +113,7 @@ def prepare(
     dtype = token_dtype(tokenizer.vocab_size).newbyteorder("<")
     out = Path(out_dir)
     sources = [source_for_path(item, text_field=text_field, data_format=data_format) for item in inputs]
-    pairs = [s.path for s in sources if s.kind == "preference"]
-    if pairs:
-        raise DataError(
-            f"{', '.join(pairs)} hold preference pairs, which are not prepared: dpo, ipo and simpo read them "
-            "as they are (data.sources: [{kind: preference, path: PAIRS.jsonl}])"
-        )
+    _refuse_pairs(sources)
     sources = [dataclasses.replace(s, chat_template=chat_template) for s in sources]
     encoder = _chat_encoder(sources, tokenizer)
     settings = {
