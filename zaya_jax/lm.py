@@ -23,6 +23,7 @@ from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
 from zaya_jax.model import Zaya
 from zaya_jax.objectives import SavedRun, spec_for
+from zaya_jax.objectives.held_out import checked_tokenizer
 from zaya_jax.parallel.distributed import enable_compilation_cache
 from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
@@ -137,13 +138,11 @@ def load(path: str | Path, tokenizer: str | None = None) -> LanguageModel:
         tok, problem = load_tokenizer(tokenizer), None
     else:
         tok, problem = find_tokenizer(path, files.run)
-    if tok is not None and tok.vocab_size > files.model.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tok.vocab_size} ids but the model's vocabulary is {files.model.vocab_size}: it is not "
-            "the model's; pass the tokenizer the model was trained with (--tokenizer PATH)"
-        )
     variables = jax.tree.map(jnp.asarray, files.variables)
-    return LanguageModel(files.model, variables, files.run, files.step, tok, problem)
+    lm = LanguageModel(files.model, variables, files.run, files.step, tok, problem)
+    if tok is not None:
+        checked_tokenizer(tok, lm)  # more ids than the model's vocabulary: not its tokenizer
+    return lm
 
 
 def evaluate_path(
