@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import numpy.typing as npt
 
-from zaya_jax.config import Config, DataConfig, ModelConfig, RuntimeConfig
+from zaya_jax.config import Config, DataConfig, DataSource, ModelConfig, RuntimeConfig
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.eval import evaluate
@@ -22,11 +22,12 @@ from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
 from zaya_jax.model import Zaya
-from zaya_jax.objectives import SavedRun, spec_for
+from zaya_jax.objectives import GivenData, SavedRun, registered, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer
 from zaya_jax.parallel.distributed import enable_compilation_cache
 from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
+from zaya_jax.train.init import starting_weights
 
 
 @dataclasses.dataclass
@@ -162,7 +163,10 @@ def evaluate_path(
     (an HF directory without one needs ``tokenizer``). A run or checkpoint with no data paths and no
     shape arguments reproduces the run's own held-out evaluation (its ``eval_loss``); otherwise the
     held-out split of the run's data (or the built-in corpus), or all of ``data_paths``, is read in
-    order in ``max_batches`` batches (defaults 512 tokens x 8 rows x 16 batches)."""
+    order in ``max_batches`` batches (defaults 512 tokens x 8 rows x 16 batches). A run whose
+    objective scores files of its own kind (dpo, ipo, simpo: preference pairs) reports its
+    held-out evaluation's metrics on ``data_paths`` instead (``ObjectiveSpec.evaluate_data``);
+    pairs given to any other model are refused."""
     lm = load(path, tokenizer)
     if lm.tokenizer is None:
         raise ValueError(
@@ -171,18 +175,22 @@ def evaluate_path(
         )
     tok = lm.tokenizer
     shape_given = any(v is not None for v in (seq_len, batch_size, max_batches))
-    if lm.run_config is not None and not data_paths and not shape_given:
-        return _evaluate_run(lm, Path(path), tok, progress)
+    spec = spec_for(lm.run_config) if lm.run_config is not None else None
+    if spec is not None and not data_paths and not shape_given:
+        return spec.evaluate_saved(_saved_run(lm, Path(path), tok, progress))
+    sources = tuple(source_for_path(p) for p in data_paths)
+    if spec is not None and spec.evaluate_data is not None:  # the objective scores files of its own kind
+        if not data_paths:
+            raise ValueError(
+                f"--seq-len, --batch-size and --batches shape --data; a {lm.run_config.train.objective} run's "
+                "held-out evaluation is its own: zaya eval RUN without them, or give files with --data"
+            )
+        given = GivenData(sources, seq_len, batch_size, max_batches)
+        return spec.evaluate_data(_saved_run(lm, Path(path), tok, progress), given)
+    _refuse_pairs(lm, sources)
     data = lm.run_config.data if lm.run_config is not None else DataConfig()
     split = "held_out"
     if data_paths:
-        sources = tuple(source_for_path(p) for p in data_paths)
-        pairs = [s.path for s in sources if s.kind == "preference"]
-        if pairs:
-            raise ValueError(
-                f"{', '.join(pairs)} hold preference pairs; --data scores text (next-token loss). A preference "
-                "run's pair metrics are its own held-out evaluation: zaya eval RUN without --data"
-            )
         data = dataclasses.replace(data, sources=sources)
         split = "all"
     shape = {"seq_len": seq_len or 512, "batch_size": batch_size or 8, "max_batches": max_batches or 16}
@@ -201,15 +209,36 @@ def evaluate_path(
     return {**result, "evaluated": what}
 
 
-def _evaluate_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) -> dict[str, Any]:
-    """A run's own held-out evaluation, as its objective defines it (the loss for ``lm``, the
-    preference metrics for dpo, ipo and simpo, the mean greedy reward of its held-out prompts for
-    grpo: :attr:`zaya_jax.objectives.ObjectiveSpec.evaluate_saved`)."""
+def _refuse_pairs(lm: LanguageModel, sources: tuple[DataSource, ...]) -> None:
+    """Preference pairs given to a model whose ``--data`` is text (an lm or grpo run, an HF directory)."""
+    pairs = [s.path for s in sources if s.kind == "preference"]
+    if pairs:
+        model = (
+            f"this {lm.run_config.train.objective} run"
+            if lm.run_config is not None
+            else "this Hugging Face directory"
+        )
+        scorers = "/".join(name for name in registered() if spec_for(name).evaluate_data is not None)
+        raise ValueError(
+            f"{', '.join(pairs)} hold preference pairs, which a {scorers} run scores by its loss (zaya eval RUN "
+            f"--data PAIRS.jsonl); --data of {model} scores text (next-token loss): give text, JSONL of "
+            '{"text": ...} or chat files'
+        )
+
+
+def _saved_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) -> SavedRun:
+    """A run or step directory as its objective evaluates it: ``evaluate_saved`` (the run's own
+    held-out evaluation: the loss for ``lm``, the preference metrics for dpo, ipo and simpo, the mean
+    greedy reward of its held-out prompts for grpo) or ``evaluate_data`` (given files; dpo and ipo
+    score reference log-probabilities with the run's starting weights)."""
     run_dir = (
         path if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() else path.parent.parent
     )
-    saved = SavedRun(lm, lm.run_config, run_dir, lm.step, tok, progress)
-    return spec_for(lm.run_config).evaluate_saved(saved)
+    cfg = lm.run_config
+    return SavedRun(
+        lm, cfg, run_dir, lm.step, tok, progress,
+        starting_weights=lambda programs: starting_weights(cfg, programs.init_state()),
+    )  # fmt: skip
 
 
 def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32") -> tuple[Path, int]:

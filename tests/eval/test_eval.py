@@ -134,6 +134,7 @@ def test_eval_data_of_preference_pairs_is_refused_not_read_as_text(run, tmp_path
     capsys.readouterr()
     assert main(["eval", str(run), "--data", str(pairs)]) == 2
     err = capsys.readouterr().err
-    assert "hold preference pairs" in err and "without --data" in err and len(err.strip().splitlines()) == 1
+    assert "hold preference pairs, which a dpo/ipo/simpo run scores by its loss" in err
+    assert "--data of this lm run scores text" in err and len(err.strip().splitlines()) == 1
     assert main(["data", "prepare", str(pairs), "--out", str(tmp_path / "prepared")]) == 2
     assert "are not prepared" in capsys.readouterr().err and not (tmp_path / "prepared").exists()

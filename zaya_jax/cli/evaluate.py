@@ -28,7 +28,8 @@ def _add_eval_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--data",
         nargs="*",
         default=[],
-        help="text/.jsonl/.parquet inputs (default: the run's held-out split)",
+        help="text/.jsonl/.parquet inputs (default: the run's held-out split); for a dpo, ipo or simpo run, "
+        "JSONL files of preference pairs, scored by the run's loss",
     )
     evaluate.add_argument(
         "--tokenizer",

@@ -15,6 +15,7 @@ from zaya_jax.loss import Objective
 from zaya_jax.loss.preference import preference_loss_and_stats
 from zaya_jax.objectives.held_out import HeldOut, saved_run_evaluation
 from zaya_jax.objectives.lm import BatchProducer
+from zaya_jax.objectives.pair_files import pair_file_evaluation
 from zaya_jax.objectives.reference import preference_references, read_references
 from zaya_jax.objectives.spec import ObjectiveSpec, register
 
@@ -48,6 +49,7 @@ def _preference_spec(variant: str, with_reference: bool) -> ObjectiveSpec:
         producer=lambda setup, references: BatchProducer(setup.cfg, setup.tokenizer, references),
         held_out=lambda setup, references: HeldOut(setup, references),
         evaluate_saved=saved_run_evaluation(read_references if with_reference else None),
+        evaluate_data=pair_file_evaluation(with_reference),
         **prepare,
     )
 

@@ -5,9 +5,11 @@ before step 1, and stored with the run, so no second model is held in memory thr
 Stored as ``<run>/reference/logps.npz`` (per source, a (pairs, 2) float32 array in the source's
 document order; NaN for a pair longer than ``train.seq_len``, which training leaves out too) and
 ``<run>/reference/manifest.json`` (what they were computed from). A resumed run reads them back;
-one whose data no longer matches is refused, and a run with checkpoints but no reference directory
-is refused (its starting weights are gone). The dpo and ipo specs (:mod:`.preference`) run this
-as their ``prepare`` part; simpo needs no reference. Every process computes the same values (the pass is a
+one whose data no longer matches is refused, and one whose stored values are damaged or gone
+computes them again from its starting weights when these still have the fingerprint the first pass
+recorded (:func:`checked_starting_weights`), else it is refused. The dpo and ipo specs (:mod:`.preference`) run this
+as their ``prepare`` part (and ``zaya eval RUN --data PAIRS.jsonl`` scores new pairs with it,
+:mod:`.pair_files`); simpo needs no reference. Every process computes the same values (the pass is a
 forward over the whole set, each process feeding its rows of every batch); process 0 writes them.
 """
 
@@ -30,6 +32,7 @@ import numpy as np
 from zaya_jax.checkpoint.fingerprint import fingerprints
 from zaya_jax.config import Config, ConfigError, DataConfig
 from zaya_jax.data import make_row_iterator, tokenized_documents
+from zaya_jax.data.documents import DocumentSequence
 from zaya_jax.data.packing import pair_fits
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.files import EVENTS, write_atomic
@@ -53,7 +56,7 @@ def _describe(cfg: Config, tokenizer: Tokenizer) -> dict[str, Any]:
     return {"seq_len": cfg.train.max_seq_len, "tokenizer": tokenizer.spec, "sources": sources}
 
 
-def _batches(rows: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[dict[str, np.ndarray]]:
+def row_batches(rows: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[dict[str, np.ndarray]]:
     """Rows in order, ``size`` at a time, the last batch filled with empty rows."""
     while True:
         taken = [row for _, row in zip(range(size), rows, strict=False)]
@@ -61,6 +64,13 @@ def _batches(rows: Iterator[dict[str, np.ndarray]], size: int) -> Iterator[dict[
             return
         taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (size - len(taken))
         yield {k: np.stack([row[k] for row in taken]) for k in taken[0]}
+
+
+def pairs_fitting(documents: DocumentSequence, seq_len: int) -> np.ndarray:
+    """(pairs,) bool: which pair documents fit in a row of ``seq_len`` (the others are left out)."""
+    return np.fromiter(
+        (pair_fits(documents[j], seq_len) for j in range(len(documents))), bool, len(documents)
+    )
 
 
 def score_pairs(
@@ -78,12 +88,12 @@ def score_pairs(
     for i, source in enumerate(cfg.data.sources):
         data = _source_data(cfg, i)
         documents = tokenized_documents(data, "all", tokenizer)[0].documents
-        fits = np.fromiter((pair_fits(documents[j], seq_len) for j in range(len(documents))), bool)
+        fits = pairs_fitting(documents, seq_len)
         rows = make_row_iterator(
             data, tokenizer, seq_len=seq_len, seed=0, split="all", shuffle=False, repeat=False
         )
         values = []
-        for batch in _batches(rows, cfg.train.batch_size):
+        for batch in row_batches(rows, cfg.train.batch_size):
             per_segment = np.asarray(
                 step(state.params, state.balancing, put_batch(local_rows(batch), programs.layout.batch))
             )
@@ -215,21 +225,42 @@ def preference_references(setup: RunSetup) -> dict[str, np.ndarray]:
         problem = str(err)
     if setup.fresh_start:
         return _compute(setup, setup.state, expected, recomputed=stored)
-    recorded = _recorded_weights(setup.run_dir)
-    if recorded is None:
-        raise ConfigError(
-            f"the run's reference log-probabilities cannot be used ({problem}) and the run recorded no "
-            "fingerprint of its starting weights to compute them again: restore them or start a new run (another run.name)"
-        )
-    starting = setup.starting_weights()
-    if weights_fingerprint(starting) != recorded:
-        raise ConfigError(
-            f"the run's reference log-probabilities cannot be used ({problem}), and its starting weights "
-            f"({setup.cfg.train.init_from or 'the initialisation of train.seed'}) are not the ones they were "
-            "computed from (another fingerprint): restore them or start a new run (another run.name)"
-        )
+    starting = checked_starting_weights(
+        setup.run_dir,
+        setup.cfg,
+        setup.starting_weights,
+        f"the run's reference log-probabilities cannot be used ({problem})",
+        "restore them or start a new run (another run.name)",
+    )
     print(f"zaya train: {problem}; computing the reference log-probabilities again", file=sys.stderr)
     return _compute(setup, starting, expected, recomputed=True)
+
+
+def checked_starting_weights(
+    run_dir: Path, cfg: Config, load: Callable[[], TrainState], needed: str, fix: str
+) -> TrainState:
+    """The run's starting weights (``load()``: ``train.init_from``'s or the initialisation of
+    ``train.seed``) when they have the fingerprint its reference pass recorded; otherwise a
+    :class:`ConfigError` of one line: ``needed`` (what wants them), what is wrong, ``fix``."""
+    origin = cfg.train.init_from or f"the initialisation of train.seed={cfg.train.seed}"
+    recorded = _recorded_weights(run_dir)
+    if recorded is None:
+        raise ConfigError(
+            f"{needed}, and {run_dir / EVENTS} records no fingerprint of the run's starting weights to "
+            f"check them against: {fix}"
+        )
+    try:
+        starting = load()
+    except OSError as err:
+        raise ConfigError(
+            f"{needed}, and its starting weights ({origin}) cannot be read ({err}): {fix}"
+        ) from None
+    if weights_fingerprint(starting) != recorded:
+        raise ConfigError(
+            f"{needed}, and its starting weights ({origin}) are not the ones they were computed from "
+            f"(another fingerprint): {fix}"
+        )
+    return starting
 
 
 def read_references(saved: SavedRun) -> dict[str, np.ndarray]:

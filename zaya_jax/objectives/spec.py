@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from zaya_jax.config import Config, ConfigError, ModelConfig
+from zaya_jax.config import Config, ConfigError, DataSource, ModelConfig
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.loss import ObjectiveFor
 from zaya_jax.programs import Programs, TrainState
@@ -103,6 +103,20 @@ class SavedRun:
     step: int | None
     tokenizer: Tokenizer
     progress: bool = False
+    # The run's starting weights (train.init_from's or the initialisation of train.seed) in the
+    # given programs' shardings: dpo and ipo score new pairs' reference log-probabilities with them.
+    starting_weights: Callable[[Programs], TrainState] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class GivenData:
+    """The files ``zaya eval RUN --data`` gives, as sources, and the shape arguments (None: the
+    run's ``train.seq_len`` and ``train.batch_size``, and every batch)."""
+
+    sources: tuple[DataSource, ...]
+    seq_len: int | None = None
+    batch_size: int | None = None
+    max_batches: int | None = None
 
 
 def _no_checks(cfg: Config) -> None:
@@ -126,7 +140,10 @@ class ObjectiveSpec:
     - ``producer``: the training batches (:class:`Producer`);
     - ``held_out``: the evaluation every ``eval.every`` steps (:data:`Evaluator`);
     - ``evaluate_saved``: what ``zaya eval`` of a saved run reports (a dict with ``loss`` and
-      ``evaluated``, the latter saying what was evaluated, in words).
+      ``evaluated``, the latter saying what was evaluated, in words);
+    - ``evaluate_data``: what ``zaya eval RUN --data FILES`` reports when the objective scores
+      files of its own kind (the preference objectives: pairs, by their loss), the same dict;
+      None: the files' next-token loss, read as text.
     """
 
     name: str
@@ -136,6 +153,7 @@ class ObjectiveSpec:
     evaluate_saved: Callable[[SavedRun], dict[str, Any]]
     check: Callable[[Config], None] = _no_checks
     prepare: Callable[[RunSetup], Any] = _nothing_to_prepare
+    evaluate_data: Callable[[SavedRun, GivenData], dict[str, Any]] | None = None
 
 
 _REGISTRY: dict[str, ObjectiveSpec] = {}

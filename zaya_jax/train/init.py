@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from zaya_jax.config import ConfigError, ModelConfig
+from zaya_jax.config import Config, ConfigError, ModelConfig
 from zaya_jax.model.balancing import init_controller
 from zaya_jax.pretrained import load_model, read_model
 
@@ -91,3 +91,10 @@ def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, di
         controller=_place(controller, state.controller),
     )
     return state, described
+
+
+def starting_weights(cfg: Config, fresh: TrainState) -> TrainState:
+    """The weights a run of ``cfg`` started from: ``train.init_from``'s placed into ``fresh`` (the
+    initialisation of ``train.seed``), or ``fresh`` itself. A resumed run recomputing lost reference
+    scores and ``zaya eval RUN --data PAIRS`` take them from here."""
+    return initialize_from(cfg.train.init_from, fresh)[0] if cfg.train.init_from else fresh

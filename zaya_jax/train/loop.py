@@ -37,7 +37,7 @@ from zaya_jax.train.evaluation import Evaluation
 from zaya_jax.train.fit import check_state_fits
 from zaya_jax.train.flops import peak_flops
 from zaya_jax.train.hooks import Hook, Logging, Profiling, RunContext
-from zaya_jax.train.init import initialize_from
+from zaya_jax.train.init import initialize_from, starting_weights
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.pipeline import StepPipeline
 from zaya_jax.train.rundir import RunDir
@@ -149,7 +149,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         train_step.attach(writer.event)
         setup = RunSetup(
             cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
-            lambda: _starting_weights(cfg, fresh), writer.event, watchdog.beat,
+            lambda: starting_weights(cfg, fresh), writer.event, watchdog.beat,
         )  # fmt: skip
         producer, held_out = _objective_parts(setup)
         if resumed.data_states is not None:
@@ -174,11 +174,6 @@ def _objective_parts(setup: RunSetup) -> tuple[Producer, Evaluator]:
     spec = spec_for(setup.cfg)
     prepared = spec.prepare(setup)
     return spec.producer(setup, prepared), spec.held_out(setup, prepared)
-
-
-def _starting_weights(cfg: Config, fresh: TrainState) -> TrainState:
-    """The weights the run started from: ``train.init_from``'s, or the initialisation."""
-    return initialize_from(cfg.train.init_from, fresh)[0] if cfg.train.init_from else fresh
 
 
 def _resume(
