@@ -1,10 +1,21 @@
 """Training checkpoints: the whole train state and the data position of every process, saved
 (async, never failing silently) and restored into the current layout's shardings, the latest
-readable step first."""
+readable step first.
+
+An async save commits (step metadata, OCDBT merge, rename of ``<step>.orbax-checkpoint-tmp``) in
+Orbax's background thread once its writes have finished. That thread competes for the CPU and the
+GIL with the training loop: with short host-bound steps its commit crawled until the loop next
+blocked, in practice at the next save, so a step stayed uncommitted for ``every_steps`` steps and a
+kill there lost two intervals. :meth:`TrainingSaver.written` says when the writes are done (Orbax's
+own event, recorded right after them), and the loop then waits at the next step boundary
+(:mod:`zaya_jax.train.checkpointing`) for the rest: the commit and the retention deletions Orbax
+runs after it. A save is committed by the first step boundary after its writes finish, and the loop
+never waits for unfinished writes there."""
 
 from __future__ import annotations
 
 import sys
+import threading
 import warnings
 from pathlib import Path
 from typing import Any
@@ -56,6 +67,13 @@ def save_training(
     )
 
 
+# Recorded by Orbax's async save thread once every commit future of a save (its writes) has finished,
+# before the processes' barrier and the commit: orbax/checkpoint/_src/checkpointers/
+# async_checkpointer.py, _background_wait_for_commit_futures. Should Orbax rename it, written() stays
+# False and saves commit in the background only (tests/checkpoint/test_async_commit.py fails).
+WRITES_DONE_EVENT = "/jax/checkpoint/write/async/commit_duration_sec"
+
+
 class CheckpointSaveError(RuntimeError):
     """A checkpoint save failed, possibly in the background; complete checkpoints are untouched."""
 
@@ -66,6 +84,8 @@ class TrainingSaver:
     Wraps a :func:`manager`: a save that failed in the background (disk full, permissions, a lost
     filesystem) surfaces as :class:`CheckpointSaveError` at the next :meth:`check`, :meth:`save` or
     :meth:`finish`, naming the failed step and the complete checkpoints left to resume from.
+    :meth:`written` says when an async save's writes are done, so that :meth:`finish` then waits
+    for its commit (and retention's deletions) only.
     """
 
     def __init__(
@@ -82,6 +102,15 @@ class TrainingSaver:
             self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best
         )
         self.pending: int | None = None  # the step of the save started last
+        self._in_flight = False  # an async save started and not waited for yet
+        self._written = threading.Event()  # set when that save's writes have finished
+        self._listener = self._on_event if async_save else None
+        if self._listener is not None:  # one listener per saver: removed by close()
+            jax.monitoring.register_event_duration_secs_listener(self._listener)
+
+    def _on_event(self, event: str, duration: float, **kwargs: Any) -> None:
+        if event == WRITES_DONE_EVENT:  # in Orbax's save thread
+            self._written.set()
 
     def _fail(self, err: BaseException) -> CheckpointSaveError:
         self.mgr.reload()
@@ -97,6 +126,13 @@ class TrainingSaver:
         """Re-read the directory (after checkpoints were moved to quarantine)."""
         self.mgr.reload()
 
+    def written(self) -> bool:
+        """Whether the save in flight has finished its writes on this process, its commit (a
+        barrier with the other processes, then metadata and renames) not yet waited for. With one
+        async manager saving at a time in the process (another's writes would also set it, which
+        costs a wait, never a wrong checkpoint)."""
+        return self._in_flight and self._written.is_set()
+
     def check(self) -> None:
         """Raise the error of a background save that has failed since the last check."""
         try:
@@ -110,17 +146,22 @@ class TrainingSaver:
         """Start saving ``step`` once the previous save has completed (raising if it failed)."""
         self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
         self.pending = step
+        self._written.clear()  # before Orbax starts the thread that sets it
+        self._in_flight = self._listener is not None
         try:
             save_training(self.mgr, step, cfg, state, data_state, eval_loss)
         except Exception as err:
             raise self._fail(err) from err
 
     def finish(self) -> None:
-        """Wait for the last save; raise if it failed."""
+        """Wait for the last save (once :meth:`written`, only its commit and retention's deletions);
+        raise if it failed."""
         try:
             self.mgr.wait_until_finished()
         except Exception as err:
             raise self._fail(err) from err
+        finally:
+            self._in_flight = False
         self.check()
 
     def close(self) -> None:
@@ -133,6 +174,11 @@ class TrainingSaver:
             if in_flight is None:
                 raise self._fail(err) from err
             warnings.warn(str(self._fail(err)), stacklevel=2)
+        finally:
+            self._in_flight = False
+            if self._listener is not None:
+                jax.monitoring.unregister_event_duration_listener(self._listener)
+                self._listener = None
 
 
 def _abstract(tree: Any) -> Any:

@@ -1,7 +1,14 @@
 """Training checkpoints of one run, as the loop calls them: restore the latest readable one, save
 on the configured cadence (``checkpoint.every_steps`` / ``every_minutes``, every evaluated step
 with ``keep_best``) and after the last step, surface failed background saves. The cadence is read
-from ``checkpoint.*`` here, not in the loop (torchtitan's checkpointer decides when it saves)."""
+from ``checkpoint.*`` here, not in the loop (torchtitan's checkpointer decides when it saves).
+
+An async save is committed at the first step boundary after its writes have finished on every
+process (:meth:`Checkpointing.written`, agreed with the step's other proposals): the loop then waits
+for the commit (and retention's deletions), which Orbax's background thread, starved by a busy
+loop, would otherwise finish only when the loop next blocks, usually at the next save. The loop
+never waits for unfinished writes there, and every process waits at the same step, so none waits
+at Orbax's commit barrier for another's writes (:mod:`zaya_jax.checkpoint.training`)."""
 
 from __future__ import annotations
 
@@ -73,13 +80,22 @@ class Checkpointing:
         self.saver.save(record.step, self.cfg, record.state, record.data_state, record.eval_loss)
         self.saved_step, self.last_save = record.step, self.clock()
 
+    def written(self) -> bool:
+        """Whether the save in flight has finished its writes on this process (a proposal: the
+        loop commits it at the step every process agrees on)."""
+        return self.saver.written()
+
     def after_step(self, record: StepRecord) -> bool:
         """Saves ``record``'s step when it is due (not the last: :meth:`end_run` saves it); returns
-        whether it did. A save that failed in the background stops the run here."""
+        whether it did. Else commits the save in flight once every process has written it. A save
+        that failed in the background stops the run here."""
         if not record.last and self._due(record):
             self.save(record)
             return True
-        self.saver.check()
+        if record.save_written:
+            self.saver.finish()  # its writes are done everywhere: the commit is what is left
+        else:
+            self.saver.check()
         return False
 
     def end_run(self, record: StepRecord) -> None:

@@ -3,18 +3,20 @@
 Orbax's save begins with a barrier that is a device collective, so a save that one process starts
 and another does not deadlocks both; the same holds for stopping. Each process therefore only
 *proposes*: "a time-based save is due by my clock", "I received SIGTERM/SIGINT", "my step outcome
-says accept/skip/rollback/stop". One gather of these three integers per step (through the
-coordination service's key-value store, host to host: the next step is already running on the
-devices, and a device collective would queue behind it) makes every process act on the same
-combined value: a save is taken when any clock says it is due, a stop
-when any process was signalled; the outcome must already agree (it comes from replicated values),
-and a disagreement is an error rather than a hang.
+says accept/skip/rollback/stop", "my save in flight has finished its writes". One gather of these
+four integers per step (through the coordination service's key-value store, host to host: the next
+step is already running on the devices, and a device collective would queue behind it) makes every
+process act on the same combined value: a save is taken when any clock says it is due, a stop
+when any process was signalled, the save in flight is committed now when every process has
+written its part (so no process waits at Orbax's commit barrier for another's writes); the outcome
+must already agree (it comes from replicated values), and a disagreement is an error rather than a
+hang.
 
 Why not Orbax's ``save_decision_policy`` and ``reached_preemption``: ``ContinuousCheckpointingPolicy``
 (the primary's clock, broadcast) skips a due save while the previous one is still being written and
 takes whole seconds; ``reached_preemption`` needs JAX's preemption notifier, which exists only under
 ``jax.distributed``, reacts to SIGTERM only (not SIGINT / Ctrl-C) and is replaced by any Python
-SIGTERM handler. The stop flag has to be combined anyway, so one gather carries all three. With one
+SIGTERM handler. The stop flag has to be combined anyway, so one gather carries all four. With one
 process the agreement is the local value and costs nothing. Step-count saves
 (``checkpoint.every_steps``) and retention (``checkpoint.keep*``, Orbax's preservation policies) are
 pure functions of the step and replicated metrics, so they agree by construction.
@@ -47,16 +49,23 @@ class Agreed:
     time_save: bool  # a time-based save is due (by the clock of at least one process)
     stop: str | None  # the signal (SIGTERM before SIGINT) received by at least one process
     stopped_by: tuple[int, ...] = ()  # the processes that received it
+    save_written: bool = False  # the save in flight has finished its writes on every process
 
 
 def agree(
-    step: int, *, time_due: bool, stop: str | None, action: Action, timeout_s: float = 3600.0
+    step: int,
+    *,
+    time_due: bool,
+    stop: str | None,
+    action: Action,
+    written: bool = False,
+    timeout_s: float = 3600.0,
 ) -> Agreed:
     """Combine this process's proposals with every other process's (every process must call it
     once per finished step). The exchange goes through the coordination service, not the devices:
     with the next step already dispatched, a device collective would wait for that step to end."""
     signum = int(signal.Signals[stop]) if stop else 0
-    mine = np.asarray([int(time_due), signum, _ACTIONS.index(action)], np.int32)
+    mine = np.asarray([int(time_due), signum, _ACTIONS.index(action), int(written)], np.int32)
     gathered = gather_strings("agree", ",".join(map(str, mine.tolist())), timeout_s)
     if gathered is not None:
         table = np.asarray([[int(x) for x in row.split(",")] for row in gathered], np.int32)
@@ -75,6 +84,7 @@ def agree(
         time_save=bool(table[:, 0].max()),
         stop=signal.Signals(combined).name if combined else None,
         stopped_by=tuple(int(i) for i in np.flatnonzero(received)),
+        save_written=bool(table[:, 3].min()),
     )
 
 

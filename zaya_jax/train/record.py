@@ -23,6 +23,7 @@ class StepRecord:
     time_save: bool = False  # a time-based save is due, as agreed by every process
     eval: dict[str, float] | None = None  # the held-out metrics, when this step was evaluated
     saved: bool = False  # a checkpoint of this step was written (or is being written)
+    save_written: bool = False  # the save in flight has finished its writes on every process (agreed)
 
     @property
     def eval_loss(self) -> float | None:

@@ -137,6 +137,7 @@ class TrainingSteps:
             done.step, state, done.drawn.data_state, done.metrics, done.drawn.plan, dict(self.counts),
             done.step == r.cfg.train.steps,
             time_save or (agreed.time_save and state is not None),  # else taken at the next step
+            save_written=agreed.save_written,
         )  # fmt: skip
         record = self.notify(record)
         return Finished(
@@ -165,14 +166,15 @@ class TrainingSteps:
         return Verdict(outcome, decision, alarm)
 
     def agree(self, step: int, verdict: Verdict) -> Agreed:
-        """Save proposals, stop signals and the decision, agreed by every process."""
+        """Save proposals, stop signals, the decision and whether the save in flight is written,
+        agreed by every process."""
         r = self.run
         time_due = r.checkpoints.wants_save(step) or any(
             hook.wants_save(step) for hook in r.hooks if hook.needs.proposes_saves
         )
         return agree(
             step, time_due=time_due, stop=self.stop.requested, action=verdict.decision.action,
-            timeout_s=r.cfg.runtime.barrier_timeout_s,
+            written=r.checkpoints.written(), timeout_s=r.cfg.runtime.barrier_timeout_s,
         )  # fmt: skip
 
     def apply(self, done: Dispatched, verdict: Verdict, latest: TrainState) -> tuple[TrainState, int] | None:
