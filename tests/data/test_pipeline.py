@@ -20,6 +20,7 @@ from zaya_jax.data import (
     next_batch,
     tokenized_documents,
 )
+from zaya_jax.data.packing import packed_rows, rows_per_pass
 from zaya_jax.data.prefetch import Prefetcher
 
 TOK = ByteTokenizer()
@@ -389,3 +390,36 @@ def test_packer_rows_and_state_are_pinned():
     for row in got[1:]:
         again = next(resumed)
         assert all(np.array_equal(again[k], row[k]) for k in row)
+
+
+class _Counted:
+    """Documents that count how many were read."""
+
+    def __init__(self, docs):
+        self.docs, self.reads = docs, 0
+
+    def __len__(self):
+        return len(self.docs)
+
+    def __getitem__(self, index):
+        self.reads += 1
+        return self.docs[index]
+
+
+def test_a_row_window_larger_than_the_source_holds_one_pass_not_thousands():
+    """``data.shuffle_window`` of the tiny preset (65,536 rows) over a 20-document file: the
+    window is cut to what one pass packs into, so the first row comes after one pass of reads (it
+    took minutes to read the 131k documents of 6,554 passes), and each pass is still a new order."""
+    docs = _Counted([np.full(SEQ, i, np.int32) for i in range(20)])  # one row each, with EOS
+    tokens = 20 * SEQ
+    bound = rows_per_pass(20, tokens, SEQ)
+    rows = iter(
+        packed_rows(docs, seq_len=SEQ, eos_id=0, pad_id=0, seed=1, shuffle_window=65536, num_tokens=tokens)
+    )
+    first = [int(next(rows)["inputs"][0]) for _ in range(20)]
+    assert 20 <= bound < 50 and docs.reads <= bound + 2
+    assert sorted(set(first)) != first[:1] and len(set(first)) > 10  # shuffled, mostly distinct
+    # Without a known token count the configured window is kept.
+    counted = _Counted(docs.docs)
+    next(iter(packed_rows(counted, seq_len=SEQ, eos_id=0, pad_id=0, seed=1, shuffle_window=64)))
+    assert counted.reads >= 64 and rows_per_pass(20, None, SEQ) is None

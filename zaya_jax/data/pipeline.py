@@ -114,6 +114,7 @@ class RowIterator:
                 streams=streams,
                 shuffle_window=shuffle_window,
                 name=s.name,
+                num_tokens=s.num_tokens,
             ).__iter__()
             for s in sources
         ]
