@@ -8,6 +8,12 @@ user's files as they were. Cases, damage and judging: tests/resilience/damage.py
 tests/resilience/damage_runner.py; the CI runs a seeded subset (tests/resilience/test_damaged_inputs.py).
 
     python bench/damaged_inputs.py --seed 0 --cases 240 [--kinds run,step,...] [--dir DIR] [--keep]
+    python bench/damaged_inputs.py --post-training --seed 0 --cases 240
+
+The second form damages the post-training inputs (chat, preference, prompt and rollout files, a
+reward module, a dpo and a simpo run with their reference scores, the rl and preference keys) and
+runs the commands that read them (SFT, dpo and simpo training and resumption, GRPO with a reward
+module, prompts or rollout files, eval of preference and GRPO runs, eval --data of pairs).
 
 Prints one line per case, then the table (markdown, for bench/RESULTS.md) and every failed case;
 exits 1 when a case failed.
@@ -23,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
 
-from tests.resilience.damage import KINDS, plan
+from tests.resilience.damage import POST_TRAINING, PRETRAINING, plan
 from tests.resilience.damage_runner import failures, run_campaign, table
 
 
@@ -31,7 +37,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cases", type=int, default=240)
-    parser.add_argument("--kinds", default=",".join(KINDS), help="input kinds, comma-separated")
+    parser.add_argument(
+        "--kinds",
+        default=",".join(PRETRAINING),
+        help="input kinds, comma-separated (default: the pretraining ones)",
+    )
+    parser.add_argument(
+        "--post-training",
+        action="store_true",
+        help=f"the post-training inputs and commands instead ({', '.join(POST_TRAINING)})",
+    )
     parser.add_argument(
         "--timeout", type=float, default=300.0, help="seconds a case may take before it is a hang"
     )
@@ -39,7 +54,8 @@ def main() -> int:
     parser.add_argument("--keep", action="store_true", help="keep every case's directory")
     args = parser.parse_args()
     root = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="zaya-damage-"))
-    cases = plan(args.seed, args.cases, tuple(args.kinds.split(",")))
+    kinds = POST_TRAINING if args.post_training else tuple(args.kinds.split(","))
+    cases = plan(args.seed, args.cases, kinds)
     print(f"{len(cases)} cases in {root}", file=sys.stderr)
     started = time.time()
     outcomes = run_campaign(

@@ -231,9 +231,9 @@ def _saved_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) ->
     held-out evaluation: the loss for ``lm``, the preference metrics for dpo, ipo and simpo, the mean
     greedy reward of its held-out prompts for grpo) or ``evaluate_data`` (given files; dpo and ipo
     score reference log-probabilities with the run's starting weights)."""
-    run_dir = (
-        path if (path / "config.yaml").is_file() and (path / "checkpoints").is_dir() else path.parent.parent
-    )
+    # A run holds checkpoints/ (its config.yaml may be gone: the checkpoint has its own config); a
+    # step directory is checkpoints/<step> inside one.
+    run_dir = path.parent.parent if path.parent.name == "checkpoints" else path
     cfg = lm.run_config
     return SavedRun(
         lm, cfg, run_dir, lm.step, tok, progress,

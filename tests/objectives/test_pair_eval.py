@@ -72,6 +72,20 @@ def test_dpo_scores_the_held_out_pairs_file_as_its_held_out_evaluation(dpo_run, 
     assert "left out as longer than a row of 128 tokens: 1 pair of" in out.err
 
 
+def test_a_run_without_its_config_yaml_is_still_evaluated_with_its_reference(dpo_run, tmp_path, capsys):
+    """The run directory is the one holding checkpoints/, config.yaml or not (the checkpoint holds
+    its config): its reference/ is found, not looked for two directories up."""
+    run, _, _ = dpo_run
+    capsys.readouterr()
+    assert main(["eval", str(run), "--json"]) == 0
+    own = json.loads(capsys.readouterr().out)
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    (copy / "config.yaml").unlink()
+    assert main(["eval", str(copy), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == pytest.approx(own)
+
+
 def test_simpo_scores_pairs_without_a_reference(dpo_run):
     """The simpo spec on the same weights: no starting weights are given (SavedRun's default), so
     a reference pass would fail; the file's metrics equal simpo's held-out evaluation."""

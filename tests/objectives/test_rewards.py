@@ -14,7 +14,7 @@ from tests.train.test_loop import MINI
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.data import DataError, load_tokenizer
-from zaya_jax.objectives.rewards import RewardError, RewardFunction, load_reward
+from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, RewardError, RewardFunction, load_reward
 from zaya_jax.objectives.rollouts import Completion, Rollouts, _read_rollout_files
 
 RECORD = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
@@ -63,6 +63,7 @@ def test_a_missing_reward_module_says_where_modules_are_found(module_dir):
         ("return None", "returned None (NoneType), not a finite number"),
         ("return 'good'", "returned 'good' (str), not a finite number"),
         ("return float('nan')", "returned nan (float), not a finite number"),
+        ("import sys; sys.exit(3)", "raised SystemExit: 3"),
     ],
 )
 def test_a_reward_function_that_fails_names_itself_and_the_prompt(module_dir, body, problem):
@@ -163,3 +164,22 @@ def test_grpo_with_a_reward_module_that_fails_stops_before_compiling(module_dir,
     err = capsys.readouterr().err
     assert "ZeroDivisionError" in err and "zr_broken.py:1" in err and "Traceback" not in err
     assert "compiling" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_prompt_from_a_file_is_named_by_its_line_when_it_fails(module_dir):
+    """A reward error and a prompt too long for the sampler name the ``rl.prompts`` line."""
+    path = module_dir / "prompts.jsonl"
+    records = [RECORD] * 6 + [{"messages": [{"role": "user", "content": "q" * 500}]}] * 6
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = load_config(
+        "tiny", [*MINI, "train.objective=grpo", f"rl.prompts={path}", "data.held_out_fraction=0.3"]
+    )
+    prompts = PromptSet(cfg)
+    (module_dir / "zr_fails.py").write_text("def score(record, text):\n    raise KeyError('answer')\n")
+    first = prompts.record(0)
+    with pytest.raises(RewardError, match=rf"\({path}:\d+\)"):
+        RewardFunction("zr_fails:score")(first, "x")
+    long = next(prompts.record(i) for i in range(12) if "q" * 10 in json.dumps(prompts.record(i)))
+    encode = PromptEncoder(cfg, load_tokenizer("byte"), 64)
+    with pytest.raises(ConfigError, match=rf"^{path}:\d+: a prompt of \d+ tokens does not fit"):
+        encode([long])

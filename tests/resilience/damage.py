@@ -36,12 +36,23 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import stat
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from tests.resilience.corruptions import (
+    CHAT_RECORD,
+    LINE_DAMAGE,
+    PAIR_RECORD,
+    REWARD_MODULES,
+    ROLLOUT_RECORD,
+    damage_record_file,
+    damage_reward_module,
+)
 
 STEP = "checkpoints/4"
 ORBAX_ITEM_FILES = ("_METADATA", "_sharding", "manifest.ocdbt", "array_metadatas/process_0")
@@ -86,13 +97,17 @@ _SHARDED_TARGETS = (
 @dataclasses.dataclass(frozen=True)
 class Kind:
     """An input: the fixture copied for each case (relative to the fixtures), what the command is
-    given (relative to the copy), where the damage goes, and the commands that read it."""
+    given (relative to the copy), where the damage goes, and the commands that read it; ``names``:
+    words that name the input in an error besides its path (a config key); ``post_training``:
+    the input belongs to the post-training campaign (its own table)."""
 
     name: str
     source: str
     given: str
     targets: tuple[tuple[str, str], ...]
     commands: tuple[str, ...]
+    names: tuple[str, ...] = ()
+    post_training: bool = False
 
 
 KINDS = {
@@ -165,6 +180,99 @@ KINDS["overrides"] = dataclasses.replace(
     KINDS["overrides"], targets=tuple((text, "override") for text in OVERRIDES)
 )
 
+# --- post-training inputs: chat and preference sources, GRPO prompts, rollout files, reward modules,
+# a dpo and a simpo run (reference scores, checkpoints, logs), the rl and preference keys.
+RL_OVERRIDES = (
+    "rl.temperature=.nan",
+    "rl.temperature=-1",
+    "rl.group_size=0",
+    "rl.group_size=3",
+    "rl.max_new_tokens=0",
+    "rl.max_new_tokens=100000",
+    "rl.kl=-0.5",
+    "rl.clip_high=.inf",
+    "rl.clip_low=2",
+    "rl.reward=zaya_no_such_module:score",
+    "rl.reward=no_colon_here",
+    "rl.reward=math:pi",
+    "rl.reward=os:getcwd",
+    "rl.on_reward_error=maybe",
+    "rl.eval_prompts=-1",
+    "rl.prompts=/no/such/prompts.jsonl",
+    "rl.rollouts=/no/such/rollouts.jsonl",
+    "rl.steps_per_rollout=0",
+    "train.objective=ppo",
+)
+PREFERENCE_OVERRIDES = (
+    "preference.beta=0",
+    "preference.beta=.nan",
+    "preference.beta=abc",
+    "preference.beta=-1",
+    "preference.simpo_gamma=.inf",
+    "preference.simpo_gamma=[1]",
+    "train.objective=dpo_typo",
+    "data.sources=[{name: p, kind: preference, path: /no/such/pairs.jsonl}]",
+)
+_RUN_FILES = (
+    ("config.yaml", "yaml"),
+    ("events.jsonl", "jsonl"),
+    ("metrics.jsonl", "jsonl"),
+    ("checkpoints/2/params/d/*", "file"),
+    ("checkpoints/2/config/metadata", "json"),
+    ("checkpoints/2", "dir"),
+    ("checkpoints", "dir"),
+)
+_REWARD = "zr_reward.py"
+POST_TRAINING_KINDS = (
+    Kind("chat", "chat.jsonl", "", (("", "chat"),), ("sft", "sft_skip", "prepare_chat"), post_training=True),
+    Kind("pairs", "pairs.jsonl", "", (("", "pairs"),), ("dpo", "simpo", "eval_pairs"), post_training=True),
+    Kind("prompts", "prompts.jsonl", "", (("", "chat"),), ("grpo_prompts",), post_training=True),
+    Kind("rollouts", "rollouts.jsonl", "", (("", "rollouts"),), ("grpo_rollouts",), post_training=True),
+    Kind(
+        "reward",
+        "reward",
+        "",
+        ((_REWARD, "module"),),
+        ("grpo", "grpo_skip", "eval_grpo"),
+        names=("rl.reward",),
+        post_training=True,
+    ),
+    Kind(
+        "dpo_run",
+        "dpo_run",
+        "",
+        (
+            ("reference/logps.npz", "file"),
+            ("reference/manifest.json", "json"),
+            ("reference", "dir"),
+            *_RUN_FILES,
+        ),
+        ("resume_dpo", "eval", "eval_pairs_of_run"),
+        post_training=True,
+    ),
+    Kind("simpo_run", "simpo_run", "", _RUN_FILES, ("resume_simpo", "eval"), post_training=True),
+    Kind(
+        "rl_overrides",
+        "",
+        "",
+        tuple((text, "override") for text in RL_OVERRIDES),
+        ("grpo_override",),
+        post_training=True,
+    ),
+    Kind(
+        "preference_overrides",
+        "",
+        "",
+        tuple((text, "override") for text in PREFERENCE_OVERRIDES),
+        ("dpo_override", "simpo_override"),
+        post_training=True,
+    ),
+)
+KINDS.update({k.name: k for k in POST_TRAINING_KINDS})
+PRETRAINING = tuple(name for name, kind in KINDS.items() if not kind.post_training)
+POST_TRAINING = tuple(kind.name for kind in POST_TRAINING_KINDS)
+OVERRIDE_KINDS = ("overrides", "rl_overrides", "preference_overrides")
+
 _FILE_DAMAGE = (
     "deleted",
     "emptied",
@@ -184,7 +292,12 @@ DAMAGE = {
     "dir": ("deleted", "emptied", "stray_file", "symlink_dangling", "unreadable"),
     "newdir": ("created_empty", "created_with_stray_file"),
     "override": ("given",),
+    "chat": (*_FILE_DAMAGE, "wrong_type", *LINE_DAMAGE, *CHAT_RECORD),
+    "pairs": (*_FILE_DAMAGE, "wrong_type", *LINE_DAMAGE, *PAIR_RECORD),
+    "rollouts": (*_FILE_DAMAGE, "wrong_type", *LINE_DAMAGE, *ROLLOUT_RECORD),
+    "module": (*_FILE_DAMAGE, *REWARD_MODULES),
 }
+_RECORD_CHANGES = {"chat": CHAT_RECORD, "pairs": PAIR_RECORD, "rollouts": ROLLOUT_RECORD}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,11 +314,12 @@ class Case:
 
 
 def plan(seed: int, count: int, kinds: tuple[str, ...] | None = None) -> list[Case]:
-    """``count`` distinct cases, drawn round-robin over the input kinds (a kind whose combinations
-    are used up drops out), each a seeded choice of target, damage and command."""
+    """``count`` distinct cases, drawn round-robin over the input kinds (default: the pretraining
+    ones; a kind whose combinations are used up drops out), each a seeded choice of target,
+    damage and command."""
     rng = random.Random(seed)
     pools = {}
-    for name in kinds or tuple(KINDS):
+    for name in kinds or PRETRAINING:
         kind = KINDS[name]
         combos = [(t, d, c) for t, typ in kind.targets for d in DAMAGE[typ] for c in kind.commands]
         rng.shuffle(combos)
@@ -244,7 +358,7 @@ def _wrong_type(value: Any, rng: random.Random, depth: int = 0) -> Any:
 
 
 def _rewrite_wrong_type(path: Path, typ: str, rng: random.Random) -> None:
-    if typ == "jsonl":
+    if typ in ("jsonl", *_RECORD_CHANGES):
         lines = path.read_text().splitlines()
         i = rng.randrange(len(lines))
         lines[i] = json.dumps(_wrong_type(json.loads(lines[i]), rng))
@@ -328,6 +442,10 @@ def _damage_one(path: Path, damage: str, typ: str, rng: random.Random, case_dir:
         _rewrite_wrong_type(path, typ, rng)
     elif damage == "outside_path":
         _point_outside(path, typ, case_dir)
+    elif typ in _RECORD_CHANGES:
+        damage_record_file(path, damage, _RECORD_CHANGES[typ], rng)
+    elif typ == "module":
+        damage_reward_module(path, damage)
     elif damage in ("stray_file", "created_empty", "created_with_stray_file"):
         if path.exists():
             shutil.rmtree(path)
@@ -428,6 +546,16 @@ class Outcome:
         return {**dataclasses.asdict(self), "case": dataclasses.asdict(self.case)}
 
 
+def is_fallback(line: str) -> bool:
+    """A documented fallback: a step set aside, lost reference scores computed again from the
+    starting weights, a reward function's failure skipped by ``rl.on_reward_error: skip``."""
+    return (
+        ("quarantine" in line and "cannot be used" in line)
+        or "computing the reference log-probabilities again" in line
+        or "rl.on_reward_error=skip" in line
+    )
+
+
 def judge(
     case: Case,
     exit_code: int | None,
@@ -444,14 +572,18 @@ def judge(
     if "Traceback (most recent call last)" in stderr:  # printed by a library, or at exit
         return "traceback", stderr[stderr.index("Traceback (most recent call last)") :][:1500]
     if exit_code == 0:
-        fallback = [x for x in stderr.splitlines() if "quarantine" in x and "cannot be used" in x]
+        fallback = [x for x in stderr.splitlines() if is_fallback(x)]
         return ("fallback", fallback[-1]) if fallback else ("unaffected", "")
     if exit_code in (1, 2):
-        if case.kind == "overrides":
+        kind = KINDS[case.kind]
+        if any(word in line for word in kind.names):
+            named = True
+        elif case.kind in OVERRIDE_KINDS:
             key = case.target.split("=")[0]
             parts = [f"'{part}'" for part in key.split(".") if part]
-            named = bool(key and key in line) or case.target in line or any(p in line for p in parts)
+            paths = re.findall(r"/[\w./-]+", case.target)  # a path the override gives
+            named = bool(key and key in line) or case.target in line or any(p in line for p in parts + paths)
         else:
-            named = names_path(line, damaged, given, not KINDS[case.kind].given)
+            named = names_path(line, damaged, given, not kind.given)
         return ("clear" if named else "unclear"), line
     return "unclear", f"exit {exit_code}: {line}"

@@ -17,18 +17,21 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import io
 import json
+import random
 import shutil
 import subprocess
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tests.resilience.corruptions import GOOD_REWARD
 from tests.resilience.damage import (
     KINDS,
     Case,
@@ -47,6 +50,71 @@ MINI_MODEL = [o for o in LOOP_MINI if o.startswith("model.")]
 MINI = [*LOOP_MINI, "--no-progress"]
 RUN = [*MINI, "train.steps=4", "checkpoint.every_steps=2", "eval.every=100"]
 SMALL_EVAL = ["--seq-len", "64", "--batch-size", "2", "--batches", "1"]
+# Post-training: chat and preference runs on rows of 128 byte tokens, GRPO on 2 groups of 2 completions.
+POST = [*MINI_MODEL, "--no-progress", "model.vocab_size=264", "train.batch_size=2", "train.seq_len=128"]
+POST += ["eval.batches=1", "eval.every=100", "log.every=1", "optim.warmup_steps=1", "train.steps=1"]
+GRPO = [*MINI_MODEL, "--no-progress", "model.vocab_size=264", "train.objective=grpo", "train.batch_size=4"]
+GRPO += ["train.seq_len=64", "rl.group_size=2", "rl.max_new_tokens=4", "rl.eval_prompts=2", "train.steps=1"]
+GRPO += ["eval.every=100", "optim.warmup_steps=1"]
+REWARD = "rl.reward=zr_reward:score"
+
+
+def _pairs_run(pairs: Path, objective: str, run: Path) -> list[str]:
+    """``zaya train`` of a 2-step preference run on ``pairs``, saving every step (the fixtures'
+    dpo and simpo runs, and their resumption)."""
+    source = f"data.sources=[{{name: pairs, kind: preference, path: {pairs}}}]"
+    return ["train", "dpo", *POST, source, f"train.objective={objective}", "data.held_out_fraction=0.25",
+            "checkpoint.every_steps=1", "train.steps=2", f"run.dir={run}"]  # fmt: skip
+
+
+def _rollout_records(count: int, seed: int) -> list[dict[str, Any]]:
+    """Rollout file records (``rl.rollouts``): ``count`` completions in groups of 2."""
+    rng = random.Random(seed)
+    records = []
+    for i in range(count):
+        n = rng.randrange(2, 5)
+        records.append(
+            {
+                "group": i // 2,
+                "prompt_ids": [rng.randrange(3, 259) for _ in range(rng.randrange(3, 8))],
+                "completion_ids": [rng.randrange(3, 259) for _ in range(n)],
+                "logprobs": [round(-rng.random() * 4, 4) for _ in range(n)],
+                "reward": float(rng.randrange(3)),
+            }
+        )
+    return records
+
+
+def build_post_training_fixtures(fixtures: Path) -> None:
+    """The post-training inputs: chat, preference, prompt and rollout files, a reward module, and a
+    dpo, a simpo and a GRPO run (2, 2 and 1 steps) trained on them."""
+    from zaya_jax.cli import main
+    from zaya_jax.data.tasks import reverse_chats, reverse_pairs, write_jsonl
+
+    write_jsonl(fixtures / "chat.jsonl", reverse_chats(16, seed=4))
+    write_jsonl(fixtures / "pairs.jsonl", reverse_pairs(16, seed=4))
+    write_jsonl(fixtures / "prompts.jsonl", reverse_chats(16, seed=5))
+    write_jsonl(fixtures / "rollouts.jsonl", _rollout_records(8, seed=6))
+    (fixtures / "reward").mkdir()
+    (fixtures / "reward" / "zr_reward.py").write_text(GOOD_REWARD)
+    for objective in ("dpo", "simpo"):
+        _ok(main(_pairs_run(fixtures / "pairs.jsonl", objective, fixtures / f"{objective}_run")), objective)
+    with reward_module(fixtures / "reward"):
+        _ok(main(["train", *GRPO, REWARD, f"run.dir={fixtures / 'grpo_run'}"]), "the GRPO run")
+
+
+@contextlib.contextmanager
+def reward_module(directory: Path) -> Iterator[None]:
+    """``directory`` importable (as ``PYTHONPATH=directory``) and ``zr_reward`` imported afresh from
+    it, as in a new process."""
+    sys.modules.pop("zr_reward", None)
+    importlib.invalidate_caches()
+    sys.path.insert(0, str(directory))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(directory))
+        sys.modules.pop("zr_reward", None)
 
 
 def build_fixtures(fixtures: Path) -> None:
@@ -78,6 +146,7 @@ def build_fixtures(fixtures: Path) -> None:
     (fixtures / "config.yaml").write_text(json.dumps({**config, "eval": {"batches": 1}}, indent=2))
     (fixtures / "outside").mkdir()
     (fixtures / "outside" / "garbage.bin").write_bytes(bytes(range(256)) * 64)
+    build_post_training_fixtures(fixtures)
     (fixtures / "complete").write_text("")
 
 
@@ -125,6 +194,7 @@ def command(case: Case, given: Path, out: Path, fixtures: Path) -> list[str] | C
         "inspect_config": ["inspect", "--config", str(given)],
         "train_override": ["train", *MINI, "train.steps=1", case.target, *train_out],
         "inspect_override": ["inspect", "--config", "tiny", case.target],
+        **_post_training_commands(case, given, out, fixtures),
     }
     if case.command == "load":
         from zaya_jax import load
@@ -135,6 +205,44 @@ def command(case: Case, given: Path, out: Path, fixtures: Path) -> list[str] | C
 
         return lambda: ZayaLM(str(given))
     return argv[case.command]
+
+
+def _post_training_commands(case: Case, given: Path, out: Path, fixtures: Path) -> dict[str, list[str]]:
+    train_out = [f"run.dir={out}"]
+    pairs = f"data.sources=[{{name: pairs, kind: preference, path: {given}}}]"
+    dpo = ["train", "dpo", *POST, pairs, "data.held_out_fraction=0.25", *train_out]
+    sft = ["train", *POST, f"data.sources=[{{name: chat, kind: chat, path: {given}}}]", *train_out]
+    sft += ["data.held_out_fraction=0.25"]
+    fixture_pairs = fixtures / "pairs.jsonl"
+    return {
+        "sft": sft,
+        "sft_skip": [*sft, "data.on_bad_document=skip"],
+        "prepare_chat": [
+            "data",
+            "prepare",
+            str(given),
+            "--out",
+            str(out),
+            "--shards",
+            "1",
+            "--format",
+            "chat",
+        ],
+        "dpo": dpo,
+        "simpo": [*dpo, "train.objective=simpo"],
+        "eval_pairs": ["eval", str(fixtures / "dpo_run"), "--data", str(given)],
+        "eval_pairs_of_run": ["eval", str(given), "--data", str(fixture_pairs)],
+        "grpo_prompts": ["train", *GRPO, f"rl.prompts={given}", "data.held_out_fraction=0.25", *train_out],
+        "grpo_rollouts": ["train", *GRPO, f"rl.rollouts={given}", *train_out],
+        "grpo": ["train", *GRPO, REWARD, *train_out],
+        "grpo_skip": ["train", *GRPO, REWARD, "rl.on_reward_error=skip", *train_out],
+        "eval_grpo": ["eval", str(fixtures / "grpo_run")],
+        "resume_dpo": [*_pairs_run(fixture_pairs, "dpo", given), "train.steps=3"],
+        "resume_simpo": [*_pairs_run(fixture_pairs, "simpo", given), "train.steps=3"],
+        "grpo_override": ["train", *GRPO, case.target, *train_out],
+        "dpo_override": [*_pairs_run(fixture_pairs, "dpo", out), "train.steps=1", case.target],
+        "simpo_override": [*_pairs_run(fixture_pairs, "simpo", out), "train.steps=1", case.target],
+    }
 
 
 def invoke(call: list[str] | Callable[[], Any]) -> tuple[int | None, str, str, str | None]:
@@ -193,10 +301,13 @@ def run_case(case: Case, root: Path, keep: bool = False) -> Outcome:
         damaged = apply_damage(case, copy, case_dir, fixtures / "outside" / "garbage.bin")
     before = snapshot(copy) if copy else {}
     started = time.perf_counter()
-    code, stderr, line, escaped = invoke(command(case, given, case_dir / "out", fixtures))
+    # A reward module is imported from the case's copy (rl.reward=zr_reward:score), as in a new process.
+    importable = reward_module(copy) if case.kind == "reward" else contextlib.nullcontext()
+    with importable:
+        code, stderr, line, escaped = invoke(command(case, given, case_dir / "out", fixtures))
     seconds = time.perf_counter() - started
     after = snapshot(copy) if copy else {}
-    modified = lost_entries(before, after, training=case.command == "resume")
+    modified = lost_entries(before, after, training=case.command.startswith("resume"))
     result, line = judge(case, code, stderr, line, escaped, damaged, given)
     if copy is not None:
         restore_permissions(case_dir)
@@ -206,6 +317,7 @@ def run_case(case: Case, root: Path, keep: bool = False) -> Outcome:
 
 
 def _worker(root: Path, start: int, keep: bool) -> None:
+    sys.dont_write_bytecode = True  # no __pycache__ next to a case's reward module
     build_fixtures(root / "fixtures")
     cases = [Case(**c) for c in json.loads((root / "plan.json").read_text())]
     with (root / "results.jsonl").open("a") as results:

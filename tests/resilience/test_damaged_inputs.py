@@ -1,26 +1,46 @@
 """The CI subset of the damaged-input campaign (tests/resilience/damage.py; the full campaign is
-bench/damaged_inputs.py): three seeded cases of every input kind, each ending in the documented
-fallback, a clear one-line error naming the damaged path, or unaffected; no traceback, no hang, and
-nothing the user had changed. The judge's checks are shown to fail on what they must catch."""
+bench/damaged_inputs.py): three seeded cases of every pretraining input kind and two of every
+post-training one, each ending in the documented fallback, a clear one-line error naming the
+damaged path or key, or unaffected; no traceback, no hang, and nothing the user had changed. The
+judge's checks are shown to fail on what they must catch."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from tests.resilience.damage import KINDS, Case, judge, lost_entries, names_path, plan, snapshot
+import pytest
+
+from tests.resilience.damage import (
+    POST_TRAINING,
+    PRETRAINING,
+    Case,
+    is_fallback,
+    judge,
+    lost_entries,
+    names_path,
+    plan,
+    snapshot,
+)
 from tests.resilience.damage_runner import failures, run_campaign, table
 
 SEED = 1
 
 
-def test_seeded_damaged_input_subset(tmp_path):
-    cases = plan(SEED, 3 * len(KINDS))
-    assert {c.kind for c in cases} == set(KINDS)
-    outcomes = run_campaign(tmp_path, cases, log=lambda line: None)
+@pytest.fixture(scope="module")
+def campaign_root(tmp_path_factory):
+    """One directory for both subsets: the fixtures are built once."""
+    return tmp_path_factory.mktemp("campaign")
+
+
+@pytest.mark.parametrize(("kinds", "per_kind"), [(PRETRAINING, 3), (POST_TRAINING, 2)])
+def test_seeded_damaged_input_subset(campaign_root, kinds, per_kind):
+    cases = plan(SEED, per_kind * len(kinds), kinds)
+    assert {c.kind for c in cases} == set(kinds)
+    outcomes = run_campaign(campaign_root, cases, log=lambda line: None)
     report = table(outcomes) + "\n" + "\n".join(failures(outcomes))
     assert failures(outcomes) == [], report
     results = {o.result for o in outcomes}
-    assert {"fallback", "clear"} <= results, report
+    assert "clear" in results and results & {"fallback", "unaffected"}, report
 
 
 def test_the_judge_catches_lost_files_unnamed_paths_and_tracebacks(tmp_path):
@@ -63,3 +83,21 @@ def test_the_judge_catches_lost_files_unnamed_paths_and_tracebacks(tmp_path):
         judge(override, 2, "", "zaya inspect: unknown config key 'modle'", None, [], Path("x"))[0] == "clear"
     )
     assert judge(override, 2, "", "zaya inspect: something is wrong", None, [], Path("x"))[0] == "unclear"
+
+
+def test_the_judge_knows_the_post_training_fallbacks_and_names():
+    assert is_fallback(
+        "zaya train: reference/logps.npz is damaged; computing the reference log-probabilities again"
+    )
+    assert not is_fallback("zaya train: computing")
+    reward = Case(0, "reward", "zr_reward.py", "raises", "grpo", 0)
+    line = "zaya train: rl.reward=zr_reward:score raised KeyError: 'answer' for the prompt 'x'"
+    assert judge(reward, 2, "", line, None, [Path("/r/zr_reward.py")], Path("/r"))[0] == "clear"
+    assert judge(reward, 2, "", "zaya train: something failed", None, [], Path("/r"))[0] == "unclear"
+    override = Case(
+        0, "preference_overrides", "data.sources=[{path: /no/such/p.jsonl}]", "given", "dpo_override", 0
+    )
+    assert (
+        judge(override, 2, "", "zaya train: /no/such/p.jsonl does not exist", None, [], Path("x"))[0]
+        == "clear"
+    )

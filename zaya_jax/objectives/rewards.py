@@ -110,13 +110,16 @@ class RewardFunction:
     def __call__(self, record: dict[str, Any], text: str) -> float | None:
         try:
             value = self.fn(record, text)
-        except Exception as err:  # the user's function: reported, never a traceback
+        except (Exception, SystemExit) as err:  # the user's function: reported, never a traceback
             problem = f"raised {type(err).__name__}: {err}"
         else:
             if isinstance(value, numbers.Real) and math.isfinite(value):
                 return float(value)
             problem = f"returned {value!r} ({type(value).__name__}), not a finite number"
-        problem = f"rl.reward={self.spec} {problem} for the prompt {_prompt_text(record)!r}"
+        where = getattr(record, "where", None)
+        problem = f"rl.reward={self.spec} {problem} for the prompt {_prompt_text(record)!r}" + (
+            f" ({where})" if where else ""
+        )
         if self.on_error == "stop":
             raise RewardError(
                 f"{problem}; fix the function, or set rl.on_reward_error=skip to skip that prompt's group "
@@ -125,6 +128,13 @@ class RewardFunction:
         self.errors += 1
         self.problem = self.problem or problem
         return None
+
+
+class PromptRecord(dict):
+    """A record of an ``rl.prompts`` file as the reward function receives it (the file's fields),
+    knowing where it was read (``file:line``), which a reward error names."""
+
+    where: str | None = None
 
 
 def prompt_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
@@ -190,7 +200,9 @@ def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dic
         if problem is not None:
             bad.report(f"{where}: {problem}", 'write one {"messages": [...]} prompt per line')
             continue
-        (held_out if held_out_key(key, fraction) else train).append(record)
+        read = PromptRecord(record)
+        read.where = where
+        (held_out if held_out_key(key, fraction) else train).append(read)
     return train, held_out
 
 
@@ -207,9 +219,10 @@ class PromptEncoder:
         for record in records:
             ids = self.tokenizer.encode(self.chat.prompt(prompt_messages(record), record.get("tools")))
             if len(ids) > self.width:
+                where = getattr(record, "where", None)
                 raise ConfigError(
-                    f"a prompt of {len(ids)} tokens does not fit: train.seq_len - rl.max_new_tokens = {self.width}; "
-                    "raise train.seq_len"
+                    f"{f'{where}: ' if where else ''}a prompt of {len(ids)} tokens does not fit: train.seq_len - "
+                    f"rl.max_new_tokens = {self.width}; raise train.seq_len or shorten the prompt"
                 )
             prompts.append(np.asarray(ids, np.int32))
         ids = np.full((len(prompts), self.width), self.tokenizer.pad_id, np.int32)

@@ -100,7 +100,8 @@ class RunDir:
         if not resuming and self.path.exists() and any(p.name != EVENTS for p in self.path.iterdir()):
             raise FileExistsError(
                 f"run directory {self.path} already holds a run without training checkpoints to resume "
-                "from; choose another run.name (or run.dir) or move the old run away"
+                f"from (nothing complete in {self.checkpoints}); choose another run.name (or run.dir) or move "
+                "the old run away"
             )
         if resuming and self.config.is_file() and load_config(self.config).model != cfg.model:
             raise ConfigError(
