@@ -276,8 +276,8 @@ def test_damaged_reference_scores_are_refused_when_the_starting_weights_changed(
 
 @pytest.mark.parametrize("objective", ["simpo", "dpo"])
 def test_a_source_whose_every_pair_is_too_long_is_refused_not_a_hang(tmp_path, capsys, objective):
-    """simpo (no reference pass), and dpo with a second source that fits: the packer, having left
-    out a whole pass of its stream, stops with the source's name instead of reading forever."""
+    """simpo (no reference pass), and dpo with a second source that fits: refused by the source's
+    name before step 1 (and before dpo's reference pass), not read forever by the packer."""
     long = write_records(
         tmp_path / "long.jsonl", [{"prompt": "reverse: " + "q" * 200, "chosen": "a", "rejected": "b"}] * 20
     )
@@ -295,3 +295,14 @@ def test_a_source_whose_every_pair_is_too_long_is_refused_not_a_hang(tmp_path, c
     assert (
         "every preference pair of 'long'" in err and "raise train.seq_len" in err and "Traceback" not in err
     )
+    assert "scoring" not in err and "step 1" not in err  # before the reference pass and any step
+
+
+def test_the_packer_stops_a_stream_that_left_out_a_whole_pass(tmp_path):
+    """The packer's own guard (a stream whose share of a source is all too long, which the check at
+    start cannot see): after one pass of left-out pairs it stops instead of reading forever."""
+    long = [{"prompt": "reverse: " + "q" * 200, "chosen": "a", "rejected": "b"}] * 5
+    data = _data(write_records(tmp_path / "long.jsonl", long))
+    rows = make_row_iterator(data, BYTE, seq_len=128, seed=0, split="all", shuffle=True, repeat=True)
+    with pytest.raises(DataError, match=r"every preference pair of 'pairs' .* is longer than a row of 128"):
+        next(rows)

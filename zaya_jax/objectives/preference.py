@@ -16,8 +16,12 @@ from zaya_jax.loss.preference import preference_loss_and_stats
 from zaya_jax.objectives.held_out import HeldOut, saved_run_evaluation
 from zaya_jax.objectives.lm import BatchProducer
 from zaya_jax.objectives.pair_files import pair_file_evaluation
-from zaya_jax.objectives.reference import preference_references, read_references
-from zaya_jax.objectives.spec import ObjectiveSpec, register
+from zaya_jax.objectives.reference import (
+    preference_references,
+    read_references,
+    refuse_sources_that_never_fit,
+)
+from zaya_jax.objectives.spec import ObjectiveSpec, RunSetup, register
 
 PREFERENCE_METRICS = (
     "loss", "pair_accuracy", "reward_margin", "chosen_reward", "rejected_reward", "chosen_logp", "rejected_logp",
@@ -41,7 +45,10 @@ def _preference_spec(variant: str, with_reference: bool) -> ObjectiveSpec:
         fn = functools.partial(preference_loss_and_stats, cfg=cfg, variant=variant)
         return Objective(variant, fn, PREFERENCE_METRICS, fields, unit="pairs")
 
-    prepare = {"prepare": preference_references} if with_reference else {}
+    def prepare(setup: RunSetup) -> dict[str, np.ndarray] | None:
+        refuse_sources_that_never_fit(setup.cfg, setup.tokenizer)
+        return preference_references(setup) if with_reference else None
+
     return ObjectiveSpec(
         name=variant,
         loss=loss,
@@ -50,7 +57,7 @@ def _preference_spec(variant: str, with_reference: bool) -> ObjectiveSpec:
         held_out=lambda setup, references: HeldOut(setup, references),
         evaluate_saved=saved_run_evaluation(read_references if with_reference else None),
         evaluate_data=pair_file_evaluation(with_reference),
-        **prepare,
+        prepare=prepare,
     )
 
 

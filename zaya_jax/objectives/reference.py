@@ -31,7 +31,7 @@ import numpy as np
 
 from zaya_jax.checkpoint.fingerprint import fingerprints
 from zaya_jax.config import Config, ConfigError, DataConfig
-from zaya_jax.data import make_row_iterator, tokenized_documents
+from zaya_jax.data import DataError, make_row_iterator, tokenized_documents
 from zaya_jax.data.documents import DocumentSequence
 from zaya_jax.data.packing import pair_fits
 from zaya_jax.data.tokenizers import Tokenizer
@@ -71,6 +71,21 @@ def pairs_fitting(documents: DocumentSequence, seq_len: int) -> np.ndarray:
     return np.fromiter(
         (pair_fits(documents[j], seq_len) for j in range(len(documents))), bool, len(documents)
     )
+
+
+def refuse_sources_that_never_fit(cfg: Config, tokenizer: Tokenizer) -> None:
+    """Before step 1 of a preference run: a source none of whose pairs fits a row of
+    ``train.max_seq_len`` tokens is refused by name (training would leave out every pair it reads;
+    the packer stops such a stream too, :mod:`zaya_jax.data.packing`, but only once it has read a
+    whole pass)."""
+    seq_len = cfg.train.max_seq_len
+    for i, source in enumerate(cfg.data.sources):
+        documents = tokenized_documents(_source_data(cfg, i), "all", tokenizer)[0].documents
+        if len(documents) and not pairs_fitting(documents, seq_len).any():
+            raise DataError(
+                f"every preference pair of {source.name!r} ({source.path}) is longer than a row of {seq_len} "
+                "tokens (chosen and rejected together, each with EOS); raise train.seq_len or drop the source"
+            )
 
 
 def score_pairs(
@@ -182,11 +197,6 @@ def _compute(
         print(f"zaya train: scoring {pairs} preference pairs with the starting weights...", file=sys.stderr)
     references = score_pairs(cfg, setup.programs, state, setup.tokenizer, lambda: setup.beat(0, "reference"))
     too_long = {name: int(np.isnan(v[:, 0]).sum()) for name, v in references.items()}
-    if all(too_long[name] == s["pairs"] for name, s in expected["sources"].items()):
-        raise ConfigError(
-            f"every preference pair is longer than train.seq_len={cfg.train.max_seq_len} tokens (chosen and "
-            "rejected together, each with EOS); raise train.seq_len"
-        )
     weights = weights_fingerprint(state)
     computed_from = cfg.train.init_from or f"initialisation, train.seed={cfg.train.seed}"
     if jax.process_index() == 0:
