@@ -47,6 +47,8 @@ class DataConfig:
     prefetch: int = 2  # batches prepared ahead of the step on a background thread
     # Training rows are shuffled within windows of this many packed rows (Grain's window shuffle),
     # so a batch mixes many documents instead of consecutive pieces of one; 0 or 1: packing order.
+    # A source whose size is known (a JSONL, chat or preference file) gets a window of at most one
+    # pass of its rows, so a small file is not read thousands of times before the first batch.
     shuffle_window: int = 4096
     # Every batch is read from this many row streams (documents k::streams), so a run resumes on any
     # number of processes with the same rows; 0: the largest power of two <= 8 dividing every batch
