@@ -182,3 +182,7 @@ def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
     )
     with pytest.raises(DataError, match=r"bad\.jsonl:201: .*role 'robot'"):
         PromptSet(load_config("tiny", [*GRPO, f"rl.prompts={tmp_path / 'bad.jsonl'}"]))
+    for empty in ([], [{"role": "assistant", "content": "only a reply"}]):
+        (tmp_path / "empty.jsonl").write_text(path.read_text() + json.dumps({"messages": empty}) + "\n")
+        with pytest.raises(DataError, match=r"empty\.jsonl:201: an empty prompt"):
+            PromptSet(load_config("tiny", [*GRPO, f"rl.prompts={tmp_path / 'empty.jsonl'}"]))

@@ -197,6 +197,8 @@ def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dic
             if isinstance(messages, list)
             else f"no 'messages' list (fields: {', '.join(map(repr, record)) or 'none'})"
         )
+        if problem is None and not prompt_messages(record):
+            problem = "an empty prompt (no message before the reply)"
         if problem is not None:
             bad.report(f"{where}: {problem}", 'write one {"messages": [...]} prompt per line')
             continue
