@@ -4,6 +4,8 @@ weights by one literal table (:mod:`.weights`), the legacy ZAYA1-base layout (:m
 
 from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config
 from zaya_jax.interop.hf.directory import (
+    HF_SKIP_BIAS,
+    anchor_skip_bias,
     hf_directory_model,
     is_hf_directory,
     load_hf_directory,
@@ -22,8 +24,10 @@ from zaya_jax.interop.hf.weights import (
 
 __all__ = [
     "GLOBAL_WEIGHTS",
+    "HF_SKIP_BIAS",
     "LAYER_WEIGHTS",
     "ConversionError",
+    "anchor_skip_bias",
     "hf_config_to_model",
     "hf_directory_model",
     "hf_to_variables",

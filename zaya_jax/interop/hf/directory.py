@@ -84,6 +84,25 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
     return cfg, hf_to_variables(tensors, cfg)
 
 
+HF_SKIP_BIAS = -1.0
+"""The skip class's balancing bias as ``transformers`` 5.24 loads it: ``from_pretrained`` re-runs the
+router's init on that one value after reading the file, whatever the file holds."""
+
+
+def anchor_skip_bias(biases: np.ndarray) -> np.ndarray:
+    """biases: (..., E+1) balancing biases, the skip class last -> float32 biases of the same shape,
+    each row shifted by one constant so that its skip class's bias is exactly ``HF_SKIP_BIAS``.
+
+    The biases only select a class (argmax of p + b, spec §2.4), so a common shift leaves the model
+    as it was: the same selections (up to float32 rounding of classes within an ulp of a tie) and the
+    same logits. ``transformers`` then loads the file as written. A row whose skip bias is already
+    -1 is returned bit for bit.
+    """
+    wide = np.asarray(biases, np.float64)
+    # float64 keeps the skip class's difference exact; each bias is rounded once, to float32
+    return (wide - (wide[..., -1:] - HF_SKIP_BIAS)).astype(np.float32)
+
+
 def save_hf_directory(
     directory: str | Path,
     cfg: ModelConfig,
@@ -97,6 +116,14 @@ def save_hf_directory(
     Every file is written atomically and config.json last, so an interrupted write never leaves a
     directory that looks complete; ``zaya convert`` (:func:`zaya_jax.lm.export_hf`) also builds the
     whole directory beside its destination and renames it into place.
+
+    Each layer's balancing biases are written shifted by one constant so that the skip class's is
+    -1 (:func:`anchor_skip_bias`): ``transformers`` sets that bias to -1 after loading, so a file
+    holding a trained value would route differently once loaded. The export is the same model as
+    ``variables``. Read back (``zaya convert hf-to-zaya``, :func:`zaya_jax.load`, ``train.init_from``),
+    its biases differ from ``variables``' by that per-layer constant and select the same classes; the
+    balancing controller of a run started from it moves and clamps the biases relative to where they
+    started (:mod:`zaya_jax.model.balancing`), so it trains as from ``variables``.
 
     ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
     """
@@ -113,7 +140,7 @@ def save_hf_directory(
     directory.mkdir(parents=True, exist_ok=True)
     numpy_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     tensors = {
-        name: value.astype(np.float32 if name.endswith("balancing_biases") else numpy_dtype)
+        name: anchor_skip_bias(value) if name.endswith("balancing_biases") else value.astype(numpy_dtype)
         for name, value in variables_to_hf(variables, cfg).items()
     }
     write_directory(directory, tensors, max_shard_bytes)
