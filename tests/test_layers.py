@@ -18,7 +18,7 @@ LAYERS: list[set[str]] = [
     {"config"},
     {"ops"},
     {"model"},
-    {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience"},
+    {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience", "lora"},
     {"programs", "pretrained"},
     {"generate"},
     {"objectives"},
