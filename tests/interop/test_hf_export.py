@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import pytest
 import zaya_jax
 from tests.hf_reference import hf_logits, make_hf_model, state_dict_numpy, torch, transformers
 from zaya_jax.cli import main
-from zaya_jax.interop.hf import ConversionError, save_hf_directory
+from zaya_jax.interop.hf import ConversionError, load_hf_directory, save_hf_directory
 from zaya_jax.interop.safetensors_io import read_directory, read_safetensors
 
 IDS = np.random.default_rng(1).integers(3, 97, size=(2, 10))
@@ -23,6 +24,13 @@ def test_hf_to_zaya_to_hf_round_trip_is_exact(tmp_path):
     original.save_pretrained(tmp_path / "hf")
     assert main(["convert", "hf-to-zaya", str(tmp_path / "hf"), str(tmp_path / "zaya")]) == 0
     assert main(["convert", "zaya-to-hf", str(tmp_path / "zaya"), str(tmp_path / "back")]) == 0
+    # A file whose skip biases are not -1 is read as written, with a warning that transformers will
+    # not (it resets them to -1); the anchored export reads alike in both, without one.
+    with pytest.warns(UserWarning, match=r"3 of 3 layers have a skip-class balancing bias other than -1"):
+        load_hf_directory(tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_hf_directory(tmp_path / "back")
 
     # The files are identical tensor for tensor, except that each layer's balancing biases are
     # shifted by one constant so that the skip class's is -1, the value transformers 5.24 sets after

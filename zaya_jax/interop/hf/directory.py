@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,7 +82,24 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
     tensors = read_directory(directory)
     if is_legacy_layout(tensors):
         tensors = legacy_to_hf(tensors, cfg.num_layers)
+    _warn_unanchored_skip_biases(directory, tensors)
     return cfg, hf_to_variables(tensors, cfg)
+
+
+def _warn_unanchored_skip_biases(directory: str | Path, tensors: Mapping[str, np.ndarray]) -> None:
+    """One warning when a file's skip-class biases are not -1: zaya reads them as written, but
+    ``transformers`` sets them to -1 after loading, so the two run such a file with different
+    routing (a file ``zaya convert zaya-to-hf`` writes is anchored, :func:`anchor_skip_bias`)."""
+    skips = [float(v[-1]) for name, v in tensors.items() if name.endswith("balancing_biases")]
+    moved = [x for x in skips if x != HF_SKIP_BIAS]
+    if moved:
+        warnings.warn(
+            f"{directory}: {len(moved)} of {len(skips)} layers have a skip-class balancing bias other than "
+            f"{HF_SKIP_BIAS:g} (e.g. {moved[0]:.6g}); zaya uses the file's values, but transformers' "
+            f"from_pretrained resets them to {HF_SKIP_BIAS:g}, so transformers routes this directory "
+            "differently; zaya convert zaya-to-hf of the converted run writes a directory both read alike",
+            stacklevel=3,
+        )
 
 
 HF_SKIP_BIAS = -1.0
