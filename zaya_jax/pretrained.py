@@ -17,12 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from zaya_jax import checkpoint
+from zaya_jax.checkpoint.base import check_base
+from zaya_jax.checkpoint.readable import locate
 from zaya_jax.config import Config, ModelConfig, to_dict
 from zaya_jax.data.sources import DataError
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, special_tokens
 from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_directory
 from zaya_jax.interop.safetensors_io import tensor_shapes
+from zaya_jax.lora import base_cast
 from zaya_jax.model import param_counts
+from zaya_jax.model.adapters import adapter_part, has_adapters, join, merged
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +79,26 @@ def load_model(path: str | Path) -> ModelFiles:
         model, variables = load_hf_directory(path)
         return ModelFiles(path, "hf", model, variables=variables)
     run, variables, step = checkpoint.restore_model(path)
+    if run.lora.enabled:
+        variables = _with_base(run, variables, step, path)
     return ModelFiles(path, "zaya", run.model, run, step, variables)
+
+
+def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) -> dict[str, Any]:
+    """A LoRA step's adapters on their base: ``train.init_from`` loaded (merged, when it is a LoRA
+    run itself), held in ``lora.base_dtype`` and checked against the step's base record."""
+    step_dir = locate(path)[0] / str(step)
+    try:
+        source = load_model(run.train.init_from)
+    except (FileNotFoundError, checkpoint.CheckpointNotFoundError) as err:
+        raise checkpoint.CheckpointNotFoundError(
+            f"{step_dir} holds LoRA adapters; their base model train.init_from={run.train.init_from} "
+            f"cannot be loaded ({err}). Put the base weights back at that path"
+        ) from err
+    base = source.variables["params"]
+    base = base_cast(merged(base) if has_adapters(base) else base, run.lora.base_dtype)
+    check_base(step_dir, base)
+    return {**variables, "params": join(adapter_part(variables["params"]), base)}
 
 
 def describe_model(path: str | Path) -> dict[str, Any]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tests.train.test_loop import MINI
-from zaya_jax.config import load_config
-from zaya_jax.lora import Lora, inert, init_adapters, merge, targeted
+from zaya_jax.config import ConfigError, LoraConfig, load_config
+from zaya_jax.lora import inert, init_adapters, merge, targeted
 from zaya_jax.model import Zaya, init_variables
 
 CFG = load_config("tiny", MINI).model  # hidden 32 == expert intermediate 32: wo is square
@@ -19,17 +19,23 @@ VARIABLES = init_variables(CFG, 0)
 PARAMS = VARIABLES["params"]
 
 
+def Lora(rank, **kwargs):  # noqa: N802 (a checked LoraConfig)
+    lora = LoraConfig(rank, **kwargs)
+    lora.validate()
+    return lora
+
+
 def test_targets_are_roles_and_the_router_is_refused():
     assert CFG.hidden_size == CFG.moe_intermediate_size
     assert targeted(PARAMS, Lora(4, targets=("experts",))) == ["layers/experts/wi", "layers/experts/wo"]
     assert len(targeted(PARAMS, Lora(4))) == 7  # experts' wi, wo and CCA's five projections
     for role, reason in (("router", "argmax"), ("balancing", "controller"), ("eda", "router")):
-        with pytest.raises(ValueError, match=f"LoRA target '{role}' is refused: .*{reason}"):
+        with pytest.raises(ConfigError, match=f"lora.targets: '{role}' is refused: .*{reason}"):
             Lora(4, targets=(role,))
-    with pytest.raises(ValueError, match="unknown LoRA target 'mlp'; the targets are experts, attention"):
+    with pytest.raises(ConfigError, match="unknown role 'mlp'; the roles are experts, attention"):
         Lora(4, targets=("mlp",))
-    with pytest.raises(ValueError, match="rank=0 must be an integer >= 1"):
-        Lora(0)
+    with pytest.raises(ConfigError, match="rank=-1 must be an integer >= 0"):
+        Lora(-1)
 
 
 def test_one_adapter_per_expert_and_layer_starting_at_the_base_bit_for_bit():
@@ -106,5 +112,5 @@ def test_factors_that_do_not_fit_their_weight_are_refused():
     adapters["layers/experts/wo"]["b"] = jnp.swapaxes(adapters["layers/experts/wi"]["b"], -1, -2)[..., :1, :]
     with pytest.raises(ValueError, match="do not fit layers/experts/wo"):
         merge(PARAMS, adapters, lora)
-    with pytest.raises(ValueError, match="weights the targets do not name: layers/attn/q_proj/kernel"):
+    with pytest.raises(ValueError, match="adapters for weights the targets do not name: layers/attn/q_proj/kernel"):
         merge(PARAMS, {**adapters, "layers/attn/q_proj/kernel": adapters["layers/experts/wi"]}, lora)

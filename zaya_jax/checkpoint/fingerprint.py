@@ -20,6 +20,8 @@ leaves a window in which a committed step has no record.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +62,11 @@ def fingerprints(tree: Any, prefix: str = "") -> dict[str, str]:
     names = [prefix + "/".join(_key(k) for k in path) for path, _ in flat]
     values = jax.device_get(_fingerprints([jnp.asarray(x) for _, x in flat]))
     return {name: f"{int(v[0]):08x}{int(v[1]):08x}" for name, v in zip(names, values, strict=True)}
+
+
+def digest(tree: Any) -> str:
+    """A short hash of every array fingerprint of ``tree`` (bit-exact, whatever the arrays' layout)."""
+    return hashlib.sha256(json.dumps(sorted(fingerprints(tree).items())).encode()).hexdigest()[:16]
 
 
 def _key(entry: Any) -> str:

@@ -29,8 +29,15 @@ class CheckpointCorruptError(RuntimeError):
     back different from what was saved (bytes changed on disk); the message names the files."""
 
 
+class BaseMismatchError(RuntimeError):
+    """A LoRA checkpoint whose recorded base model is not the one given: its adapters would run on
+    other weights. Never a reason to set the checkpoint aside (it is intact)."""
+
+
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
     return {
+        # A LoRA run's step: the base model its adapters belong to (zaya_jax.checkpoint.base).
+        "base": ocp.JsonCheckpointHandler(),
         "params": ocp.StandardCheckpointHandler(),
         "balancing": ocp.StandardCheckpointHandler(),
         "config": ocp.JsonCheckpointHandler(),

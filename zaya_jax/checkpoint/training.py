@@ -23,9 +23,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from zaya_jax.checkpoint.base import base_record, check_base, save_args
+from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.checkpoint.readable import check_step, quiet_orbax_leftovers, saved_items
 from zaya_jax.checkpoint.store import (
     MODEL_ITEMS,
+    BaseMismatchError,
     CheckpointCorruptError,
     CheckpointNotFoundError,
     array_fingerprints,
@@ -37,6 +40,7 @@ from zaya_jax.checkpoint.store import (
 )
 from zaya_jax.config import Config, to_dict
 from zaya_jax.files import read_json
+from zaya_jax.model.adapters import adapter_part, base_part, has_adapters, join
 
 
 def save_training(
@@ -46,11 +50,17 @@ def save_training(
     state: Any,
     data_state: dict[str, Any],
     eval_loss: float | None = None,
+    base: dict[str, Any] | None = None,
 ) -> None:
     """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState;
-    ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``."""
+    ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``.
+    A LoRA run's parameters carry adapters: only they are saved, with ``base``
+    (:func:`~zaya_jax.checkpoint.base.base_record`) saying which frozen base they belong to."""
+    lora = has_adapters(state.params)
+    if lora and base is None:
+        raise ValueError("a checkpoint of adapters needs the record of their base (base_record)")
     arrays = {
-        "params": state.params,
+        "params": adapter_part(state.params) if lora else state.params,
         "balancing": state.balancing,
         "train": {"step": state.step, "opt_state": state.opt_state, "controller": state.controller},
     }
@@ -61,6 +71,7 @@ def save_training(
             fingerprints=ocp.args.JsonSave(array_fingerprints(arrays)),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(to_dict(cfg)),
+            **(save_args(base) if lora else {}),
         ),
         metrics=None if eval_loss is None else {"eval_loss": float(eval_loss)},
         force=True,
@@ -102,6 +113,7 @@ class TrainingSaver:
             self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best
         )
         self.pending: int | None = None  # the step of the save started last
+        self._base: dict[str, Any] | None = None  # a LoRA run's base record
         self._in_flight = False  # an async save started and not waited for yet
         self._written = threading.Event()  # set when that save's writes have finished
         self._listener = self._on_event if async_save else None
@@ -146,10 +158,12 @@ class TrainingSaver:
         """Start saving ``step`` once the previous save has completed (raising if it failed)."""
         self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
         self.pending = step
+        if self._base is None and has_adapters(state.params):  # the frozen base: fingerprinted once
+            self._base = base_record(cfg, base_part(state.params))
         self._written.clear()  # before Orbax starts the thread that sets it
         self._in_flight = self._listener is not None
         try:
-            save_training(self.mgr, step, cfg, state, data_state, eval_loss)
+            save_training(self.mgr, step, cfg, state, data_state, eval_loss, self._base)
         except Exception as err:
             raise self._fail(err) from err
 
@@ -199,14 +213,17 @@ def restore_training(
     mgr = manager(checkpoints_dir)
     quiet_orbax_leftovers()
     unreadable: list[dict[str, Any]] = []
+    base = digest({"params": base_part(like.params)}) if has_adapters(like.params) else None
     for step in sorted(mgr.all_steps(), reverse=True):
         step_dir = Path(checkpoints_dir) / str(step)
         try:
             if step_dir.is_dir() and "train" not in saved_items(step_dir):
                 continue  # a model-only step (zaya convert): nothing to resume
             check_step(step_dir, (*MODEL_ITEMS, "train"))
+            if base is not None:  # before any array is read: adapters of another base stop the run
+                check_base(step_dir, None, base)
             return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays), unreadable
-        except (CheckpointNotFoundError, PermissionError):
+        except (CheckpointNotFoundError, PermissionError, BaseMismatchError):
             raise
         except Exception as err:  # Orbax and TensorStore raise many types for unreadable files
             unreadable.append(set_aside(checkpoints_dir, step, err))
@@ -219,10 +236,11 @@ def _restore_step(
     train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
     step_dir = Path(checkpoints_dir) / str(step)
     data_states = saved_data_states(step_dir / "data")
+    lora = has_adapters(like.params)
     restored = mgr.restore(
         step,
         args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(like.params)),
+            params=ocp.args.StandardRestore(_abstract(adapter_part(like.params) if lora else like.params)),
             balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
             train=ocp.args.StandardRestore(_abstract(train_like)),
         ),
@@ -233,7 +251,7 @@ def _restore_step(
     train = restored["train"]
     state = like.replace(
         step=train["step"],
-        params=restored["params"],
+        params=join(restored["params"], base_part(like.params)) if lora else restored["params"],
         opt_state=train["opt_state"],
         balancing=restored["balancing"],
         controller=train["controller"],

@@ -1,5 +1,5 @@
 """Typed, frozen configuration tree (its root :mod:`.schema`, the sections in :mod:`.model`,
-:mod:`.data`, :mod:`.training`, :mod:`.post_training`, :mod:`.run` and :mod:`.mesh`) and how it is
+:mod:`.data`, :mod:`.training`, :mod:`.post_training`, :mod:`.lora`, :mod:`.run` and :mod:`.mesh`) and how it is
 loaded from YAML presets with inheritance and dotted overrides (:mod:`.loading`)."""
 
 from zaya_jax.config.data import DataConfig, DataSource
@@ -15,6 +15,7 @@ from zaya_jax.config.loading import (
     save_config,
     to_dict,
 )
+from zaya_jax.config.lora import LORA_REFUSED, LORA_ROLES, LoraConfig
 from zaya_jax.config.mesh import MESH_AXES, AxisRule, MeshConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.config.post_training import PreferenceConfig, RLConfig
@@ -31,6 +32,8 @@ from zaya_jax.config.schema import Config
 from zaya_jax.config.training import NS_COEFFS, BalancingConfig, OptimConfig, RampPoint, Stage, TrainConfig
 
 __all__ = [
+    "LORA_REFUSED",
+    "LORA_ROLES",
     "MESH_AXES",
     "NS_COEFFS",
     "AxisRule",
@@ -42,6 +45,7 @@ __all__ = [
     "DataSource",
     "EvalConfig",
     "LogConfig",
+    "LoraConfig",
     "MeshConfig",
     "ModelConfig",
     "OptimConfig",

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from zaya_jax.config.data import DataConfig
 from zaya_jax.config.errors import ConfigError
+from zaya_jax.config.lora import LoraConfig
 from zaya_jax.config.mesh import MeshConfig
 from zaya_jax.config.model import ModelConfig
 from zaya_jax.config.post_training import PreferenceConfig, RLConfig
@@ -31,7 +32,7 @@ from zaya_jax.config.training import BalancingConfig, OptimConfig, TrainConfig
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``preference``, ``rl``, ``data``,
+    """The whole run: ``run``, ``model``, ``train``, ``optim``, ``balancing``, ``preference``, ``rl``, ``lora``, ``data``,
     ``checkpoint``, ``log``, ``eval``, ``profile``, ``mesh``, ``runtime`` and ``resilience`` sections."""
 
     run: RunConfig = dataclasses.field(default_factory=RunConfig)
@@ -41,6 +42,7 @@ class Config:
     balancing: BalancingConfig = dataclasses.field(default_factory=BalancingConfig)
     preference: PreferenceConfig = dataclasses.field(default_factory=PreferenceConfig)
     rl: RLConfig = dataclasses.field(default_factory=RLConfig)
+    lora: LoraConfig = dataclasses.field(default_factory=LoraConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     log: LogConfig = dataclasses.field(default_factory=LogConfig)
@@ -65,7 +67,13 @@ class Config:
         self.balancing.validate()
         self.preference.validate()
         self.rl.validate()
+        self.lora.validate()
         self.data.validate()
+        if self.lora.enabled and not self.train.init_from:
+            raise ConfigError(
+                f"lora.rank={self.lora.rank} needs train.init_from (or --init-from): the base model the "
+                "adapters are trained on (a run, step, HF or PEFT adapter directory)"
+            )
         if self.train.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="

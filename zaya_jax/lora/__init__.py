@@ -1,11 +1,13 @@
 """Low-rank adapters (LoRA) on every routed expert and CCA's projections (:mod:`.adapters`)."""
 
 from zaya_jax.lora.adapters import (
-    DEFAULT_TARGETS,
-    REFUSED,
-    ROLES,
-    Lora,
-    delta,
+    Adapters,
+    adapted_variables,
+    adapter_names,
+    adapters_of,
+    attach,
+    b_grad_norms,
+    base_cast,
     inert,
     init_adapters,
     merge,
@@ -13,11 +15,13 @@ from zaya_jax.lora.adapters import (
 )
 
 __all__ = [
-    "DEFAULT_TARGETS",
-    "REFUSED",
-    "ROLES",
-    "Lora",
-    "delta",
+    "Adapters",
+    "adapted_variables",
+    "adapter_names",
+    "adapters_of",
+    "attach",
+    "b_grad_norms",
+    "base_cast",
     "inert",
     "init_adapters",
     "merge",

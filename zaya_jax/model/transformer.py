@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.model.adapters import ADAPTER, fold
 from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ContextParallelism, ModelHooks
@@ -65,6 +66,9 @@ class Zaya(nn.Module):
     (:func:`~zaya_jax.model.balancing.probability_moments`; their spread scales the balancing controller),
     ``entropy_sum`` (layers,) the router distributions' entropies summed over real tokens.
 
+    Low-rank adapters in ``params`` (``params["layers"]["lora"]``, ``params["lora"]``) are folded
+    into their weights on the fly (:mod:`zaya_jax.model.adapters`).
+
     Decoding: pass ``cache`` (from :func:`init_cache`) and ``tokens`` are the next chunk, written at
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left
     padding) and ``positions`` default to the slot indices. ``aux["cache"]`` is then the updated cache.
@@ -114,6 +118,9 @@ class Zaya(nn.Module):
         eda_scale = param_with_axes(
             self, "router_states_scale", nn.initializers.ones, eda_shape, ("layers", "router"), pdtype
         )
+        adapters = self.get_variable("params", ADAPTER)
+        if adapters is not None:  # a low-rank adapter on the table (zaya_jax.model.adapters)
+            embedding = fold({"embedding": embedding, ADAPTER: adapters})["embedding"]
         return embedding, input_scale, input_bias, eda_scale
 
     @nn.compact
@@ -187,7 +194,10 @@ def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array
     """The LM head as stored in ``params``: (weight, bias or None, vocab axis of the weight).
     Tied: the (vocab, embed) embedding table (axis 0); untied: the (embed, vocab) ``lm_head`` kernel."""
     if cfg.tie_word_embeddings:
-        return params["embedding"], params.get("lm_head_bias"), 0
+        table = params["embedding"]
+        if ADAPTER in params:  # the adapted table (zaya_jax.model.adapters)
+            table = fold({"embedding": table, ADAPTER: params[ADAPTER]})["embedding"]
+        return table, params.get("lm_head_bias"), 0
     head = params["lm_head"]
     return head["kernel"], head.get("bias"), 1
 

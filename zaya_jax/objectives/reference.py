@@ -16,7 +16,6 @@ forward over the whole set, each process feeding its rows of every batch); proce
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import io
 import json
 import sys
@@ -29,7 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from zaya_jax.checkpoint.fingerprint import fingerprints
+from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.config import Config, ConfigError, DataConfig
 from zaya_jax.data import DataError, make_row_iterator, tokenized_documents
 from zaya_jax.data.documents import DocumentSequence
@@ -165,8 +164,7 @@ def _read(directory: Path, expected: dict[str, Any]) -> dict[str, np.ndarray]:
 
 def weights_fingerprint(state: TrainState) -> str:
     """A short hash of the parameters' and balancing biases' array fingerprints."""
-    prints = fingerprints({"params": state.params, "balancing": state.balancing})
-    return hashlib.sha256(json.dumps(sorted(prints.items())).encode()).hexdigest()[:16]
+    return digest({"params": state.params, "balancing": state.balancing})
 
 
 def _recorded_weights(run_dir: Path) -> str | None:

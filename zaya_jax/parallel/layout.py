@@ -6,12 +6,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config
-from zaya_jax.model import abstract_variables
+from zaya_jax.model.adapters import boxed_with_adapters
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
+from zaya_jax.model.transformer import boxed_abstract_variables
 from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.parallel.expert import expert_dispatch, probed_exchange, probes_exchange, resolve_exchange
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
@@ -79,10 +81,11 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Lay
         if probes_exchange(mesh, cfg.mesh.expert_exchange):
             exchange["why"] = probed_exchange(mesh)[1]  # cached: the probe ran once
     rows, seq = batch_spec(mesh, rules)
-    variables = variable_shardings(cfg.model, mesh, rules)
+    variables = variable_shardings(cfg.model, mesh, rules, cfg.lora)
     update = None
     if cfg.mesh.optimizer_sharding == "zero1":
-        update = zero1_shardings(abstract_variables(cfg.model)["params"], variables["params"], mesh)
+        abstract = nn.unbox(boxed_with_adapters(boxed_abstract_variables(cfg.model), cfg.lora))
+        update = zero1_shardings(abstract["params"], variables["params"], mesh)
     return Layout(
         mesh,
         rules,

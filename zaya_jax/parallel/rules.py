@@ -19,7 +19,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
+from zaya_jax.config import ConfigError, LoraConfig, MeshConfig, ModelConfig
+from zaya_jax.model.adapters import boxed_with_adapters
 from zaya_jax.model.axes import AXES, BATCH_AXES
 from zaya_jax.model.transformer import boxed_abstract_variables
 
@@ -63,13 +64,17 @@ def batch_spec(mesh: Mesh, rules: Sequence[tuple[str, Any]]) -> PartitionSpec:
 
 
 def variable_shardings(
-    model_cfg: ModelConfig, mesh: Mesh, rules: Sequence[tuple[str, Any]]
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    rules: Sequence[tuple[str, Any]],
+    lora: LoraConfig | None = None,
 ) -> dict[str, Any]:
-    """NamedShardings of the model's ``{"params", "balancing"}`` from their logical axis names.
+    """NamedShardings of the model's ``{"params", "balancing"}`` from their logical axis names, with
+    ``lora``'s adapters (each factor split like its weight).
 
     An axis whose size the mesh axes do not divide stays replicated rather than failing.
     """
-    boxed = boxed_abstract_variables(model_cfg)
+    boxed = boxed_with_adapters(boxed_abstract_variables(model_cfg), lora or LoraConfig())
 
     def sharding(leaf: nn.LogicallyPartitioned | jax.ShapeDtypeStruct) -> NamedSharding:
         if isinstance(leaf, nn.LogicallyPartitioned):

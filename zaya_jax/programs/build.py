@@ -26,12 +26,13 @@ import optax
 from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.lora import adapted_variables
 from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
 from zaya_jax.model import Zaya, abstract_variables, init_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
 from zaya_jax.programs.moe import MoeChoice, resolve_moe_impl
-from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
+from zaya_jax.programs.step import TrainState, init_train_state, make_train_step, trained_and_frozen
 
 
 def fingerprint(lowered: jax.stages.Lowered) -> str:
@@ -68,17 +69,31 @@ class Programs:
 
     @functools.cached_property
     def tx(self) -> optax.GradientTransformation:
-        groups = self.groups or model_param_groups(self.cfg.model, self.cfg.optim.router_group)
         shardings = self.layout.update if self.layout.update is not None else self.layout.variables["params"]
+        shardings = trained_and_frozen(shardings)[0]
+        if self.cfg.lora.enabled:  # the adapters alone, all AdamW without weight decay
+            groups = jax.tree.map(lambda _: LeafGroup("adamw", None, False), shardings)
+        else:
+            groups = self.groups or model_param_groups(self.cfg.model, self.cfg.optim.router_group)
         return build_optimizer(self.cfg.optim, groups, self.cfg.train.steps, shardings=shardings)
 
+    def _variables(self, key: jax.Array) -> dict[str, Any]:
+        """The model's fresh variables; with ``lora`` the base (matrices in ``lora.base_dtype``)
+        carrying fresh adapters (their key derived from ``key``, so the base's draw is unchanged)."""
+        variables = init_variables(self.cfg.model, key)
+        if self.cfg.lora.enabled:
+            variables = adapted_variables(variables, self.cfg.lora, jax.random.fold_in(key, 0x10A))
+        return variables
+
     def _init(self, key: jax.Array) -> TrainState:
-        return init_train_state(init_variables(self.cfg.model, key), self.tx)
+        return init_train_state(self._variables(key), self.tx)
 
     @functools.cached_property
     def _shapes(self) -> TrainState:
         """The train state's shapes and dtypes: the model's variables' shapes (traced once per model
         config, :func:`~zaya_jax.model.abstract_variables`) through the optimizer's init."""
+        if self.cfg.lora.enabled:
+            return jax.eval_shape(self._init, jax.random.key(0))
         variables = abstract_variables(self.cfg.model)
         return jax.eval_shape(lambda v: init_train_state(v, self.tx), variables)
 

@@ -20,8 +20,10 @@ import jax.numpy as jnp
 import optax
 
 from zaya_jax.config import Config
+from zaya_jax.lora import b_grad_norms
 from zaya_jax.loss import Batch, Objective, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
+from zaya_jax.model.adapters import has_adapters, join, split
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.optim import current_learning_rates
@@ -37,13 +39,24 @@ class TrainState:
     controller: ControllerState
 
 
+def trained_and_frozen(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what trains, what is frozen): with low-rank adapters in ``params`` the adapters' factors and
+    the rest (:func:`zaya_jax.model.adapters.split`), else every parameter and nothing."""
+    return split(params) if has_adapters(params) else (params, {})
+
+
+def _whole(trained: dict[str, Any], frozen: dict[str, Any]) -> dict[str, Any]:
+    return join(trained, frozen) if frozen else trained
+
+
 def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
-    """Step 0: fresh optimizer state; the controller starts from the variables' balancing biases."""
+    """Step 0: fresh optimizer state (for the adapters only when the parameters carry them: the
+    frozen base has none); the controller starts from the variables' balancing biases."""
     biases = variables[BALANCING]["layers"]["router"]["biases"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=variables["params"],
-        opt_state=tx.init(variables["params"]),
+        opt_state=tx.init(trained_and_frozen(variables["params"])[0]),
         balancing=variables[BALANCING],
         controller=init_controller(biases),
     )
@@ -69,7 +82,10 @@ def make_train_step(
     to (XLA then reduce-scatters the gradients and all-gathers the new parameters)."""
     model = Zaya(cfg.model, hooks)
     micro = cfg.train.micro_batches
-    grad_fn = jax.grad(lambda p, b, batch: objective.loss_and_stats(model, p, b, batch), has_aux=True)
+    grad_fn = jax.grad(  # with respect to what trains only: no gradient of a frozen base is computed
+        lambda trained, frozen, b, batch: objective.loss_and_stats(model, _whole(trained, frozen), b, batch),
+        has_aux=True,
+    )
 
     def step(
         state: TrainState, batch: Batch, lr_scale: jax.Array, loss_limit: jax.Array | None = None
@@ -78,17 +94,18 @@ def make_train_step(
         parameters, optimizer and balancing state when the loss or gradient norm is not finite or
         the loss exceeds the limit (metrics ``skipped``, ``nonfinite``), and with
         ``resilience.on_routing_alarm: skip`` when its routing is past a limit (``routing_rejected``)."""
-        grads, stats = _accumulated_grads(grad_fn, state, batch, micro)
+        trained, frozen = trained_and_frozen(state.params)
+        grads, stats = _accumulated_grads(grad_fn, (trained, frozen, state.balancing), batch, micro)
         weight = jnp.maximum(stats["weight"], 1.0)
         grads = jax.tree.map(lambda g: g / weight, grads)
         grad_norm = optax.tree.norm(grads)
         opt_state = set_lr_scale(state.opt_state, lr_scale)
-        params = state.params
         if update_shardings is not None:  # ZeRO-1: reduce-scatter the gradients, update each share
-            grads = jax.lax.with_sharding_constraint(grads, update_shardings)
-            params = jax.lax.with_sharding_constraint(params, update_shardings)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)  # all-gathered into the parameters' layout on exit
+            shares = trained_and_frozen(update_shardings)[0]
+            grads = jax.lax.with_sharding_constraint(grads, shares)
+            trained = jax.lax.with_sharding_constraint(trained, shares)
+        updates, opt_state = tx.update(grads, opt_state, trained)
+        trained = optax.apply_updates(trained, updates)  # all-gathered into the parameters' layout on exit
 
         balancing, controller = state.balancing, state.controller
         biases = state.balancing["layers"]["router"]["biases"]
@@ -102,7 +119,9 @@ def make_train_step(
         load = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)  # (layers, E+1)
         metrics = _step_metrics(stats, load, weight, grad_norm, biases, spread)
         metrics["routing"] = _routing_health(cfg, stats, load, biases, state.controller.base)
-        new_state = TrainState(state.step + 1, params, opt_state, balancing, controller)
+        if frozen:  # the inert-adapter guard's input (zaya_jax.train.steps, at the first step)
+            metrics["lora_b_grad_norm"] = b_grad_norms(grads)
+        new_state = TrainState(state.step + 1, trained, opt_state, balancing, controller)
         if loss_limit is not None:
             finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
             accept = finite & (metrics["loss"] <= loss_limit)
@@ -110,10 +129,12 @@ def make_train_step(
                 healthy = within_limits(cfg, metrics["routing"])
                 accept = accept & healthy
                 metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
-            kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
+            old = state.replace(params=trained_and_frozen(state.params)[0])  # the frozen base: as it is
+            kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, old)
             new_state = kept.replace(step=state.step + 1)
             metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
             metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+        new_state = new_state.replace(params=_whole(new_state.params, frozen))
         rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
         metrics["lr"], metrics["muon_lr"] = rates["adam_lr"], rates["muon_lr"]
         return new_state, metrics
@@ -122,22 +143,21 @@ def make_train_step(
 
 
 def _accumulated_grads(
-    grad_fn: Callable, state: TrainState, batch: Batch, micro: int
+    grad_fn: Callable, arguments: tuple[Any, ...], batch: Batch, micro: int
 ) -> tuple[dict[str, Any], dict[str, jax.Array]]:
-    """Summed gradients and loss statistics over ``micro`` equal micro-batches of ``batch``."""
+    """Summed gradients and loss statistics of ``grad_fn(*arguments, micro_batch)`` over ``micro``
+    equal micro-batches of ``batch``."""
     if micro == 1:  # no loop: a one-step scan still costs a while loop and a zeroed carry
-        return grad_fn(state.params, state.balancing, batch)
-    split = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
-    first = jax.tree.map(lambda x: x[0], split)
-    zeros = jax.tree.map(
-        lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, state.params, state.balancing, first)
-    )
+        return grad_fn(*arguments, batch)
+    parts = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
+    first = jax.tree.map(lambda x: x[0], parts)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, *arguments, first))
 
     def accumulate(carry, micro_batch):
-        grads, stats = grad_fn(state.params, state.balancing, micro_batch)
+        grads, stats = grad_fn(*arguments, micro_batch)
         return jax.tree.map(jnp.add, carry, (grads, stats)), None
 
-    return jax.lax.scan(accumulate, zeros, split)[0]
+    return jax.lax.scan(accumulate, zeros, parts)[0]
 
 
 def _routing_health(

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError, ModelConfig
+from zaya_jax.model.adapters import adapter_part, base_part, has_adapters, join, merged
 from zaya_jax.model.balancing import init_controller
 from zaya_jax.pretrained import load_model, read_model
 
@@ -77,16 +78,19 @@ def _place(source: Any, like: Any) -> Any:
 
 def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """``state`` (a fresh TrainState) with the parameters and balancing biases of ``path``; returns
-    it and a description of the source for the run's ``init_from`` event."""
+    it and a description of the source for the run's ``init_from`` event. A LoRA run's state keeps
+    its fresh adapters and takes the source as its base (in the state's dtypes, ``lora.base_dtype``);
+    a source that carries adapters itself (a LoRA run) is used merged."""
     path = Path(path)
     variables, described = _load_source(path)
-    target = {"params": state.params, "balancing": state.balancing}
-    source = {"params": variables["params"], "balancing": variables["balancing"]}
+    params = merged(variables["params"]) if has_adapters(variables["params"]) else variables["params"]
+    target = {"params": base_part(state.params), "balancing": state.balancing}
+    source = {"params": params, "balancing": variables["balancing"]}
     check_fits(source, target, str(path))
     placed = _place(source, target)
     controller = init_controller(np.asarray(source["balancing"]["layers"]["router"]["biases"], np.float32))
     state = state.replace(
-        params=placed["params"],
+        params=join(adapter_part(state.params), placed["params"]),
         balancing=placed["balancing"],
         controller=_place(controller, state.controller),
     )

@@ -180,7 +180,12 @@ def _resume(
     cfg: Config, run: RunDir, resuming: bool, fresh: TrainState, checkpoints: Checkpointing
 ) -> _Resumed:
     """The latest readable checkpoint of a resumed run (with its data position), or, for a new run
-    with ``train.init_from``, existing weights; else the fresh state."""
+    with ``train.init_from``, existing weights; else the fresh state. A LoRA run's checkpoints hold
+    its adapters only: its base is loaded first, and checked against theirs."""
+    based = None
+    if resuming and cfg.lora.enabled:
+        based = initialize_from(cfg.train.init_from, fresh)
+        fresh = based[0]
     restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
     if restored is not None:
         state, data_states, restored_step = restored
@@ -188,7 +193,7 @@ def _resume(
             run.truncate_metrics(restored_step)  # before the writer opens the file
         return _Resumed(state, restored_step + 1, unreadable, None, data_states)
     if cfg.train.init_from:
-        state, initialized = initialize_from(cfg.train.init_from, fresh)
+        state, initialized = based or initialize_from(cfg.train.init_from, fresh)
         return _Resumed(state, 1, unreadable, initialized)
     return _Resumed(fresh, 1, unreadable, None)
 

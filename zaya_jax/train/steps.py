@@ -9,8 +9,11 @@ import dataclasses
 import time
 from typing import Any
 
-from zaya_jax.config import Config
+import numpy as np
+
+from zaya_jax.config import Config, ConfigError
 from zaya_jax.data import Prefetcher
+from zaya_jax.lora import adapter_names
 from zaya_jax.objectives import HostBatch, Producer, StepPlan
 from zaya_jax.optim import batch_lr_scale
 from zaya_jax.parallel import put_batch
@@ -151,6 +154,8 @@ class TrainingSteps:
         """The step's outcome and decision; an accepted step's routing goes to the monitor, whose
         alarm (told to the user through the writer) may change the decision."""
         cfg, rollbacks = self.run.cfg, self.counts["rollbacks"]
+        if done.step == 1 and "lora_b_grad_norm" in done.metrics:
+            refuse_inert_adapters(cfg, done.metrics["lora_b_grad_norm"])
         outcome = Outcome.of(done.step, done.metrics, done.limit)
         decision = decide(outcome, cfg.resilience, rollbacks)
         alarm = (
@@ -206,6 +211,22 @@ class TrainingSteps:
         notify(r.hooks, record)
         r.writer.advance()
         return record
+
+
+def refuse_inert_adapters(cfg: Config, b_grad_norms: Any) -> None:
+    """At the first step every adapter's ``B`` has a nonzero gradient, or the run stops naming the
+    ones without: they would never train (unslothai/unsloth-zoo#1242 attached expert adapters that
+    received none)."""
+    norms = np.asarray(b_grad_norms)
+    inert = [name for name, norm in zip(adapter_names(cfg.lora), norms, strict=True) if not norm > 0]
+    if inert:
+        raise ConfigError(
+            f"the LoRA adapters of {', '.join(inert)} received no gradient at step 1, so they would never "
+            "train: the frozen base gives them none (a base whose CCA temperature is 0, a freshly "
+            "initialised one, attends uniformly, and q_proj/k_proj then have no gradient) or no token "
+            "reaches them. Start from trained weights (train.init_from) or drop their role from "
+            f"lora.targets={list(cfg.lora.targets)}"
+        )
 
 
 def rollback(

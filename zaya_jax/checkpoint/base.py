@@ -1,0 +1,62 @@
+"""The base model of a LoRA run's checkpoint: a step saves the adapters only (``params`` holds the
+``lora`` subtrees, :mod:`zaya_jax.model.adapters`) and a ``base`` item recording where the frozen
+base came from (``train.init_from``), the dtype it was held in and its fingerprint (bit-exact,
+:func:`~zaya_jax.checkpoint.fingerprint.digest`). Resuming or loading such a step first loads the
+base and checks it against the record, so adapters never run on other weights in silence."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orbax.checkpoint as ocp
+
+from zaya_jax.checkpoint.fingerprint import digest
+from zaya_jax.checkpoint.store import BaseMismatchError, CheckpointCorruptError
+from zaya_jax.config import Config
+from zaya_jax.files import read_json
+
+BASE_ITEM = "base"
+
+
+def base_record(cfg: Config, base_params: Any) -> dict[str, Any]:
+    """What a LoRA step records about its base (``base_params``: the frozen parameters as held)."""
+    return {
+        "init_from": cfg.train.init_from,
+        "dtype": cfg.lora.base_dtype,
+        "fingerprint": digest({"params": base_params}),
+    }
+
+
+def saved_base(step_dir: Path) -> dict[str, Any] | None:
+    """The base record of a step, None for a step of a run without adapters."""
+    item = step_dir / BASE_ITEM
+    if not item.is_dir():
+        return None
+    record = read_json(item / "metadata", "a LoRA checkpoint's base record")
+    if not isinstance(record, dict) or "fingerprint" not in record:
+        raise CheckpointCorruptError(f"{item / 'metadata'} does not hold a base record with a fingerprint")
+    return record
+
+
+def check_base(step_dir: Path, base_params: Any, fingerprint: str | None = None) -> None:
+    """Refuse ``base_params`` for the adapters of ``step_dir`` unless they have the fingerprint the
+    step recorded (``fingerprint``: theirs, if already computed)."""
+    record = saved_base(step_dir)
+    if record is None:
+        raise CheckpointCorruptError(
+            f"{step_dir} holds LoRA adapters but no {BASE_ITEM}/ record of the base model they belong to"
+        )
+    fingerprint = fingerprint or digest({"params": base_params})
+    if fingerprint != record["fingerprint"]:
+        raise BaseMismatchError(
+            f"the adapters of {step_dir} were trained on a base with fingerprint {record['fingerprint']} "
+            f"(train.init_from={record.get('init_from')}, held in {record.get('dtype')}), but the base "
+            f"loaded now has {fingerprint}: the weights at {record.get('init_from')} changed, or "
+            "lora.base_dtype differs. Restore the original base weights (and lora.base_dtype), or start "
+            "a new run from these adapters merged (zaya convert ... --merge)"
+        )
+
+
+def save_args(record: dict[str, Any]) -> dict[str, ocp.args.CheckpointArgs]:
+    return {BASE_ITEM: ocp.args.JsonSave(record)}

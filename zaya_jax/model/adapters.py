@@ -1,0 +1,241 @@
+"""Low-rank adapters as the model reads them: a ``lora`` subtree in a scope's parameters holds, for
+each adapted weight ``W`` of that scope, its factors ``{"a": A, "b": B}`` at ``W``'s own path, and
+one ``scale``; the model uses ``W + scale * A @ B`` wherever it would use ``W`` (:func:`fold`).
+
+Two scopes hold adapters: the scanned blocks (``params["layers"]["lora"]``: every factor and the
+scale carry the leading ``layers`` axis, so the scan hands each block its own slice and each
+block folds only its own weights, transiently, inside the scan) and the top (``params["lora"]``:
+the embedding table, also the tied LM head). Folding needs no configuration, so every forward pass
+(training, evaluation, sampling, the reference pass) runs the adapted model when the parameters
+carry adapters, and the base model when they do not.
+
+A weight ``W`` of shape ``(*lead, in, out)`` (``lead``: the layer axis, and the expert axis of
+``wi``/``wo``) has ``A`` of shape ``(*lead, in, r)`` and ``B`` of shape ``(*lead, r, out)``: each
+expert of each layer has its own pair. The fold is summed in float32 and rematerialised
+(``jax.checkpoint``): the backward pass recomputes the adapted weight from ``W``, ``A`` and ``B``
+rather than keeping a second copy of every adapted weight. Which weights a role adapts is
+:data:`ROLE_PATHS`; the roles and the refused ones are :mod:`zaya_jax.config.lora`'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from zaya_jax.config import LoraConfig
+
+ADAPTER = "lora"  # the key of a scope's adapter subtree
+FACTORS = ("a", "b")
+SCANNED = "layers"  # the scope of the scanned blocks
+
+# Role -> the weights it adapts ("/"-joined paths in the params tree).
+ROLE_PATHS: dict[str, tuple[str, ...]] = {
+    "experts": ("layers/experts/wi", "layers/experts/wo"),
+    "attention": tuple(
+        f"layers/attn/{name}/kernel" for name in ("q_proj", "k_proj", "v_current", "v_delayed", "o_proj")
+    ),
+    "embeddings": ("embedding",),
+}
+
+Params = Mapping[str, Any]
+
+
+def adapted_paths(lora: LoraConfig) -> list[str]:
+    """The weights ``lora``'s targets adapt, in target order."""
+    return [path for role in lora.targets for path in ROLE_PATHS[role]]
+
+
+def location(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(scope, path within the scope's adapter subtree) of a weight path."""
+    keys = tuple(path.split("/"))
+    return (keys[:1], keys[1:]) if keys[0] == SCANNED else ((), keys)
+
+
+def is_factor(node: Any) -> bool:
+    return isinstance(node, Mapping) and set(node) == set(FACTORS)
+
+
+def _adapted(weight: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    s = jnp.reshape(scale, jnp.shape(scale) + (1,) * (weight.ndim - jnp.ndim(scale)))
+    product = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+    return weight.astype(jnp.float32) + s.astype(jnp.float32) * product
+
+
+_adapted_remat = jax.checkpoint(_adapted)
+
+
+def fold(params: Params) -> Params:
+    """One scope's parameters with its adapters folded in (``W + scale * A @ B``, float32) and the
+    ``lora`` subtree removed; ``params`` itself when it has none. ``scale`` may carry leading axes
+    of the weights (the whole stack of layers, :func:`merged`)."""
+    if ADAPTER not in params:
+        return params
+    rest = {k: v for k, v in params.items() if k != ADAPTER}
+    adapters = params[ADAPTER]
+    scale = adapters["scale"]
+
+    def walk(node: Mapping[str, Any], factors: Mapping[str, Any], where: str) -> dict[str, Any]:
+        out = dict(node)
+        for key, sub in factors.items():
+            if key not in node:
+                raise ValueError(f"adapters for {where}{key}, which the model does not have")
+            if is_factor(sub):
+                out[key] = _adapted_remat(node[key], sub["a"], sub["b"], scale)
+            else:
+                out[key] = walk(node[key], sub, f"{where}{key}/")
+        return out
+
+    return walk(rest, {k: v for k, v in adapters.items() if k != "scale"}, "")
+
+
+def fold_variables(variables: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``nn.map_variables``' input transform of a block: its ``params`` folded."""
+    if "params" not in variables:
+        return variables
+    return {**variables, "params": fold(variables["params"])}
+
+
+def merged(params: Params) -> dict[str, Any]:
+    """The whole tree's adapters folded into their weights (float32): plain parameters, as a model
+    without adapters has them (an export, a merged checkpoint)."""
+    out = dict(fold(params))
+    if SCANNED in out:
+        out[SCANNED] = dict(fold(out[SCANNED]))
+    return out
+
+
+def has_adapters(params: Params) -> bool:
+    return ADAPTER in params or (isinstance(params.get(SCANNED), Mapping) and ADAPTER in params[SCANNED])
+
+
+def adapter_part(params: Params) -> dict[str, Any]:
+    """Only the ``lora`` subtrees of ``params`` (factors and scales), at their paths."""
+    out: dict[str, Any] = {}
+    if ADAPTER in params:
+        out[ADAPTER] = params[ADAPTER]
+    layers = params.get(SCANNED)
+    if isinstance(layers, Mapping) and ADAPTER in layers:
+        out[SCANNED] = {ADAPTER: layers[ADAPTER]}
+    return out
+
+
+def base_part(params: Params) -> dict[str, Any]:
+    """``params`` without its ``lora`` subtrees: the base model; ``join(adapter_part(p),
+    base_part(p))`` is ``p`` again."""
+    out = {k: v for k, v in params.items() if k != ADAPTER}
+    layers = out.get(SCANNED)
+    if isinstance(layers, Mapping) and ADAPTER in layers:
+        out[SCANNED] = {k: v for k, v in layers.items() if k != ADAPTER}
+    return out
+
+
+def _get(tree: Params, keys: tuple[str, ...]) -> Any:
+    node: Any = tree
+    for key in keys:
+        node = node[key]
+    return node
+
+
+def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def with_adapters(
+    params: Params, lora: LoraConfig, leaf: Callable[[str, Any, str], Any], scale: Callable[[Any, float], Any]
+) -> dict[str, Any]:
+    """``params`` with a ``lora`` subtree in each scope that ``lora`` adapts: ``leaf(path, weight,
+    "a" or "b")`` makes each factor, ``scale(layers or None, s)`` the scope's scale (``layers``: the
+    stack's length for the scanned scope)."""
+    out = {k: (dict(v) if k == SCANNED else v) for k, v in params.items()}
+    for path in adapted_paths(lora):
+        scope, inner = location(path)
+        try:
+            weight = _get(params, tuple(path.split("/")))
+        except (KeyError, TypeError):
+            raise ValueError(f"lora.targets: the model has no {path}") from None
+        home = out[scope[0]] if scope else out
+        adapters = home.setdefault(ADAPTER, {})
+        for which in FACTORS:
+            _set(adapters, (*inner, which), leaf(path, weight, which))
+        if "scale" not in adapters:
+            layers = _shape(weight)[0] if scope else None
+            adapters["scale"] = scale(layers, lora.scale)
+    return out
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    value = getattr(leaf, "value", leaf)  # a LogicallyPartitioned box or an array
+    return tuple(value.shape)
+
+
+def factor_shape(weight_shape: tuple[int, ...], which: str, rank: int) -> tuple[int, ...]:
+    *lead, fan_in, fan_out = weight_shape
+    return (*lead, fan_in, rank) if which == "a" else (*lead, rank, fan_out)
+
+
+def factor_axes(weight_axes: tuple[str | None, ...], which: str) -> tuple[str | None, ...]:
+    """Logical axes of a factor: ``A`` is split like the weight's input, ``B`` like its output, and
+    both like its stack axes (layers, experts); the rank axis is never split."""
+    *lead, fan_in, fan_out = weight_axes
+    return (*lead, fan_in, None) if which == "a" else (*lead, None, fan_out)
+
+
+def boxed_with_adapters(boxed: Mapping[str, Any], lora: LoraConfig) -> Mapping[str, Any]:
+    """Boxed abstract variables (``nn.LogicallyPartitioned`` leaves, as
+    :func:`~zaya_jax.model.transformer.boxed_abstract_variables` gives them) with ``lora``'s
+    adapters added, each factor named by :func:`factor_axes` so that it is sharded with its weight
+    (an expert's pair with its expert); ``boxed`` itself without adapters."""
+    if not lora.enabled:
+        return boxed
+
+    def leaf(path: str, weight: nn.LogicallyPartitioned, which: str) -> nn.LogicallyPartitioned:
+        shape = factor_shape(tuple(weight.value.shape), which, lora.rank)
+        return nn.LogicallyPartitioned(
+            jax.ShapeDtypeStruct(shape, jnp.float32), factor_axes(weight.names, which)
+        )
+
+    def scale(layers: int | None, _: float) -> Any:
+        if layers is None:
+            return jax.ShapeDtypeStruct((), jnp.float32)
+        return nn.LogicallyPartitioned(jax.ShapeDtypeStruct((layers,), jnp.float32), ("layers",))
+
+    return {**boxed, "params": with_adapters(boxed["params"], lora, leaf, scale)}
+
+
+def split(params: Params) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the factors, everything else): what trains and what is frozen, each a nested dict keeping
+    the paths of ``params``; :func:`join` puts them back together."""
+
+    def walk(node: Any, in_adapters: bool) -> tuple[Any, Any]:
+        if not isinstance(node, Mapping):
+            return (node, None) if in_adapters else (None, node)
+        train, frozen = {}, {}
+        for key, sub in node.items():
+            inside = in_adapters or key == ADAPTER
+            t, f = walk(sub, inside and key != "scale")
+            if t is not None and not _empty(t):
+                train[key] = t
+            if f is not None and not _empty(f):
+                frozen[key] = f
+        return train, frozen
+
+    train, frozen = walk(params, False)
+    return train, frozen
+
+
+def _empty(node: Any) -> bool:
+    return isinstance(node, dict) and not node
+
+
+def join(train: Params, frozen: Params) -> dict[str, Any]:
+    """The inverse of :func:`split`."""
+    out = dict(frozen)
+    for key, sub in train.items():
+        out[key] = join(sub, frozen.get(key, {})) if isinstance(sub, Mapping) else sub
+    return out
