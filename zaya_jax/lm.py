@@ -21,7 +21,10 @@ from zaya_jax.eval import evaluate
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
+from zaya_jax.interop.peft import save_peft_adapter
+from zaya_jax.lora import adapters_of
 from zaya_jax.model import Zaya
+from zaya_jax.model.adapters import merged
 from zaya_jax.objectives import GivenData, SavedRun, registered, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer
 from zaya_jax.parallel.distributed import enable_compilation_cache
@@ -241,7 +244,14 @@ def _saved_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) ->
     )  # fmt: skip
 
 
-def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32") -> tuple[Path, int]:
+def export_hf(
+    path: str | Path,
+    destination: str | Path,
+    dtype: str = "float32",
+    *,
+    merge: bool = False,
+    adapter: bool = False,
+) -> tuple[Path, int]:
     """``zaya convert zaya-to-hf``: a run or checkpoint as an HF ``save_pretrained`` directory
     (config, generation config, weights) with the run's tokenizer when it is a ``tokenizer.json``
     (copied, plus a ``tokenizer_config.json`` naming its special tokens), so that ``transformers``
@@ -250,15 +260,45 @@ def export_hf(path: str | Path, destination: str | Path, dtype: str = "float32")
     The directory is written beside ``destination`` and renamed into place when complete
     (:mod:`zaya_jax.staging`): a killed export leaves no ``destination`` (or the empty one it
     found), and rerunning it succeeds. When ``destination`` already holds an export, it is exported
-    again beside it: byte-identical files leave it as it is; anything else is refused."""
+    again beside it: byte-identical files leave it as it is; anything else is refused.
+
+    A LoRA run (``lora.rank > 0``) is exported ``merge``d (one HF model whose weights are
+    ``W + s A B``, for ``transformers`` and vLLM, whose ZAYA model takes no adapters) or as an
+    ``adapter`` (a PEFT directory, :func:`zaya_jax.interop.peft.save_peft_adapter`, for
+    ``PeftModel.from_pretrained`` on the HF export of its base); one of the two must be chosen."""
     destination = Path(destination)
     if destination.exists() and not is_empty_dir(destination) and not (destination / "config.json").is_file():
         raise FileExistsError(f"{destination} exists and is not empty; choose a new destination")
     if model_format(path) == "hf":
         raise ValueError(f"{path} is a Hugging Face directory already; give a zaya-jax run or step directory")
+    if merge and adapter:
+        raise ValueError(
+            "give --merge (one merged HF model) or --adapter (a PEFT adapter directory), not both"
+        )
     files = load_model(path)
+    variables = files.variables
+    lora = files.run.lora if files.run is not None else None
+    if lora is None or not lora.enabled:
+        if adapter:
+            raise ValueError(f"{path} is not a LoRA run (lora.rank is 0): it has no adapters to export")
+    elif adapter:
+        with StagedDirectory(destination, "zaya convert zaya-to-hf --adapter") as staged:
+            base = files.run.train.init_from if model_format(files.run.train.init_from) == "hf" else None
+            save_peft_adapter(
+                staged.path, files.model, adapters_of(variables["params"]), lora, base_model=base
+            )
+            staged.publish_or_match(same_files)
+        return destination, files.step
+    elif not merge:
+        raise ValueError(
+            f"{path} is a LoRA run: give --merge for one HF model with the adapters merged into its weights "
+            "(transformers, vLLM), or --adapter for a PEFT adapter directory to load on the HF export of "
+            f"its base ({files.run.train.init_from})"
+        )
+    else:
+        variables = {**variables, "params": merged(variables["params"])}
     with StagedDirectory(destination, "zaya convert zaya-to-hf") as staged:
-        save_hf_directory(staged.path, files.model, files.variables, dtype=dtype)
+        save_hf_directory(staged.path, files.model, variables, dtype=dtype)
         tok, _ = find_tokenizer(path, files.run)
         if isinstance(tok, HFTokenizer):
             write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())

@@ -19,7 +19,7 @@ VARIABLES = init_variables(CFG, 0)
 PARAMS = VARIABLES["params"]
 
 
-def Lora(rank, **kwargs):  # noqa: N802 (a checked LoraConfig)
+def Lora(rank, **kwargs):
     lora = LoraConfig(rank, **kwargs)
     lora.validate()
     return lora
@@ -112,5 +112,7 @@ def test_factors_that_do_not_fit_their_weight_are_refused():
     adapters["layers/experts/wo"]["b"] = jnp.swapaxes(adapters["layers/experts/wi"]["b"], -1, -2)[..., :1, :]
     with pytest.raises(ValueError, match="do not fit layers/experts/wo"):
         merge(PARAMS, adapters, lora)
-    with pytest.raises(ValueError, match="adapters for weights the targets do not name: layers/attn/q_proj/kernel"):
+    with pytest.raises(
+        ValueError, match="adapters for weights the targets do not name: layers/attn/q_proj/kernel"
+    ):
         merge(PARAMS, {**adapters, "layers/attn/q_proj/kernel": adapters["layers/experts/wi"]}, lora)

@@ -29,7 +29,7 @@ class CheckpointCorruptError(RuntimeError):
     back different from what was saved (bytes changed on disk); the message names the files."""
 
 
-class BaseMismatchError(RuntimeError):
+class BaseMismatchError(ValueError):
     """A LoRA checkpoint whose recorded base model is not the one given: its adapters would run on
     other weights. Never a reason to set the checkpoint aside (it is intact)."""
 

@@ -32,6 +32,16 @@ def _add_convert_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="zaya-to-hf weight dtype"
     )
     convert.add_argument(
+        "--merge",
+        action="store_true",
+        help="zaya-to-hf of a LoRA run: one HF model with the adapters merged into its weights",
+    )
+    convert.add_argument(
+        "--adapter",
+        action="store_true",
+        help="zaya-to-hf of a LoRA run: a PEFT adapter directory (for PeftModel on its base's HF export)",
+    )
+    convert.add_argument(
         "--set", action="append", default=[], metavar="model.KEY=VALUE", help="override a model config value"
     )
     convert.set_defaults(func=_cmd_convert)
@@ -77,8 +87,13 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.direction == "zaya-to-hf":
         from zaya_jax.lm import export_hf
 
-        _, step = export_hf(args.src, args.dst, dtype=args.dtype)
-        print(f"{args.dst}: step {step} of {args.src} in HF format ({args.dtype})")
+        _, step = export_hf(args.src, args.dst, dtype=args.dtype, merge=args.merge, adapter=args.adapter)
+        what = (
+            "a PEFT adapter"
+            if args.adapter
+            else f"HF format ({args.dtype}{', merged' if args.merge else ''})"
+        )
+        print(f"{args.dst}: step {step} of {args.src} as {what}")
         return 0
     dst = Path(args.dst)
     converted_before = (dst / "config.yaml").is_file() and (dst / checkpoint.CHECKPOINTS).is_dir()

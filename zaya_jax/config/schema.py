@@ -74,6 +74,12 @@ class Config:
                 f"lora.rank={self.lora.rank} needs train.init_from (or --init-from): the base model the "
                 "adapters are trained on (a run, step, HF or PEFT adapter directory)"
             )
+        if self.lora.enabled and self.balancing.enabled:
+            raise ConfigError(
+                f"lora.rank={self.lora.rank} with balancing.enabled=true: the router's balancing biases are "
+                "part of the frozen base (a PEFT adapter export carries none, so it would route differently "
+                "from the run); set balancing.enabled=false"
+            )
         if self.train.max_seq_len > self.model.max_position_embeddings:
             raise ConfigError(
                 f"train.seq_len={self.train.max_seq_len} exceeds model.max_position_embeddings="

@@ -126,10 +126,12 @@ def save_peft_adapter(
     model_cfg: ModelConfig,
     adapters: Mapping[str, Mapping[str, Any]],
     lora: LoraSettings,
+    base_model: str | None = None,
 ) -> Path:
     """Write ``adapters`` (path -> {"a": (L, [E,] in, r), "b": (L, [E,] r, out)}) of ``lora`` as a
     PEFT adapter directory for the HF export of ``model_cfg``; the weights file first and
-    ``adapter_config.json`` last, each atomically."""
+    ``adapter_config.json`` last, each atomically. ``base_model``: the HF directory of the base
+    (``base_model_name_or_path``), when there is one."""
     paths = _paths(tuple(lora.targets))
     if set(adapters) != set(paths):
         raise PeftError(
@@ -159,7 +161,7 @@ def save_peft_adapter(
     config = {
         "peft_type": "LORA",
         "task_type": None,
-        "base_model_name_or_path": None,
+        "base_model_name_or_path": base_model,
         "r": lora.rank,
         "lora_alpha": lora.alpha,
         "use_rslora": bool(lora.rslora),

@@ -131,7 +131,9 @@ def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
     (stats, cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any
     (:mod:`zaya_jax.model.adapters`)."""
     # A block folds the low-rank adapters its parameters carry into their weights (a no-op without).
-    block = nn.map_variables(Block, "params", trans_in_fn=fold_variables, init=True)
+    block = nn.map_variables(
+        Block, "params", trans_in_fn=fold_variables, mutable=True
+    )  # mutable: init creates the params through it
     if cfg.remat != "none":
         # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.
         block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)

@@ -20,6 +20,7 @@ from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config, t
 from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
 from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
+from zaya_jax.model.adapters import has_adapters
 
 
 def is_hf_directory(path: str | Path) -> bool:
@@ -152,6 +153,11 @@ def save_hf_directory(
         )
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    if has_adapters(variables["params"]):
+        raise ConversionError(
+            "the parameters carry LoRA adapters, which an HF model has no place for: merge them first "
+            "(zaya convert zaya-to-hf RUN OUT --merge) or export them as a PEFT adapter (--adapter)"
+        )
     directory = Path(directory)
     if directory.exists() and any(directory.iterdir()):
         raise FileExistsError(f"{directory} exists and is not empty; choose a new destination")
