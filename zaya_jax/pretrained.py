@@ -1,5 +1,6 @@
 """One loading path for model files: a run directory (its latest readable step), a step directory
-(``checkpoints/<step>``) or a Hugging Face ``save_pretrained`` directory, for everything that uses a
+(``checkpoints/<step>``), a Hugging Face ``save_pretrained`` directory or an HF PEFT LoRA adapter
+directory (its ``base_model_name_or_path`` loaded, the adapters on it), for everything that uses a
 trained model: ``zaya_jax.load`` (and through it ``zaya eval``, ``zaya generate``, ``zaya convert
 zaya-to-hf`` and the lm-eval model), ``train.init_from`` and ``zaya inspect``.
 
@@ -19,19 +20,22 @@ from typing import Any
 from zaya_jax import checkpoint
 from zaya_jax.checkpoint.base import check_base
 from zaya_jax.checkpoint.readable import locate
-from zaya_jax.config import Config, ModelConfig, to_dict
+from zaya_jax.config import Config, LoraConfig, ModelConfig, to_dict
 from zaya_jax.data.sources import DataError
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, special_tokens
+from zaya_jax.files import read_json
 from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_directory
+from zaya_jax.interop.peft import CONFIG_FILE as PEFT_CONFIG
+from zaya_jax.interop.peft import load_peft_adapter
 from zaya_jax.interop.safetensors_io import tensor_shapes
-from zaya_jax.lora import base_cast
+from zaya_jax.lora import attach, base_cast
 from zaya_jax.model import param_counts
-from zaya_jax.model.adapters import adapter_part, has_adapters, join, merged
+from zaya_jax.model.adapters import adapter_part, base_part, join
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelFiles:
-    """What a path holds: its ``format`` (``zaya`` or ``hf``), the model config, for a checkpoint the
+    """What a path holds: its ``format`` (``zaya``, ``hf`` or ``peft``), the model config, for a checkpoint the
     run's whole config and the step read, and the variables (None when only the config was read)."""
 
     path: Path
@@ -59,13 +63,45 @@ def model_format(path: str | Path) -> str:
             f"{path} does not exist; give a run directory, a step directory ({checkpoint.CHECKPOINTS}/<step>) "
             "or a Hugging Face save_pretrained directory"
         )
+    if is_peft_directory(path):
+        return "peft"
     return "hf" if is_hf_directory(path) else "zaya"
+
+
+def _peft_base(path: Path) -> Path:
+    """The base model a PEFT adapter directory names (``base_model_name_or_path``, a local path:
+    absolute, or relative to the adapter directory or the working directory)."""
+    config = read_json(path / PEFT_CONFIG, "a PEFT adapter config")
+    named = config.get("base_model_name_or_path")
+    if not named:
+        raise FileNotFoundError(
+            f"{path / PEFT_CONFIG} names no base_model_name_or_path; set it to the base model's local HF or "
+            "zaya-jax directory (a PEFT adapter is loaded onto its base)"
+        )
+    for candidate in (Path(named), path / named):
+        if os.path.lexists(candidate):
+            return candidate
+    raise FileNotFoundError(
+        f"{path / PEFT_CONFIG}: base_model_name_or_path={named!r} is not a local directory; download the base "
+        "model and set the key to its path"
+    )
+
+
+def _peft_model(path: Path) -> ModelFiles:
+    """A PEFT adapter directory: its base loaded (without adapters of its own) and its adapters on it."""
+    base = load_model(_peft_base(path))
+    adapters, settings = load_peft_adapter(path, base.model)
+    params = attach(base_part(base.variables["params"]), adapters, LoraConfig(**settings))
+    return ModelFiles(path, "peft", base.model, variables={**base.variables, "params": params})
 
 
 def read_model(path: str | Path) -> ModelFiles:
     """The model config (and a checkpoint's run config and step) without reading any array."""
     path = Path(path)
-    if model_format(path) == "hf":
+    kind = model_format(path)
+    if kind == "peft":
+        return ModelFiles(path, "peft", read_model(_peft_base(path)).model)
+    if kind == "hf":
         return ModelFiles(path, "hf", hf_directory_model(path))
     cfg, step = checkpoint.read_config(path)
     return ModelFiles(path, "zaya", cfg.model, cfg, step)
@@ -75,7 +111,10 @@ def load_model(path: str | Path) -> ModelFiles:
     """The model config and variables (a checkpoint's on the first local device, an HF directory's
     on the host), every checkpoint array checked against its fingerprint."""
     path = Path(path)
-    if model_format(path) == "hf":
+    kind = model_format(path)
+    if kind == "peft":
+        return _peft_model(path)
+    if kind == "hf":
         model, variables = load_hf_directory(path)
         return ModelFiles(path, "hf", model, variables=variables)
     run, variables, step = checkpoint.restore_model(path)
@@ -85,8 +124,8 @@ def load_model(path: str | Path) -> ModelFiles:
 
 
 def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) -> dict[str, Any]:
-    """A LoRA step's adapters on their base: ``train.init_from`` loaded (merged, when it is a LoRA
-    run itself), held in ``lora.base_dtype`` and checked against the step's base record."""
+    """A LoRA step's adapters on their base: ``train.init_from``'s base (without adapters of its
+    own, when it has some), held in ``lora.base_dtype`` and checked against the step's base record."""
     step_dir = locate(path)[0] / str(step)
     try:
         source = load_model(run.train.init_from)
@@ -95,16 +134,27 @@ def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) ->
             f"{step_dir} holds LoRA adapters; their base model train.init_from={run.train.init_from} "
             f"cannot be loaded ({err}). Put the base weights back at that path"
         ) from err
-    base = source.variables["params"]
-    base = base_cast(merged(base) if has_adapters(base) else base, run.lora.base_dtype)
+    base = base_cast(base_part(source.variables["params"]), run.lora.base_dtype)
     check_base(step_dir, base)
     return {**variables, "params": join(adapter_part(variables["params"]), base)}
+
+
+def is_peft_directory(path: str | Path) -> bool:
+    return (Path(path) / PEFT_CONFIG).is_file()
 
 
 def describe_model(path: str | Path) -> dict[str, Any]:
     """``zaya inspect``'s report from metadata alone: format, config, step, parameter counts and
     every array's (shape, dtype)."""
     path = Path(path)
+    if model_format(path) == "peft":
+        base = _peft_base(path)
+        return {
+            **describe_model(base),
+            "format": "peft",
+            "base": str(base),
+            "adapter": read_json(path / PEFT_CONFIG, "a PEFT adapter config"),
+        }
     if model_format(path) == "hf":
         model = hf_directory_model(path)
         arrays = {"tensors": tensor_shapes(path)}

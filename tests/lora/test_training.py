@@ -68,9 +68,7 @@ def test_a_lora_run_trains_its_adapters_saves_only_them_and_exports_exactly(base
     assert main(["train", *SHAPE, "--init-from", str(base), f"run.dir={run}", "train.steps=4", *LORA]) == 0
     model, start = zaya_jax.load(run), zaya_jax.load(base)
     params = model.variables["params"]
-    assert all(
-        np.array_equal(a, b) for a, b in zip(_leaves(base_part(params)), _leaves(start.variables["params"]))
-    )
+    assert _same(base_part(params), start.variables["params"])
     assert all(np.any(leaf) for leaf in _leaves(adapter_part(params)))  # every A and B moved (B from 0)
 
     _, step, arrays = checkpoint.describe(run)
@@ -103,6 +101,23 @@ def test_a_lora_run_trains_its_adapters_saves_only_them_and_exports_exactly(base
     with_adapter = peft.PeftModel.from_pretrained(base_hf, tmp_path / "adapter").eval()
     assert np.abs(hf_logits(with_adapter, IDS) - adapted).max() <= 1e-4 * scale
 
+    # the reverse: the PEFT directory as a model (its base named in adapter_config.json) and as the
+    # start of a LoRA run, which continues its adapters on its base
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (tmp_path / "adapter" / "adapter_config.json").write_text(
+        json.dumps({**config, "base_model_name_or_path": str(tmp_path / "base_hf")})
+    )
+    imported = zaya_jax.load(tmp_path / "adapter")
+    assert np.abs(_logits(imported, imported.variables["params"]) - adapted).max() <= 1e-5 * scale
+    resumed = tmp_path / "from_peft"
+    frozen_step = ["train.steps=1", "optim.warmup_steps=5"]  # the first step's learning rate is 0
+    assert main(["train", *SHAPE, "--init-from", str(tmp_path / "adapter"), f"run.dir={resumed}", *LORA,
+                 *frozen_step]) == 0  # fmt: skip
+    assert _same(adapter_part(zaya_jax.load(resumed).variables["params"]), adapter_part(params))
+    assert main(["train", *SHAPE, "--init-from", str(tmp_path / "adapter"), f"run.dir={tmp_path / 'r8'}",
+                 *LORA, "lora.rank=8"]) == 2  # fmt: skip
+    assert "its adapters are scaled by [8.0], this run's by [4.0]; set lora.alpha" in capsys.readouterr().err
+
 
 def _train(run, base, *extra, prefix=(sys.executable, "-m", "zaya_jax.cli"), check=True):
     cmd = [*prefix, "train", *SHAPE, "--init-from", str(base), f"run.dir={run}", "train.steps=6",
@@ -126,9 +141,7 @@ def test_resume_after_sigkill_is_bit_identical_and_another_base_is_refused(base,
     _train(run, base)  # the same command: the base loaded again, the adapters restored from step 4
     assert _losses(run) == _losses(reference)
     ours, theirs = zaya_jax.load(run).variables["params"], zaya_jax.load(reference).variables["params"]
-    assert all(
-        np.array_equal(a, b) for a, b in zip(_leaves(adapter_part(ours)), _leaves(adapter_part(theirs)))
-    )
+    assert _same(adapter_part(ours), adapter_part(theirs))
 
     # the base moves under a run's adapters: resuming it, or loading it, is refused, nothing set aside
     moved = tmp_path / "moved_base"

@@ -3,6 +3,7 @@
 from zaya_jax.lora.adapters import (
     Adapters,
     adapted_variables,
+    adapter_count,
     adapter_names,
     adapters_of,
     attach,
@@ -17,6 +18,7 @@ from zaya_jax.lora.adapters import (
 __all__ = [
     "Adapters",
     "adapted_variables",
+    "adapter_count",
     "adapter_names",
     "adapters_of",
     "attach",

@@ -25,19 +25,23 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.config import LoraConfig
+from zaya_jax.config import LoraConfig, ModelConfig
 from zaya_jax.model.adapters import (
     ADAPTER,
     FACTORS,
     adapted_paths,
+    boxed_with_adapters,
     factor_shape,
     has_adapters,
     merged,
+    split,
     with_adapters,
 )
+from zaya_jax.model.transformer import boxed_abstract_variables
 
 Params = Mapping[str, Any]
 Adapters = dict[str, dict[str, jax.Array]]  # path -> {"a": A, "b": B}
@@ -154,6 +158,13 @@ def adapted_variables(variables: Params, lora: LoraConfig, key: jax.Array) -> di
     params = variables["params"]
     adapters = init_adapters(params, lora, key)
     return {**variables, "params": attach(base_cast(params, lora.base_dtype), adapters, lora)}
+
+
+def adapter_count(model: ModelConfig, lora: LoraConfig) -> int:
+    """How many numbers ``lora``'s factors hold on ``model`` (what a LoRA run trains)."""
+    boxed = boxed_with_adapters(boxed_abstract_variables(model), lora)
+    factors = split(nn.unbox(boxed)["params"])[0] if lora.enabled else {}
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(factors))
 
 
 def adapter_names(lora: LoraConfig) -> list[str]:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 
 # Device memory of the accelerators the presets name (GB as the vendors state it, 1e9 bytes).
 DEVICE_MEMORY_GB = {
+    "l40s": 48.0,
     "h100": 80.0,
     "h200": 141.0,
     "b200": 180.0,

@@ -55,10 +55,26 @@ def start_event(
         print(
             f"zaya train: {writer.run_dir} ({origin})\n"
             f"zaya train: {_count(counts['total_params'])} parameters ({_count(counts['active_params'])} active), "
-            f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}",
+            f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}"
+            + _lora_line(cfg, counts),
             file=sys.stderr,
             flush=True,
         )
+
+
+def _lora_line(cfg: Config, counts: dict[str, int]) -> str:
+    """A LoRA run's line: what trains, and how the base is held."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return ""
+    from zaya_jax.lora import adapter_count
+
+    trained = adapter_count(cfg.model, lora)
+    return (
+        f"\nzaya train: LoRA rank {lora.rank} (scale {lora.scale:g}) on {', '.join(lora.targets)}: "
+        f"{_count(trained)} trained parameters ({100 * trained / counts['total_params']:.2f}% of the model), "
+        f"the base frozen in {lora.base_dtype}"
+    )
 
 
 def _count(n: int) -> str:
