@@ -28,7 +28,7 @@ from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_dir
 from zaya_jax.interop.peft import CONFIG_FILE as PEFT_CONFIG
 from zaya_jax.interop.peft import load_peft_adapter
 from zaya_jax.interop.safetensors_io import tensor_shapes
-from zaya_jax.lora import attach, base_cast
+from zaya_jax.lora import arranged, attach, base_cast
 from zaya_jax.model import param_counts
 from zaya_jax.model.adapters import adapter_part, base_part, join
 
@@ -124,8 +124,9 @@ def load_model(path: str | Path) -> ModelFiles:
 
 
 def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) -> dict[str, Any]:
-    """A LoRA step's adapters on their base: ``train.init_from``'s base (without adapters of its
-    own, when it has some), held in ``lora.base_dtype`` and checked against the step's base record."""
+    """A LoRA step's adapters on their base: ``train.init_from``'s, as the run took it
+    (:func:`zaya_jax.lora.arranged`), held in ``lora.base_dtype`` and checked against the step's
+    base record."""
     step_dir = locate(path)[0] / str(step)
     try:
         source = load_model(run.train.init_from)
@@ -134,9 +135,10 @@ def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) ->
             f"{step_dir} holds LoRA adapters; their base model train.init_from={run.train.init_from} "
             f"cannot be loaded ({err}). Put the base weights back at that path"
         ) from err
-    base = base_cast(base_part(source.variables["params"]), run.lora.base_dtype)
+    adapters = adapter_part(variables["params"])
+    base = base_cast(base_part(arranged(source.variables["params"], adapters)), run.lora.base_dtype)
     check_base(step_dir, base)
-    return {**variables, "params": join(adapter_part(variables["params"]), base)}
+    return {**variables, "params": join(adapters, base)}
 
 
 def is_peft_directory(path: str | Path) -> bool:

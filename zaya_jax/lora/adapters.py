@@ -28,15 +28,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from zaya_jax.config import LoraConfig, ModelConfig
 from zaya_jax.model.adapters import (
     ADAPTER,
     FACTORS,
     adapted_paths,
+    adapter_part,
     boxed_with_adapters,
     factor_shape,
     has_adapters,
+    join,
     merged,
     split,
     with_adapters,
@@ -158,6 +161,35 @@ def adapted_variables(variables: Params, lora: LoraConfig, key: jax.Array) -> di
     params = variables["params"]
     adapters = init_adapters(params, lora, key)
     return {**variables, "params": attach(base_cast(params, lora.base_dtype), adapters, lora)}
+
+
+def _host(x: Any) -> np.ndarray:
+    return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+
+
+def _layout(adapters: Params) -> list[tuple[str, tuple[int, ...], float | None]]:
+    """Each adapter leaf's path and shape, and the scales' values: what decides whether adapters
+    can continue as another run's."""
+    return [
+        (
+            jax.tree_util.keystr(path),
+            tuple(np.shape(x)),
+            float(_host(x).reshape(-1)[0]) if "scale" in str(path) else None,
+        )
+        for path, x in jax.tree_util.tree_leaves_with_path(adapters)
+    ]
+
+
+def arranged(source: Params, target_adapters: Params) -> dict[str, Any]:
+    """``source``'s parameters as a start for a model whose adapters are ``target_adapters``
+    (:func:`~zaya_jax.model.adapters.adapter_part` of its parameters; empty without adapters): its
+    base and adapters when they have the target's rank, targets and scale (a PEFT directory or a
+    LoRA run continued); otherwise ``source`` merged (its adapters, if any, folded in) as the base,
+    under ``target_adapters``. The one rule for ``train.init_from`` and for loading a LoRA step."""
+    if has_adapters(source) and target_adapters and _layout(adapter_part(source)) == _layout(target_adapters):
+        return dict(source)
+    base = merged(source) if has_adapters(source) else dict(source)
+    return join(target_adapters, base) if target_adapters else base
 
 
 def adapter_count(model: ModelConfig, lora: LoraConfig) -> int:

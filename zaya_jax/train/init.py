@@ -17,7 +17,8 @@ import jax
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError, ModelConfig
-from zaya_jax.model.adapters import adapter_part, has_adapters, join, merged
+from zaya_jax.lora import arranged
+from zaya_jax.model.adapters import adapter_part
 from zaya_jax.model.balancing import init_controller
 from zaya_jax.pretrained import load_model, read_model
 
@@ -79,19 +80,13 @@ def _place(source: Any, like: Any) -> Any:
 def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
     """``state`` (a fresh TrainState) with the parameters and balancing biases of ``path``; returns
     it and a description of the source for the run's ``init_from`` event. A LoRA run's state keeps
-    its fresh adapters and takes the source as its base (in the state's dtypes, ``lora.base_dtype``),
-    or, when the source carries adapters itself (a LoRA run, a PEFT adapter directory), takes its
-    base and continues its adapters, which must have the run's rank, targets and scale. A run
-    without adapters starts from such a source merged."""
+    its fresh adapters and takes the source as its base (in the state's dtypes, ``lora.base_dtype``);
+    a source with adapters of the run's rank, targets and scale (a PEFT directory, a LoRA run) gives
+    its base and continues its adapters, one with others is merged into the base
+    (:func:`zaya_jax.lora.arranged`). A run without adapters starts from such a source merged."""
     path = Path(path)
     variables, described = _load_source(path)
-    params = variables["params"]
-    if has_adapters(state.params):
-        if not has_adapters(params):
-            params = join(adapter_part(state.params), params)
-        _check_scales(adapter_part(params), adapter_part(state.params), str(path))
-    elif has_adapters(params):
-        params = merged(params)
+    params = arranged(variables["params"], adapter_part(state.params))
     target = {"params": state.params, "balancing": state.balancing}
     source = {"params": params, "balancing": variables["balancing"]}
     check_fits(source, target, str(path))
@@ -103,25 +98,6 @@ def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, di
         controller=_place(controller, state.controller),
     )
     return state, described
-
-
-def _check_scales(source: dict[str, Any], target: dict[str, Any], origin: str) -> None:
-    """The adapters of ``origin`` scale as this run's do (``lora.alpha``, ``lora.rank``, ``lora.rslora``)."""
-    theirs = [float(np.asarray(x).reshape(-1)[0]) for x in _scales(source)]
-    ours = [float(np.asarray(x).reshape(-1)[0]) for x in _scales(target)]
-    if theirs != ours:
-        raise ConfigError(
-            f"train.init_from={origin}: its adapters are scaled by {theirs[:1]}, this run's by {ours[:1]}; set "
-            "lora.alpha, lora.rank and lora.rslora to the adapters' (their adapter_config.json or config.yaml)"
-        )
-
-
-def _scales(adapters: dict[str, Any]) -> list[Any]:
-    return [
-        leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(adapters)
-        if "scale" in jax.tree_util.keystr(path)
-    ]
 
 
 def starting_weights(cfg: Config, fresh: TrainState) -> TrainState:
