@@ -10,7 +10,7 @@ from zaya_jax.config import ConfigError, load_config
 @pytest.mark.parametrize("preset", ["lora-sft", "lora-grpo"])
 def test_lora_presets_need_their_base(preset):
     with pytest.raises(
-        ConfigError, match="needs train.init_from .*the base model the adapters are trained on"
+        ConfigError, match=r"needs train.init_from .*the base model the adapters are trained on"
     ):
         load_config(preset)
     cfg = load_config(preset, ["train.init_from=runs/sft"])
