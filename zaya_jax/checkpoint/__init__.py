@@ -4,7 +4,8 @@ Layout of a run directory::
 
     <run>/config.yaml                 the resolved config
     <run>/checkpoints/<step>/         one Orbax checkpoint per step, items:
-        params/                       the model parameters
+        params/                       the model parameters (a LoRA run's: its adapters only)
+        base/                         (LoRA runs) the frozen base the adapters belong to: init_from, dtype, fingerprint
         balancing/                    the router balancing biases (non-gradient state)
         config/                       the resolved config again, so a step directory stands alone
         fingerprints/                 a fingerprint of every array above (checkpoint.fingerprint)

@@ -23,7 +23,7 @@ A directory holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alp
 Embedding adapters are refused (PEFT's embedding LoRA and the tied head are not mapped yet).
 This module stays in ``interop``, which may not import ``lora`` (the same layer): it takes any
 object with ``rank``, ``alpha``, ``rslora`` and ``targets`` and gives back those fields as a dict,
-``Lora(**settings)``.
+``LoraConfig(**settings)``.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def load_peft_adapter(
     directory: str | Path, model_cfg: ModelConfig
 ) -> tuple[dict[str, dict[str, np.ndarray]], dict[str, Any]]:
     """The adapters of a PEFT directory written by :func:`save_peft_adapter` (or by PEFT for the
-    same targets) and the settings ``{"rank", "alpha", "rslora", "targets"}`` (``Lora(**settings)``).
+    same targets) and the settings ``{"rank", "alpha", "rslora", "targets"}`` (``LoraConfig(**settings)``).
     Anything the format has that ours cannot hold (DoRA, per-module ranks, other modules) is an error."""
     directory = Path(directory)
     config = read_json(directory / CONFIG_FILE, "a PEFT adapter config")
