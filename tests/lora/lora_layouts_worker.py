@@ -30,6 +30,7 @@ LAYOUTS = {
     "expert2": ["mesh.data=4", "mesh.expert=2"],
     "fsdp_expert": ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2"],
     "zero1_expert": ["mesh.data=4", "mesh.expert=2", "mesh.optimizer_sharding=zero1"],
+    "context_micro": ["mesh.data=2", "mesh.context=4", "train.micro_batches=2"],
 }
 STEPS = 6
 

@@ -116,3 +116,28 @@ def test_factors_that_do_not_fit_their_weight_are_refused():
         ValueError, match="adapters for weights the targets do not name: layers/attn/q_proj/kernel"
     ):
         merge(PARAMS, {**adapters, "layers/attn/q_proj/kernel": adapters["layers/experts/wi"]}, lora)
+
+
+@pytest.mark.parametrize("moe_impl", ["sorted", "capacity", "dense"])
+def test_the_model_folds_adapters_per_block_as_the_merged_weights_compute(moe_impl):
+    """The adapters carried in the parameters (folded per block inside the scan) give the logits of
+    the merged weights on every MoE path, the square wo included."""
+    import dataclasses
+
+    from zaya_jax.lora import attach
+    from zaya_jax.model.adapters import merged
+
+    cfg = dataclasses.replace(CFG, moe_impl=moe_impl, capacity_factor=4.0)
+    lora = Lora(2, alpha=4.0, targets=("experts", "attention", "embeddings"))
+    adapters = init_adapters(PARAMS, lora, jax.random.key(8))
+    for i, factors in enumerate(adapters.values()):
+        factors["b"] = 0.1 * jax.random.normal(jax.random.key(9 + i), factors["b"].shape)
+    carried = attach(PARAMS, adapters, lora)
+    tokens = jax.random.randint(jax.random.key(10), (2, 16), 3, CFG.vocab_size)
+    model = Zaya(cfg)
+    folded = np.asarray(model.apply({**VARIABLES, "params": carried}, tokens)[0])
+    plain = np.asarray(model.apply({**VARIABLES, "params": merged(carried)}, tokens)[0])
+    base = np.asarray(model.apply(VARIABLES, tokens)[0])
+    scale = np.abs(plain).max()
+    assert np.abs(folded - plain).max() <= 1e-5 * scale
+    assert np.abs(folded - base).max() > 1e-2 * scale

@@ -1,5 +1,6 @@
 """LoRA on every mesh layout: one device, expert parallelism (the adapters split with their
-experts), FSDP x expert and ZeRO-1 x expert train the same adapters step by step over 6 steps, and
+experts), FSDP x expert, ZeRO-1 x expert and context parallelism with two micro-batches train the
+same adapters step by step over 6 steps, and
 no layout writes to the frozen base. Tolerances as tests/parallel/test_layouts.py's (measured:
 losses 2.6e-7 relative, gradient norms 1.5e-7, final adapters 6.8e-6 of each leaf's largest entry
 after 6 AdamW steps, which amplify float32 summation order)."""
@@ -25,7 +26,8 @@ def test_lora_on_a_layout_matches_one_device(results, layout):
     np.testing.assert_allclose(got["losses"], single["losses"], rtol=1e-6)
     np.testing.assert_allclose(got["grad_norms"], single["grad_norms"], rtol=1e-5)
     assert got["adapter_error"] < 1e-4
-    assert got["adapters_split"] >= 4  # wi's and wo's A and B split over the expert axis
+    if "expert" in layout:
+        assert got["adapters_split"] >= 4  # wi's and wo's A and B split over the expert axis
     assert got["base_unchanged"]
 
 

@@ -185,7 +185,7 @@ def test_post_training_objectives_train_adapters_on_a_frozen_base(base, tmp_path
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     extra = ["train.batch_size=4", "rl.group_size=2", "rl.max_new_tokens=4", "rl.eval_prompts=4",
-             "train.seq_len=64", "rl.reward=zr_spread:score"] if objective == "grpo" else [
+             "train.seq_len=64", "rl.reward=zr_spread:score", "rl.kl=0.1", "log.every=1"] if objective == "grpo" else [
         f"data.sources=[{{name: pairs, kind: preference, path: {write_jsonl(tmp_path / 'p.jsonl', reverse_pairs(24, seed=1))}}}]",
         "train.seq_len=128", "data.held_out_fraction=0.2"]  # fmt: skip
     args = ["train", objective, *SHAPE, "--init-from", str(base), f"run.dir={run}", "train.steps=2", *LORA]
@@ -194,3 +194,7 @@ def test_post_training_objectives_train_adapters_on_a_frozen_base(base, tmp_path
     start = zaya_jax.load(base).variables["params"]
     assert _same(base_part(params), start)
     assert np.any(np.asarray(adapter_part(params)["layers"]["lora"]["experts"]["wi"]["b"]))  # B left 0
+    if objective == "grpo":  # the KL reference is the base (adapters switched off): 0 at step 1
+        kl = [json.loads(line).get("kl") for line in (run / "metrics.jsonl").read_text().splitlines()]
+        kl = [value for value in kl if value is not None]
+        assert abs(kl[0]) < 1e-6 and kl[1] > 0, kl

@@ -56,7 +56,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--fit-device",
         metavar="KIND",
         help="with --compile-only: compare the plan with one device of this kind ("
-        "h100, h200, b200, mi250x, mi300x, mi325x); exit 1 if it does not fit, warn under 20%% headroom",
+        "l40s, h100, h200, b200, mi250x, mi300x, mi325x); exit 1 if it does not fit, warn under 20%% headroom",
     )
     dist = train.add_argument_group(
         "multi-process (default: ZAYA_* variables, then Slurm/MPI/JobSet detection)"

@@ -116,6 +116,15 @@ def merged(params: Params) -> dict[str, Any]:
     return out
 
 
+def switched_off(params: Params) -> dict[str, Any]:
+    """``params`` with every adapter's ``B`` zero: the base's function exactly (``W + s A 0 = W``),
+    in the same tree (and shardings) as ``params``, sharing the base's arrays."""
+    train, frozen = split(params)
+    return join(jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.zeros_like(x) if getattr(path[-1], "key", None) == "b" else x, train
+    ), frozen)  # fmt: skip
+
+
 def has_adapters(params: Params) -> bool:
     return ADAPTER in params or (isinstance(params.get(SCANNED), Mapping) and ADAPTER in params[SCANNED])
 

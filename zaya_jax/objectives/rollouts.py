@@ -41,6 +41,7 @@ from zaya_jax.data.batch import empty_row
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.loss import FieldSpec
+from zaya_jax.model.adapters import switched_off
 from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, RewardFunction, completion_texts
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
 from zaya_jax.parallel import put_batch
@@ -131,11 +132,11 @@ class Rollouts:
         self,
         cfg: Config,
         tokenizer: Tokenizer,
-        reference: Callable[[HostBatch], np.ndarray] | None = None,
+        reference: Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None = None,
         prompts: PromptSet | None = None,
         event: Callable[..., None] = lambda name, **detail: None,
     ):
-        """``reference(host batch) -> (rows, seq)`` target log-probabilities of the reference
+        """``reference(host batch, sampled-from variables) -> (rows, seq)`` target log-probabilities of the reference
         weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
         prompt set (default: read from ``cfg.rl``); ``event(name, **detail)`` records what a
         rollout skipped (``reward_error``)."""
@@ -251,7 +252,7 @@ class Rollouts:
     def _score_reference(self, rows: list[dict[str, np.ndarray]]) -> None:
         """Each completion token's log-probability under the reference weights (``rl.kl > 0``)."""
         batch = {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
-        logprobs = np.asarray(self.reference(batch))
+        logprobs = np.asarray(self.reference(batch, self.params))
         for row, values in zip(rows, logprobs, strict=True):
             row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
 
@@ -307,15 +308,24 @@ def _completion_from_record(record: dict[str, Any], model: ModelConfig) -> Compl
     return Completion(record["group"], prompt, tokens, logprobs, reward, routes)
 
 
-def kl_reference(setup: RunSetup) -> Callable[[HostBatch], np.ndarray] | None:
-    """``host batch -> (rows, seq)`` target log-probabilities under the run's starting weights
-    (``train.init_from``, kept on the device for the run), or None when ``rl.kl`` is 0."""
+def kl_reference(setup: RunSetup) -> Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None:
+    """``(host batch, sampled-from variables or None) -> (rows, seq)`` target log-probabilities
+    under the run's starting weights, or None when ``rl.kl`` is 0. A LoRA run's reference is its
+    frozen base: the sampled-from parameters with their adapters switched off, the same base arrays
+    (no second copy of the model); otherwise (and for rollouts read from files) ``train.init_from``'s weights, kept
+    on the device for the run."""
     if setup.cfg.rl.kl == 0:
         return None
-    reference, programs = setup.starting_weights(), setup.programs
+    programs, kept = setup.programs, []
     step, layout = programs.token_logprobs_step, programs.layout
 
-    def score(batch: HostBatch) -> np.ndarray:
-        return np.asarray(step(reference.params, reference.balancing, put_batch(batch, layout.batch)))
+    def score(batch: HostBatch, observed: dict[str, Any] | None) -> np.ndarray:
+        if setup.cfg.lora.enabled and observed is not None:
+            params, balancing = switched_off(observed["params"]), observed["balancing"]
+        else:
+            if not kept:
+                kept.append(setup.starting_weights())
+            params, balancing = kept[0].params, kept[0].balancing
+        return np.asarray(step(params, balancing, put_batch(batch, layout.batch)))
 
     return score
