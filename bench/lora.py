@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lora", nargs="*", default=[], help="extra overrides of the LoRA run")
+    parser.add_argument("--times-only", action="store_true", help="only the step times (the base must exist)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="zaya-lora-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -99,6 +100,8 @@ def main() -> None:
     base = work / "runs" / "base"
     if not (base / "summary.json").exists():
         post._run(["train", "sft", "run.name=base", f"train.steps={args.base_steps}"], work)
+    if args.times_only:
+        return _print_times(_step_times(base, args.rounds))
     prompts = post._held_out_prompts()
     start = post._exact_match(base, prompts)
     every = [
@@ -137,7 +140,10 @@ def main() -> None:
             f"| {r['step']} | {r['eval_pair_accuracy']:.1%} | {r['eval_loss']:.4f} | {r['eval_reward_margin']:.3f} |"
         )
 
-    t = _step_times(base, args.rounds)
+    _print_times(_step_times(base, args.rounds))
+
+
+def _print_times(t: dict[str, float]) -> None:
     print("\n## One train step, 16 x 128, best of rounds (interleaved)")
     print("| variant | step | optimizer state |\n|---|---|---|")
     print(f"| full fine-tuning | {t['full_s'] * 1e3:.1f} ms | {t['full_opt_bytes'] / 1e6:.2f} MB |")

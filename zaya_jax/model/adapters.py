@@ -7,7 +7,8 @@ scale carry the leading ``layers`` axis, so the scan hands each block its own sl
 block folds only its own weights, transiently, inside the scan) and the top (``params["lora"]``:
 the embedding table, also the tied LM head). Folding needs no configuration, so every forward pass
 (training, evaluation, sampling, the reference pass) runs the adapted model when the parameters
-carry adapters, and the base model when they do not.
+carry adapters, and the base model when they do not. The model folds each weight where it reads it
+(:func:`adapted`); :func:`fold` and :func:`merged` do the same to a tree of parameters.
 
 A weight ``W`` of shape ``(*lead, in, out)`` (``lead``: the layer axis, and the expert axis of
 ``wi``/``wo``) has ``A`` of shape ``(*lead, in, r)`` and ``B`` of shape ``(*lead, r, out)``: each
@@ -100,11 +101,27 @@ def fold(params: Params) -> Params:
     return walk(rest, {k: v for k, v in adapters.items() if k != "scale"}, "")
 
 
-def fold_variables(variables: Mapping[str, Any]) -> Mapping[str, Any]:
-    """``nn.map_variables``' input transform of a block: its ``params`` folded."""
-    if "params" not in variables:
-        return variables
-    return {**variables, "params": fold(variables["params"])}
+def adapted(module: nn.Module, name: str, weight: jax.Array) -> jax.Array:
+    """``weight`` (the parameter ``name`` of ``module``, as read) with the adapter the parameters
+    carry for it folded in: the nearest enclosing scope holding a ``lora`` subtree (a block inside
+    the layer scan, or the model's top) is looked up at the weight's path from there. Called by
+    every parameter read (:func:`zaya_jax.model.layers.param_with_axes`), inside the block and so
+    inside its rematerialisation, whatever ``model.remat`` is."""
+    scope, inner = module.scope, [name]
+    while scope is not None:
+        if scope.has_variable("params", ADAPTER):
+            adapters = scope.get_variable("params", ADAPTER)
+            node: Any = adapters
+            for key in reversed(inner):
+                if not isinstance(node, Mapping) or key not in node:
+                    return weight
+                node = node[key]
+            return (
+                _adapted_remat(weight, node["a"], node["b"], adapters["scale"]) if is_factor(node) else weight
+            )
+        inner.append(scope.name)
+        scope = scope.parent
+    return weight
 
 
 def merged(params: Params) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from zaya_jax.model.adapters import adapted
 from zaya_jax.model.axes import AXIS
 
 Initializer = Callable[..., jax.Array]
@@ -24,7 +25,8 @@ def param_with_axes(
     axes: Sequence[str | None],
     dtype: jnp.dtype,
 ) -> jax.Array:
-    """Declare a parameter carrying logical axis names (one per dimension)."""
+    """Declare a parameter carrying logical axis names (one per dimension); read, it carries the
+    low-rank adapter the parameters hold for it, if any (:func:`zaya_jax.model.adapters.adapted`)."""
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} axis names for a rank-{len(shape)} parameter")
     unknown = [a for a in axes if a is not None and a not in AXIS]
@@ -32,7 +34,8 @@ def param_with_axes(
         raise ValueError(
             f"{name}: logical axes {unknown} are not in zaya_jax.model.axes.AXES; add them there"
         )
-    return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+    value = module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+    return adapted(module, name, value)
 
 
 class Dense(nn.Module):

@@ -14,7 +14,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.adapters import fold_variables
 from zaya_jax.model.balancing import probability_moments, router_entropy_sum
 from zaya_jax.model.cca import CCAAttention
 from zaya_jax.model.experts import Experts
@@ -128,12 +127,9 @@ def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
     """The module class of the whole stack: :class:`Block` (rematerialised per ``cfg.remat``)
     scanned ``cfg.num_layers`` times. Instantiate it as ``(cfg, hooks, name="layers")`` and call
     it with ``((h, r), layer_inputs, ctx)``; it returns the final carry and the stacked per-layer
-    (stats, cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any
-    (:mod:`zaya_jax.model.adapters`)."""
-    # A block folds the low-rank adapters its parameters carry into their weights (a no-op without).
-    block = nn.map_variables(
-        Block, "params", trans_in_fn=fold_variables, mutable=True
-    )  # mutable: init creates the params through it
+    (stats, cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any, as it
+    reads each weight (:mod:`zaya_jax.model.adapters`)."""
+    block = Block
     if cfg.remat != "none":
         # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.
         block = nn.remat(Block, policy=REMAT_POLICIES[cfg.remat], prevent_cse=False)

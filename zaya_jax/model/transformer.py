@@ -118,9 +118,6 @@ class Zaya(nn.Module):
         eda_scale = param_with_axes(
             self, "router_states_scale", nn.initializers.ones, eda_shape, ("layers", "router"), pdtype
         )
-        adapters = self.get_variable("params", ADAPTER)
-        if adapters is not None:  # a low-rank adapter on the table (zaya_jax.model.adapters)
-            embedding = fold({"embedding": embedding, ADAPTER: adapters})["embedding"]
         return embedding, input_scale, input_bias, eda_scale
 
     @nn.compact
