@@ -4,9 +4,11 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,9 +89,29 @@ class TensorBoardTracker:
         """Open the event files; points logged after ``after_step`` by an earlier attempt are
         purged (``purge_step``), so a resumed or rolled-back run shows each step once."""
         SummaryWriter = _summary_writer()
-        self._tb = SummaryWriter(str(self.directory), purge_step=after_step + 1 if after_step else None)
+        # tensorboardX writes in a thread that dies on a failed write (a full disk) and leaves its
+        # queue unread: with its default 10 places, the next add_scalar blocked the run for good.
+        # A queue this deep never fills between two logs, and each log checks the thread first.
+        self._tb = SummaryWriter(
+            str(self.directory), purge_step=after_step + 1 if after_step else None, max_queue=100_000
+        )
+
+    def _check_writer(self) -> None:
+        """Raise the storage error that stopped tensorboardX's writer thread, if it stopped."""
+        worker = getattr(
+            getattr(getattr(self._tb, "file_writer", None), "event_writer", None), "_worker", None
+        )
+        if worker is None or worker.is_alive():
+            return
+        full = os.statvfs(self.directory).f_bavail == 0
+        raise OSError(
+            errno.ENOSPC if full else errno.EIO,
+            "No space left on device" if full else "TensorBoard's event writer stopped after a failed write",
+            str(self.directory),
+        )
 
     def log(self, step: int, record: dict[str, Any]) -> None:
+        self._check_writer()
         for key, value in scalars(record).items():
             self._tb.add_scalar(key, value, step)
 
