@@ -3,13 +3,13 @@ README's commands: the SFT curves (greedy exact match on held-out prompts at eve
 DPO's held-out pair accuracy with adapters, and, measured side by side in this process, the train
 step's time and the optimizer state's size with and without adapters.
 
-The base is an SFT run of ``--base-steps`` steps (0% exact match: it has the chat format but not
-the task); full fine-tuning (``zaya train sft``, Muon + AdamW) and LoRA (``zaya train lora-sft``:
-rank 16 on the experts and CCA's projections, AdamW only) then continue it for ``--steps`` steps on
-the same data. Step times are the best of ``--rounds`` rounds of each compiled step, the variants
+The base is an SFT run of ``--base-steps`` steps (38% exact match at 200); full fine-tuning
+(``zaya train sft``, Muon + AdamW, ``--steps`` steps) and LoRA (``zaya train lora-sft``: rank 16 on
+the experts and CCA's projections, AdamW only, ``--lora-steps`` steps) then continue it on the same
+data; DPO with adapters (rank 16, AdamW 3e-3) starts from the same base. Step times are the best of ``--rounds`` rounds of each compiled step, the variants
 interleaved; the machine is named with its measured float32 matmul peak.
 
-    python bench/lora.py [--workdir DIR] [--base-steps 100] [--steps 200] [--rounds 5]
+    python bench/lora.py [--workdir DIR] [--base-steps 200] [--steps 200] [--lora-steps 600] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -81,8 +81,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
-    parser.add_argument("--base-steps", type=int, default=100)
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--base-steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="full fine-tuning's steps")
+    parser.add_argument("--lora-steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lora", nargs="*", default=[], help="extra overrides of the LoRA run")
     parser.add_argument("--times-only", action="store_true", help="only the step times (the base must exist)")
@@ -97,9 +98,9 @@ def main() -> None:
     for command in (["data", "example-chat", "chat.jsonl"], ["data", "example-preference", "pairs.jsonl"]):
         if not (work / command[-1]).exists():
             post._run(command, work)
-    base = work / "runs" / "base"
+    base = work / "runs" / f"base{args.base_steps}"
     if not (base / "summary.json").exists():
-        post._run(["train", "sft", "run.name=base", f"train.steps={args.base_steps}"], work)
+        post._run(["train", "sft", f"run.name={base.name}", f"train.steps={args.base_steps}"], work)
     if args.times_only:
         return _print_times(_step_times(base, args.rounds))
     prompts = post._held_out_prompts()
@@ -130,7 +131,7 @@ def main() -> None:
         )
 
     dpo = ["train", "dpo", "run.name=lora-dpo", "--init-from", str(base), "lora.rank=16", "lora.alpha=32",
-           "optim.adam_lr=5e-3", "train.steps=100", "eval.every=20", "log.every=1"]  # fmt: skip
+           "optim.adam_lr=3e-3", "train.steps=100", "eval.every=20", "log.every=1"]  # fmt: skip
     seconds = post._run(dpo, work)
     evals = [r for r in post._metrics(work / "runs" / "lora-dpo") if "eval_pair_accuracy" in r]
     print(f"\n## LoRA DPO from the base ({seconds:.0f} s): held-out pairs")

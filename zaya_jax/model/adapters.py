@@ -12,8 +12,8 @@ carry adapters, and the base model when they do not. The model folds each weight
 
 A weight ``W`` of shape ``(*lead, in, out)`` (``lead``: the layer axis, and the expert axis of
 ``wi``/``wo``) has ``A`` of shape ``(*lead, in, r)`` and ``B`` of shape ``(*lead, r, out)``: each
-expert of each layer has its own pair. The fold is summed in float32 (in the base's dtype for a bfloat16 base) and rematerialised
-(``jax.checkpoint``): the backward pass recomputes the adapted weight from ``W``, ``A`` and ``B``
+expert of each layer has its own pair. The fold is summed in float32 (rounded into a bfloat16
+base's dtype) and rematerialised (``jax.checkpoint``): the backward pass recomputes the adapted weight from ``W``, ``A`` and ``B``
 rather than keeping a second copy of every adapted weight. Which weights a role adapts is
 :data:`ROLE_PATHS`; the roles and the refused ones are :mod:`zaya_jax.config.lora`'s.
 """
@@ -62,9 +62,8 @@ def is_factor(node: Any) -> bool:
 
 def _adapted(weight: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
     """``W + s A B``: in float32 for a float32 ``W``; for a narrower one (``lora.base_dtype``) the
-    float32 product is rounded to ``W``'s dtype and added there (as a bfloat16 model computes with
-    it anyway), so that no float32 copy of ``W`` exists: XLA hoisted that conversion out of the
-    layer scan, a float32 copy of the whole base (33 GB of ZAYA1-8B's 36 GB of temporaries)."""
+    float32 product is rounded to ``W``'s dtype and added there, as a bfloat16 model computes with
+    the weight anyway, rather than making a float32 copy of ``W``."""
     s = jnp.reshape(scale, jnp.shape(scale) + (1,) * (weight.ndim - jnp.ndim(scale)))
     product = s.astype(jnp.float32) * jnp.einsum(
         "...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32)
