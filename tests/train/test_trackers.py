@@ -11,6 +11,7 @@ import pytest
 from zaya_jax.train.trackers import TensorBoardTracker
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the thread's death
 def test_a_failed_tensorboard_write_is_an_error_at_the_next_log_not_a_hang(tmp_path):
     tracker = TensorBoardTracker(tmp_path / "tb")
     writer = tracker._tb.file_writer.event_writer
