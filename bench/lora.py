@@ -59,8 +59,21 @@ def _step_times(base: Path, rounds: int) -> dict[str, float]:
         args = programs.step_arguments(state, put_batch(batch, programs.layout.batch))
         opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
         variants[name] = {"step": step, "args": args, "opt_bytes": opt, "best": float("inf")}
+        if name == "lora":  # a reference forward with the adapters switched off (what DPO could run per step)
+            from zaya_jax.model.adapters import switched_off
+
+            forward = programs.sequence_logps_step
+            copied = jax.tree.map(lambda x: x.copy(), (switched_off(state.params), state.balancing))
+            reference = (*copied, args[1])  # copies: the train step donates the state's arrays
+            variants["reference"] = {"forward": forward, "args": reference, "best": float("inf")}
     for _ in range(rounds):
         for v in variants.values():
+            if "forward" in v:
+                jax.block_until_ready(v["forward"](*v["args"]))
+                started = time.perf_counter()
+                jax.block_until_ready(v["forward"](*v["args"]))
+                v["best"] = min(v["best"], time.perf_counter() - started)
+                continue
             state, metrics = v["step"](*v["args"])
             jax.block_until_ready(metrics["loss"])
             v["args"] = (state, *v["args"][1:])
@@ -70,7 +83,7 @@ def _step_times(base: Path, rounds: int) -> dict[str, float]:
             v["best"] = min(v["best"], time.perf_counter() - started)
             v["args"] = (state, *v["args"][1:])
     return {
-        f"{k}_{m}": v[key]
+        f"{k}_{m}": v.get(key, 0)
         for k, v in variants.items()
         for m, key in (("s", "best"), ("opt_bytes", "opt_bytes"))
     }
@@ -150,6 +163,8 @@ def _print_times(t: dict[str, float]) -> None:
     print(f"| full fine-tuning | {t['full_s'] * 1e3:.1f} ms | {t['full_opt_bytes'] / 1e6:.2f} MB |")
     print(f"| LoRA rank 16 | {t['lora_s'] * 1e3:.1f} ms ({t['lora_s'] / t['full_s']:.2f}x) | "
           f"{t['lora_opt_bytes'] / 1e6:.3f} MB ({t['lora_opt_bytes'] / t['full_opt_bytes']:.3f}x) |")  # fmt: skip
+    print(f"| the base's forward (adapters off: a per-step DPO reference) | {t['reference_s'] * 1e3:.1f} ms "
+          f"({t['reference_s'] / t['lora_s']:.2f}x the LoRA step) | |")  # fmt: skip
 
 
 if __name__ == "__main__":
