@@ -19,6 +19,7 @@ from typing import Any
 
 from zaya_jax import checkpoint
 from zaya_jax.checkpoint.base import check_base
+from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.checkpoint.readable import locate
 from zaya_jax.config import Config, LoraConfig, ModelConfig, to_dict
 from zaya_jax.data.sources import DataError
@@ -137,7 +138,7 @@ def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) ->
         ) from err
     adapters = adapter_part(variables["params"])
     base = base_cast(base_part(arranged(source.variables["params"], adapters)), run.lora.base_dtype)
-    check_base(step_dir, base)
+    check_base(step_dir, digest({"params": base}))
     return {**variables, "params": join(adapters, base)}
 
 

@@ -39,15 +39,14 @@ def saved_base(step_dir: Path) -> dict[str, Any] | None:
     return record
 
 
-def check_base(step_dir: Path, base_params: Any, fingerprint: str | None = None) -> None:
-    """Refuse ``base_params`` for the adapters of ``step_dir`` unless they have the fingerprint the
-    step recorded (``fingerprint``: theirs, if already computed)."""
+def check_base(step_dir: Path, fingerprint: str) -> None:
+    """Refuse a base of ``fingerprint`` (:func:`~zaya_jax.checkpoint.fingerprint.digest` of
+    ``{"params": base}``) for the adapters of ``step_dir`` unless the step recorded that one."""
     record = saved_base(step_dir)
     if record is None:
         raise CheckpointCorruptError(
             f"{step_dir} holds LoRA adapters but no {BASE_ITEM}/ record of the base model they belong to"
         )
-    fingerprint = fingerprint or digest({"params": base_params})
     if fingerprint != record["fingerprint"]:
         raise BaseMismatchError(
             f"the adapters of {step_dir} were trained on a base with fingerprint {record['fingerprint']} "

@@ -221,7 +221,7 @@ def restore_training(
                 continue  # a model-only step (zaya convert): nothing to resume
             check_step(step_dir, (*MODEL_ITEMS, "train"))
             if base is not None:  # before any array is read: adapters of another base stop the run
-                check_base(step_dir, None, base)
+                check_base(step_dir, base)
             return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays), unreadable
         except (CheckpointNotFoundError, PermissionError, BaseMismatchError):
             raise
