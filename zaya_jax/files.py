@@ -13,6 +13,7 @@ import errno
 import hashlib
 import json
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -34,11 +35,14 @@ def _fsync_dir(path: Path) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: str | Path, mode: str = "w", *, durable: bool = True) -> Iterator[IO[Any]]:
-    """Open ``path.tmp`` for writing; on a clean exit flush, fsync (unless ``durable=False``: a
-    file rewritten every step, such as the heartbeat) and rename it over ``path``, then fsync the
-    directory. On an exception the temporary file is removed and ``path`` is left as it was."""
+    """Open ``path.<pid>-<thread>.tmp`` for writing; on a clean exit flush, fsync (unless
+    ``durable=False``: a file rewritten every step, such as the heartbeat) and rename it over
+    ``path``, then fsync the directory. On an exception the temporary file is removed and ``path``
+    is left as it was. The temporary name is the writer's own: hosts writing the same file at once
+    (every host of ``zaya data prepare`` writes its plan) each rename a whole file of their own,
+    where one shared ``path.tmp`` was renamed away under the other writer."""
     path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}-{threading.get_ident()}.tmp")
     try:
         with tmp.open(mode) as f:
             yield f
