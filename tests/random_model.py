@@ -51,3 +51,19 @@ def random_variables(cfg: ModelConfig, seed: int = 0) -> dict:
     # temp starts at 0 (uniform attention); push it well away so q/k actually matter.
     params["layers"]["attn"]["temp"] = params["layers"]["attn"]["temp"] + 1.5
     return {**variables, "params": params}
+
+
+@functools.lru_cache(maxsize=16)
+def varied_variables(cfg: ModelConfig, seed: int = 0) -> dict:
+    """:func:`random_variables` with the input and residual-scaling biases zeroed: with them every
+    random prompt greedily repeats one token, which would test little of a decoder."""
+    variables = random_variables(cfg, seed)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: (
+            jnp.zeros_like(leaf)
+            if getattr(path[-1], "key", "") in ("input_bias", "hidden_bias", "residual_bias")
+            else leaf
+        ),
+        variables["params"],
+    )
+    return {**variables, "params": params}

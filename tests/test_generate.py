@@ -177,15 +177,15 @@ def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys, monkey
     # --interactive: prompts from stdin, every one padded to the same width, so one compiled shape
     import io
 
-    import zaya_jax.generate as generation
+    import zaya_jax.engine.scheduler as scheduler
 
-    shapes, original = [], generation._generate_fn
+    shapes, original = [], scheduler.decode_program
 
-    def recording(*args, **kwargs):
-        fn = original(*args, **kwargs)
-        return lambda variables, ids, *rest: (shapes.append(ids.shape), fn(variables, ids, *rest))[1]
+    def recording(cfg, shape):
+        shapes.append(shape)
+        return original(cfg, shape)
 
-    monkeypatch.setattr(generation, "_generate_fn", recording)
+    monkeypatch.setattr(scheduler, "decode_program", recording)
     monkeypatch.setattr("sys.stdin", io.StringIO("def \nimport\n\n" + "y" * 40 + "\n"))
     interactive = [
         "generate",
@@ -200,7 +200,8 @@ def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys, monkey
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.splitlines()]
     assert [line["tokens"] for line in lines] == out.rows()  # the same continuations as the batch above
-    assert set(shapes) == {(1, 16)} and len(shapes) == 2  # the 40-token prompt was refused, not compiled
+    # one program shape (capacity 16 + 5) for both prompts; the 40-token prompt was refused, not run
+    assert len(set(shapes)) == 1 and shapes[0].capacity == 21 and len(shapes) == 2
     assert "more than --max-prompt-tokens=16" in captured.err
 
 

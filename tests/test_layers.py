@@ -20,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"model"},
     {"loss", "optim", "data", "parallel", "interop", "checkpoint", "resilience", "lora"},
     {"programs", "pretrained"},
+    {"engine"},
     {"generate"},
     {"objectives"},
     {"train", "eval"},

@@ -1,10 +1,13 @@
-"""Sampling with the CCA decode cache (spec §3): a jitted prefill of the left-padded prompts, then a
-jitted ``while_loop`` of one-token decode steps that stops when every row has emitted a stop token.
+"""Sampling with the CCA decode cache (spec §3). :func:`generate` runs the rollout engine
+(:mod:`zaya_jax.engine`: a slot cache, continuous batching) and returns its results as one
+:class:`Generation`; :func:`static_generate` is the static sampler it replaced (a jitted prefill of
+the left-padded prompts, then a jitted ``while_loop`` of one-token decode steps that stops when every
+row has emitted a stop token), kept as the reference the engine is tested and benchmarked against.
 
-Semantics follow Hugging Face ``generate``: prompts are left-padded to the longest one, positions
-count real tokens only (a padded row gets the same positions as alone), the sliding window counts
-cache slots, rows that have stopped emit ``pad_id``. Greedy (``temperature=0``) or sampling with
-temperature, then top-k, then top-p (nucleus) filtering, in that order.
+Semantics follow Hugging Face ``generate``: positions count real tokens only (a padded row gets the
+same positions as alone), the sliding window counts positions, rows that have stopped emit
+``pad_id``. Greedy (``temperature=0``) or sampling with temperature, then top-k, then top-p
+(nucleus) filtering, in that order.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config import ModelConfig
+from zaya_jax.engine import Engine, Finished, Request
+from zaya_jax.engine.sampling import filter_logits, token_logprob
 from zaya_jax.model import Zaya, init_cache
 from zaya_jax.model.mesh_hooks import ModelHooks
 from zaya_jax.parallel.tree import tree_attention
@@ -83,33 +88,10 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray,
     return ids, mask
 
 
-def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: int, top_p: jax.Array) -> jax.Array:
-    """float32 logits (batch, vocab) scaled by 1/temperature, then with every token outside the top
-    ``top_k`` (0 = off) and outside the smallest set whose probability reaches ``top_p`` (1 = off) set
-    to -inf. The most likely token always survives."""
-    logits = logits.astype(jnp.float32) / temperature
-    if top_k > 0:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    ordered = jnp.sort(logits, axis=-1)[..., ::-1]
-    probs = jax.nn.softmax(ordered, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs
-    keep = (mass_before < top_p) | (jnp.arange(logits.shape[-1]) == 0)
-    threshold = jnp.min(jnp.where(keep, ordered, jnp.inf), axis=-1, keepdims=True)
-    return jnp.where(logits < threshold, -jnp.inf, logits)
-
-
 def _cache_shardings(cache: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
     """Keys, values and slot mask split along the cache slots over ``context``; the rest replicated."""
     split = {"keys": P(None, None, "context"), "values": P(None, None, "context"), "mask": P(None, "context")}
     return {name: NamedSharding(mesh, split.get(name, P())) for name in cache}
-
-
-def _token_logprob(logits: jax.Array, token: jax.Array) -> jax.Array:
-    """log p(token) under the unmodified logits (float32, temperature 1, nothing filtered)."""
-    logits = logits.astype(jnp.float32)
-    picked = jnp.take_along_axis(logits, token[:, None], axis=-1)[:, 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
 
 
 def _apply(model: Zaya, variables: dict[str, Any], tokens: jax.Array, return_routes: bool, **kwargs: Any):
@@ -165,7 +147,7 @@ def _generate_fn(
         token = choose(logits[:, -1], sub, temperature, top_p, vocab_limit)
         out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
         logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
-        logprobs = logprobs.at[:, 0].set(_token_logprob(logits[:, -1], token))
+        logprobs = logprobs.at[:, 0].set(token_logprob(logits[:, -1], token))
         routes = jnp.full((batch, max_new_tokens, layers if return_routes else 0), -1, jnp.int32)
         loop = (aux["cache"], token, positions[:, -1] + 1, is_stop(token), out, logprobs, routes)
         state = (*loop, jnp.int32(1), key)
@@ -184,7 +166,7 @@ def _generate_fn(
                 routes = jax.lax.dynamic_update_slice(routes, read, (0, step - 1, 0))
             key, sub = jax.random.split(key)
             token = jnp.where(done, pad_id, choose(logits[:, -1], sub, temperature, top_p, vocab_limit))
-            logprob = jnp.where(done, 0.0, _token_logprob(logits[:, -1], token))
+            logprob = jnp.where(done, 0.0, token_logprob(logits[:, -1], token))
             out = jax.lax.dynamic_update_slice(out, token[:, None], (0, step))
             logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
             done = done | is_stop(token)
@@ -233,7 +215,7 @@ def _checked_ids(
     return ids, mask
 
 
-def generate(
+def static_generate(
     cfg: ModelConfig,
     variables: dict[str, Any],
     prompts: Sequence[Sequence[int]] | np.ndarray,
@@ -249,7 +231,10 @@ def generate(
     mesh: Mesh | None = None,
     return_routes: bool = False,
 ) -> Generation:
-    """Continue each prompt by up to ``max_new_tokens`` tokens.
+    """The static sampler: every prompt left-padded into one batch, each row holding its place
+    until the longest row stops, in one jitted ``while_loop`` (what :func:`generate` was before the
+    engine; kept as the reference the engine is tested and benchmarked against). Arguments as
+    :func:`generate`; sampling draws one key per step for the whole batch.
 
     ``prompts``: a list of token-id lists (ragged; left-padded here) or a (batch, seq) array, with
     ``attention_mask`` (1 = real token) when that array is already left-padded. ``stop_tokens``
@@ -300,3 +285,94 @@ def generate(
         prompt_routes=result.get("prompt_routes"),
         routes=result.get("routes"),
     )
+
+
+def _ragged(ids: np.ndarray, mask: np.ndarray) -> list[list[int]]:
+    """Left-padded (ids, mask) -> each row's real tokens."""
+    return [row[m > 0].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def as_generation(
+    results: Sequence[Finished], prompts: Sequence[Sequence[int]], max_new_tokens: int, pad_id: int
+) -> Generation:
+    """The engine's results as one :class:`Generation` (rows padded with ``pad_id``, prompt routes
+    left-padded with -1 to the longest prompt)."""
+    batch, width = len(results), max(len(p) for p in prompts)
+    tokens = np.full((batch, max_new_tokens), pad_id, np.int32)
+    logprobs = np.zeros((batch, max_new_tokens), np.float32)
+    lengths = np.asarray([len(r.tokens) for r in results], np.int32)
+    for row, result in enumerate(results):
+        tokens[row, : lengths[row]], logprobs[row, : lengths[row]] = result.tokens, result.logprobs
+    prompt_routes = routes = None
+    if results[0].routes is not None:
+        layers = results[0].routes.shape[-1]
+        prompt_routes = np.full((batch, width, layers), -1, np.int32)
+        routes = np.full((batch, max_new_tokens, layers), -1, np.int32)
+        for row, (result, prompt) in enumerate(zip(results, prompts, strict=True)):
+            prompt_routes[row, width - len(prompt) :] = result.routes[: len(prompt)]
+            routes[row, : lengths[row]] = result.routes[len(prompt) :]
+    return Generation(
+        tokens=tokens,
+        lengths=lengths,
+        stopped=np.asarray([r.stopped for r in results]),
+        logprobs=logprobs,
+        prompt_lengths=np.asarray([len(p) for p in prompts], np.int32),
+        prompt_routes=prompt_routes,
+        routes=routes,
+    )
+
+
+def generate(
+    cfg: ModelConfig,
+    variables: dict[str, Any],
+    prompts: Sequence[Sequence[int]] | np.ndarray,
+    *,
+    attention_mask: npt.ArrayLike | None = None,
+    max_new_tokens: int = 32,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    stop_tokens: Sequence[int] | None = None,
+    seed: int = 0,
+    vocab_limit: int | None = None,
+    mesh: Mesh | None = None,
+    return_routes: bool = False,
+    slots: int | None = None,
+    prefill_chunk: int = 128,
+    capacity: int | None = None,
+) -> Generation:
+    """Continue each prompt by up to ``max_new_tokens`` tokens, through the rollout engine
+    (:class:`zaya_jax.engine.Engine`: a slot cache, continuous batching).
+
+    ``prompts``: a list of token-id lists (ragged) or a (batch, seq) array, with
+    ``attention_mask`` (1 = real token) when that array is left-padded. ``stop_tokens``
+    default to the model's ``stop_token_ids`` (``eos_token_id`` and the ``eos_token_ids`` list);
+    ``vocab_limit`` keeps ids below it (a tokenizer smaller than a padded model vocabulary).
+    ``temperature=0`` is greedy; with sampling, row i draws from the stream ``(seed, i)``, so its
+    tokens do not depend on the other rows. ``mesh``: a mesh with a ``context`` axis over which the
+    decode cache is split along its slots (tree attention, ``zaya_jax.parallel.tree``); the tokens
+    are the same as on one device. ``return_routes``: also return the class every layer selected
+    for every token read (router replay in training, :class:`Generation`). ``slots``: rows in
+    flight at once (default: every prompt); ``prefill_chunk``: prompt tokens a row reads per step;
+    ``capacity``: cache slots per row, fixed so that calls of any prompt length share one program.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    ids, mask = _checked_ids(cfg, prompts, attention_mask, max_new_tokens)
+    rows = _ragged(ids, mask)
+    stops = cfg.stop_token_ids if stop_tokens is None else tuple(int(t) for t in stop_tokens)
+    requests = [
+        Request(row, max_new_tokens, temperature, top_k, top_p, seed, stream, tuple(stops))
+        for stream, row in enumerate(rows)
+    ]
+    engine = Engine(
+        cfg,
+        variables,
+        slots=slots or len(rows),
+        prefill_chunk=prefill_chunk,
+        vocab_limit=vocab_limit,
+        mesh=mesh,
+        return_routes=return_routes,
+        capacity=capacity,
+    )
+    return as_generation(engine.run(requests), rows, max_new_tokens, cfg.pad_token_id)

@@ -82,6 +82,8 @@ class LanguageModel:
         attention_mask: npt.ArrayLike | None = None,
         mesh: jax.sharding.Mesh | None = None,
         return_routes: bool = False,
+        slots: int | None = None,
+        capacity: int | None = None,
     ) -> Generation:
         """Continue prompts with the CCA decode cache (see :mod:`zaya_jax.generate`).
 
@@ -91,7 +93,9 @@ class LanguageModel:
         ``eos_token_ids`` list) and the tokenizer's EOS unless ``stop_tokens`` is given. Returns a
         :class:`Generation`; ``texts`` is filled when a tokenizer is known. ``mesh``: split the decode cache over its ``context`` axis (tree attention).
         ``return_routes``: also the class every layer chose for every token read (router replay,
-        :class:`~zaya_jax.generate.Generation`); ``logprobs`` are always returned.
+        :class:`~zaya_jax.generate.Generation`); ``logprobs`` are always returned. ``slots``: rows
+        in flight at once in the rollout engine (default: every prompt); ``capacity``: its cache
+        slots per row, fixed so that calls of any prompt length share one program.
         """
 
         tok = self.tokenizer
@@ -120,6 +124,8 @@ class LanguageModel:
             vocab_limit=tok.vocab_size if tok is not None else None,
             mesh=mesh,
             return_routes=return_routes,
+            slots=slots,
+            capacity=capacity,
         )
         if tok is None:
             return out

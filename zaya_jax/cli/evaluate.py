@@ -59,7 +59,7 @@ def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     gen.add_argument(
         "--interactive",
         action="store_true",
-        help="read prompts from stdin, one per line, compiling once (prompts padded to --max-prompt-tokens)",
+        help="read prompts from stdin, one per line, compiling once (the cache holds --max-prompt-tokens + --max-new-tokens)",
     )
     gen.add_argument("--max-prompt-tokens", type=int, default=256, help="with --interactive: longest prompt")
     gen.add_argument("--max-new-tokens", type=int, default=64)
@@ -138,10 +138,8 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _interactive(lm: LanguageModel, args: argparse.Namespace) -> int:
-    """Prompts from stdin, one per line, each left-padded to ``--max-prompt-tokens``: every prompt
-    has the same shape, so the program compiles once."""
-    import numpy as np
-
+    """Prompts from stdin, one per line, up to ``--max-prompt-tokens`` each: the engine's cache
+    holds that many plus ``--max-new-tokens`` for every prompt, so the programs compile once."""
     if lm.tokenizer is None:
         raise ValueError(
             f"--interactive needs a tokenizer: {lm.tokenizer_problem}; pass --tokenizer PATH (or 'byte')"
@@ -158,10 +156,7 @@ def _interactive(lm: LanguageModel, args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             continue
-        padded = np.full((1, width), lm.config.pad_token_id, np.int32)
-        padded[0, width - len(ids) :] = ids
-        mask = (np.arange(width) >= width - len(ids))[None].astype(np.int32)
-        out = lm.generate(padded, attention_mask=mask, **_sampling(args))
+        out = lm.generate([ids.tolist()], capacity=width + args.max_new_tokens, **_sampling(args))
         if args.json:
             print(json.dumps({"prompt": prompt, "text": out.texts[0], "tokens": out.rows()[0]}), flush=True)
         else:

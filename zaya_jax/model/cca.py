@@ -133,23 +133,42 @@ def _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids):
     return conv, vd
 
 
-def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int):
+def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int, real=None):
     """Steps 3-4 for T new tokens after the cached ones (spec §3): the convolution reads the cached
     last P raw columns, the value shift the cached last delayed projection. Returns (conv, vd, the
-    conv-state and delayed-value parts of the new cache)."""
+    conv-state and delayed-value parts of the new cache).
+
+    A slot cache (``index`` (batch,)) has ``real`` (batch,) real tokens first in each row's chunk:
+    its conv state and delayed value are those after its last real token (unchanged for 0)."""
     dtype = z.dtype
     z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
     conv = two_stage_conv_valid(z_full, *conv_weights)
-    previous = jnp.where(index == 0, vd_at_start[:, 0], cache["vdel"].astype(dtype))
-    updates = {
-        "conv": z_full[:, z_full.shape[1] - context :].astype(cache["conv"].dtype),
-        "vdel": vd[:, -1].astype(cache["vdel"].dtype),
-    }
+    at_start = (index == 0)[..., None] if index.ndim else index == 0
+    previous = jnp.where(at_start, vd_at_start[:, 0], cache["vdel"].astype(dtype))
+    if real is None:
+        conv_state, last_vd = z_full[:, z_full.shape[1] - context :], vd[:, -1]
+    else:  # the P columns ending at each row's last real token; its last delayed projection
+        conv_state = jax.vmap(lambda row, n: jax.lax.dynamic_slice_in_dim(row, n, context))(z_full, real)
+        last = jnp.take_along_axis(vd, jnp.maximum(real - 1, 0)[:, None, None], axis=1)[:, 0]
+        last_vd = jnp.where((real > 0)[:, None], last, cache["vdel"].astype(dtype))
+    updates = {"conv": conv_state.astype(cache["conv"].dtype), "vdel": last_vd.astype(cache["vdel"].dtype)}
     return conv, jnp.concatenate([previous[:, None], vd[:, :-1]], axis=1), updates
 
 
+def write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+    """``buffer`` (batch, S, ...) with each row's ``new`` (batch, T, ...) written at its own slots
+    [index[b], index[b] + T); slots past S are dropped (never clamped onto earlier ones)."""
+    rows = jnp.arange(buffer.shape[0])[:, None]
+    slots = index[:, None] + jnp.arange(new.shape[1])[None, :]
+    return buffer.at[rows, slots].set(new.astype(buffer.dtype), mode="drop")
+
+
 def _write_cache(cache, k, v, index):
-    """The new keys and values written at slots [index, index + T); returns (k, v over all slots, updates)."""
+    """The new keys and values written at slots [index, index + T) (a slot cache: each row at its
+    own ``index``); returns (k, v over all slots, updates)."""
+    if index.ndim == 1:
+        k, v = write_rows(cache["keys"], k, index), write_rows(cache["values"], v, index)
+        return k, v, {"keys": k, "values": v}
     start = (0, index, 0, 0)
     k = jax.lax.dynamic_update_slice(cache["keys"], k.astype(cache["keys"].dtype), start)
     v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
@@ -266,8 +285,11 @@ class CCAAttention(nn.Module):
                 z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
             )
         else:
+            real = None
+            if index.ndim == 1:  # a slot cache: each row's real tokens come first in its chunk
+                real = jnp.full((batch,), seq, jnp.int32) if token_mask is None else token_mask.sum(1)
             conv, vd, new_cache = _temporal_decode(
-                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context
+                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, real
             )
         conv = conv.reshape(batch, seq, nq + nk, d)
         q = conv[:, :, :nq] + q_res

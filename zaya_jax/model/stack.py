@@ -15,7 +15,7 @@ import numpy as np
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.balancing import probability_moments, router_entropy_sum
-from zaya_jax.model.cca import CCAAttention
+from zaya_jax.model.cca import CCAAttention, write_rows
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
@@ -165,7 +165,8 @@ def shared_inputs(
 ) -> dict[str, Any]:
     """The inputs every layer shares: RoPE positions, the attention mask, segment ids, the token
     mask; with a decode cache also the slot index the chunk is written at and the cache's updated
-    key mask (``key_mask``). Positions default to arange, the index within the document when
+    key mask (``key_mask``). A cache whose ``index`` is (batch,) is a slot cache: row b's chunk is
+    written at slots [index[b], index[b] + seq), its real tokens first (right padding). Positions default to arange, the index within the document when
     ``segment_ids`` are given, or the cache slots when decoding."""
     batch, seq = shape
     if cache is None:
@@ -180,11 +181,15 @@ def shared_inputs(
     if segment_ids is not None:
         raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
     index = cache["index"]
-    query_slots = index + jnp.arange(seq)
+    new_mask = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
+    if index.ndim == 1:  # a slot cache: each row written at its own slot (zaya_jax.engine)
+        query_slots = index[:, None] + jnp.arange(seq)
+        key_mask = write_rows(cache["mask"], new_mask, index)
+    else:
+        query_slots = index + jnp.arange(seq)
+        key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
     if positions is None:
         positions = jnp.broadcast_to(query_slots, (batch, seq))
-    new_mask = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
-    key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
     mask = AttentionMask(
         q_slots=query_slots.astype(jnp.int32),
         k_slots=jnp.arange(key_mask.shape[1], dtype=jnp.int32),

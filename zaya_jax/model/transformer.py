@@ -161,7 +161,10 @@ class Zaya(nn.Module):
             (h, r), per_layer, ctx
         )
         if cache is not None:
-            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": cache["index"] + seq}}
+            advance = seq
+            if cache["index"].ndim == 1 and token_mask is not None:  # a slot cache: real tokens per row
+                advance = jnp.sum(token_mask, axis=1, dtype=jnp.int32)
+            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": cache["index"] + advance}}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
         y = nn.with_logical_constraint(y if layout is None else layout.restore(y), ACTIVATION_AXES)
@@ -200,7 +203,11 @@ def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array
 
 
 def init_cache(
-    cfg: ModelConfig, batch: int, length: int, dtype: jax.typing.DTypeLike | None = None
+    cfg: ModelConfig,
+    batch: int,
+    length: int,
+    dtype: jax.typing.DTypeLike | None = None,
+    per_row: bool = False,
 ) -> dict[str, jax.Array]:
     """An empty decode cache for ``length`` token slots (spec §3), stacked over layers.
 
@@ -209,6 +216,10 @@ def init_cache(
     (layers, batch, nk*d/2): the most recent delayed-value projection; ``mask`` (batch, length) 1 for
     slots holding real tokens; ``index`` the next free slot. Every layer keeps all ``length`` slots;
     sliding-window layers mask by slot distance.
+
+    ``per_row``: a slot cache (:mod:`zaya_jax.engine`), ``index`` (batch,) the next free slot of
+    each row: each row is its own sequence, written at its own offset, real tokens first in a chunk
+    (``token_mask`` marks them; the row's index advances by their count).
     """
     dtype = jnp.dtype(dtype or cfg.dtype)
     layers, nk, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
@@ -219,7 +230,7 @@ def init_cache(
         "conv": jnp.zeros((layers, batch, context, cfg.conv_channels), dtype),
         "vdel": jnp.zeros((layers, batch, cfg.kv_width // 2), dtype),
         "mask": jnp.zeros((batch, length), jnp.int32),
-        "index": jnp.zeros((), jnp.int32),
+        "index": jnp.zeros((batch,) if per_row else (), jnp.int32),
     }
 
 

@@ -35,8 +35,12 @@ def attention(
     loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
     probabilities for the backward pass instead of recomputing it (the same memory as the kernel's
     one block; 0.7x the CCA layer's time at 16 x 128 on CPU, where the kernel's layout changes
-    around its custom_vjp do not fuse with their neighbours)."""
+    around its custom_vjp do not fuse with their neighbours). A mask with per-row query slots (a
+    slot cache, :attr:`AttentionMask.per_row`: a few new tokens per row against the cache) also
+    runs the dense definition, whatever ``impl``."""
     batch, seq, nq, d = q.shape
+    if mask.per_row:  # a slot cache's rows at their own offsets (decoding a few tokens per row)
+        return dot_product_attention(q, k, v, mask.dense())
     if impl == "pallas":
         out = _pallas_or_twin(q, k, v, mask, block)
         return out.reshape(batch, seq, nq * d)

@@ -23,8 +23,11 @@ class AttentionMask:
     """Which keys each query may attend to, described by positions and ids.
 
     q_slots: (seq_q,) and k_slots: (seq_k,) int32 sequence (or cache) indices; a key is visible
-    when its slot <= the query's slot. q_segments/k_segments: (batch, seq_q/seq_k) document ids, a
-    key is visible only within the query's document (both or neither). k_valid: (batch, seq_k) bool,
+    when its slot <= the query's slot. q_slots may also be (batch, seq_q), one row of slots per
+    sequence (a slot cache whose rows are written at their own offsets, :mod:`zaya_jax.engine`):
+    only the dense definition reads such a mask (:attr:`per_row`). q_segments/k_segments:
+    (batch, seq_q/seq_k) document ids, a key is visible only within the query's document (both or
+    neither). k_valid: (batch, seq_k) bool,
     False for padding keys. window: int32 scalar, a key is visible when fewer than ``window`` slots
     before the query (<= 0: unlimited); None when no layer of the model has a window.
     ``aligned`` (static): q_slots and k_slots are the same consecutive slots (a sequence attending
@@ -39,8 +42,19 @@ class AttentionMask:
     window: jax.Array | None = None
     aligned: bool = flax.struct.field(pytree_node=False, default=False)
 
+    @property
+    def per_row(self) -> bool:
+        """Each row has its own query slots ((batch, seq_q) ``q_slots``)."""
+        return self.q_slots.ndim == 2
+
     def dense(self) -> jax.Array:
         """(batch or 1, seq_q, seq_k) bool: the whole mask (for the dense reference and decoding)."""
+        if self.per_row:  # one row of query slots per sequence: the causal and window terms per row
+            rows = jax.vmap(lambda slots: visible_keys(slots, self.k_slots, None, None, None, self.window)[0])
+            ok = rows(self.q_slots)
+            if self.q_segments is not None:
+                ok = ok & (self.q_segments[..., :, None] == self.k_segments[..., None, :])
+            return ok if self.k_valid is None else ok & self.k_valid[..., None, :]
         return visible_keys(
             self.q_slots, self.k_slots, self.q_segments, self.k_segments, self.k_valid, self.window
         )
