@@ -133,14 +133,17 @@ def _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids):
     return conv, vd
 
 
-def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int, real=None):
+def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int, token_mask=None):
     """Steps 3-4 for T new tokens after the cached ones (spec §3): the convolution reads the cached
     last P raw columns, the value shift the cached last delayed projection. Returns (conv, vd, the
     conv-state and delayed-value parts of the new cache).
 
-    A slot cache (``index`` (batch,)) has ``real`` (batch,) real tokens first in each row's chunk:
-    its conv state and delayed value are those after its last real token (unchanged for 0)."""
+    A slot cache (``index`` (batch,)) has its real tokens (``token_mask``) first in each row's
+    chunk: its conv state and delayed value are those after its last real token (unchanged for none)."""
     dtype = z.dtype
+    real = None
+    if index.ndim == 1:
+        real = jnp.full(z.shape[:1], z.shape[1], jnp.int32) if token_mask is None else token_mask.sum(1)
     z_full = jnp.concatenate([cache["conv"].astype(dtype), z], axis=1)
     conv = two_stage_conv_valid(z_full, *conv_weights)
     at_start = (index == 0)[..., None] if index.ndim else index == 0
@@ -285,11 +288,8 @@ class CCAAttention(nn.Module):
                 z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
             )
         else:
-            real = None
-            if index.ndim == 1:  # a slot cache: each row's real tokens come first in its chunk
-                real = jnp.full((batch,), seq, jnp.int32) if token_mask is None else token_mask.sum(1)
             conv, vd, new_cache = _temporal_decode(
-                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, real
+                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask
             )
         conv = conv.reshape(batch, seq, nq + nk, d)
         q = conv[:, :, :nq] + q_res
