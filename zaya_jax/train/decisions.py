@@ -123,7 +123,7 @@ def decide_bound(step: int, bound: MetricBound, value: float, cfg: ResilienceCon
         )
     return Decision(
         Action.SKIP,
-        f"{what}; the batch is skipped (resilience.on_metric_bound=skip; {bound.setting} to change)",
+        f"{what}; the batch is skipped (resilience.on_metric_bound=skip; raise {bound.setting} to train it)",
     )
 
 
