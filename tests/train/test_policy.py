@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import ResilienceConfig
+from zaya_jax.loss import MetricBound
 from zaya_jax.train.decisions import Action, Outcome, decide
 from zaya_jax.train.metrics import metric_record
 
@@ -37,6 +38,31 @@ def test_policy_maps_each_outcome_to_its_configured_action():
         decide(_outcome(True), ResilienceConfig(on_nonfinite="stop", on_spike="skip"), 0).action
         is Action.SKIP
     )
+
+
+def test_a_metric_past_its_bound_stops_or_skips_naming_metric_value_bound_and_setting():
+    gap = MetricBound("sampler_gap", 0.5, "rl.max_sampler_gap", "the trainer does not reproduce the sampler")
+    metrics = {
+        "skipped": jnp.float32(1.0), "nonfinite": jnp.float32(0.0), "loss": jnp.float32(0.6),
+        "bound_rejected": jnp.float32(1.0), "sampler_gap": jnp.float32(1.25),
+    }  # fmt: skip
+    outcome = Outcome.of(7, metrics, float("inf"), (gap,))
+    assert outcome.exceeded == (gap, 1.25) and outcome.reason == "sampler_gap"
+    stop = decide(outcome, ResilienceConfig(), 0)  # the default: stop
+    assert stop.action is Action.STOP and stop.message.startswith(
+        "step 7: sampler_gap 1.25 > rl.max_sampler_gap=0.5 (the trainer does not reproduce the sampler); "
+        "resilience.on_metric_bound=stop"
+    )
+    # skipped under on_metric_bound=skip whatever the loss settings say
+    skip = decide(outcome, ResilienceConfig(on_metric_bound="skip", on_nonfinite="stop"), 0)
+    assert skip.action is Action.SKIP and "sampler_gap 1.25 > rl.max_sampler_gap=0.5" in skip.message
+    # a non-finite loss is judged as one (NaN is past any bound too)
+    nan = Outcome.of(
+        7, {**metrics, "nonfinite": jnp.float32(1.0), "sampler_gap": jnp.float32("nan")}, 1.0, (gap,)
+    )
+    assert nan.reason == "nonfinite" and decide(nan, ResilienceConfig(on_nonfinite="skip"), 0).message == ""
+    accepted = {**metrics, "skipped": jnp.float32(0.0), "bound_rejected": jnp.float32(0.0)}
+    assert decide(Outcome.of(7, accepted, 1.0, (gap,)), ResilienceConfig(), 0).action is Action.ACCEPT
 
 
 def test_outcome_reads_the_steps_guard_metrics():

@@ -16,7 +16,7 @@ from zaya_jax.cli import convert, data, evaluate, operations, train
 from zaya_jax.cli.argv import command_name, inspect_positionals, parse, positional_config
 from zaya_jax.config import ConfigError
 from zaya_jax.files import storage_error_message
-from zaya_jax.resilience import NonFiniteLossError, RoutingAlarmError
+from zaya_jax.resilience import MetricBoundError, NonFiniteLossError, RoutingAlarmError
 
 if TYPE_CHECKING:
     from zaya_jax.train.hooks import Hook
@@ -70,7 +70,13 @@ def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Hook]
         return args.func(args)
     except ConfigError as err:
         return _error(argv, f"configuration error: {err}", 2)
-    except (CheckpointCorruptError, CheckpointSaveError, NonFiniteLossError, RoutingAlarmError) as err:
+    except (
+        CheckpointCorruptError,
+        CheckpointSaveError,
+        MetricBoundError,
+        NonFiniteLossError,
+        RoutingAlarmError,
+    ) as err:
         return _error(argv, err, 1)
     except RuntimeError as err:  # out of memory, planned or at run time: one line with advice
         from zaya_jax.train.fit import OutOfMemoryError, is_out_of_memory, out_of_memory_message

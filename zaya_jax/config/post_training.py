@@ -41,7 +41,9 @@ class RLConfig:
     -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per completion token, r = pi / pi_sampler, plus
     ``kl`` times the k3 estimate of KL(pi || reference), averaged over completion tokens; with
     ``replay_routes`` every layer selects the class the sampler chose (router replay). One sequence
-    per row: ``train.seq_len`` must hold the longest prompt plus ``max_new_tokens``."""
+    per row: ``train.seq_len`` must hold the longest prompt plus ``max_new_tokens``. Rollouts can
+    instead be read from files (``rollouts``; zaya's or vLLM's route layout), and every step checks
+    that the trainer reproduces its rollouts' log-probabilities (``max_sampler_gap``)."""
 
     # The prompts: "reverse" (the built-in reverse-a-word task, zaya_jax.data.tasks) or a JSONL file of
     # chat records ({"messages": [...]}, more fields allowed); a final assistant message is left out
@@ -62,6 +64,15 @@ class RLConfig:
     # Weight of KL(pi || reference) per token (0: off). > 0 keeps a copy of the starting weights on
     # the device to score every rollout.
     kl: float = 0.0
+    # The largest sampler_gap (mean |log pi - log pi_sampler| over a batch's completion tokens,
+    # routes replayed) a step may show before its update is rejected (resilience.on_metric_bound:
+    # skip the batch or stop the run); 0: off. It checks that the trainer reproduces its rollouts,
+    # those read from files above all: zaya's own sampler gives ~1e-7 on a rollout's first step,
+    # while log-probabilities of other weights, tokens, temperature or routes are typically off by
+    # a large fraction of a nat or more. 0.5 leaves room for another engine's precision and for a
+    # policy a few updates ahead of its rollout (steps_per_rollout > 1); a mean |log ratio| of 0.5
+    # is far past the ratio's clip (0.2), where a batch hardly trains its policy any more.
+    max_sampler_gap: float = 0.5
     eval_prompts: int = 64  # held-out prompts whose mean greedy reward is eval_reward
     # When the reward function raises or returns something that is not a finite number: "stop" the
     # run with its message and the prompt, or "skip" that prompt's group (advantage 0, counted as
@@ -86,6 +97,10 @@ class RLConfig:
         ):
             raise ConfigError(
                 f"rl.kl={self.kl} must be a finite number >= 0 and rl.temperature={self.temperature} a finite number > 0"
+            )
+        if not 0 <= self.max_sampler_gap < math.inf:
+            raise ConfigError(
+                f"rl.max_sampler_gap={self.max_sampler_gap} must be a finite number >= 0 (0: off)"
             )
         if ":" not in self.reward:
             raise ConfigError(f"rl.reward={self.reward!r} must be 'module:function'")

@@ -195,6 +195,11 @@ class ResilienceConfig:
     # keeps the previous state when a layer is past a limit (a skip event, reason routing), the
     # windowed alarm reported as with warn.
     on_routing_alarm: Literal["none", "warn", "skip", "rollback", "stop"] = "warn"
+    # A step whose metric passes its objective's bound (grpo: sampler_gap above rl.max_sampler_gap,
+    # a batch the trainer does not reproduce): "stop" the run (exit 1) with the metric, its value,
+    # the bound and the setting, or "skip" the batch (the step keeps its previous state; a skip
+    # event and a line).
+    on_metric_bound: Literal["skip", "stop"] = "stop"
     routing_window: int = 50  # steps the routing statistics are averaged over (and first judged after)
     # Steps of the run before routing is first judged: a fresh router takes a few hundred steps to
     # balance (tiny: an expert idle for 50 steps around step 100, max/min share <= 8.3 after step 300).

@@ -5,7 +5,7 @@ per-segment sums) -> ``next_token`` (pretraining and SFT), ``preference`` (DPO, 
 ``policy`` (GRPO) -> ``contract`` (the :class:`Objective` record a spec binds one of them into,
 and the held-out evaluation step). Which objective a run trains is :mod:`zaya_jax.objectives`'."""
 
-from zaya_jax.loss.contract import FieldSpec, Objective, ObjectiveFor, average, make_eval_step
+from zaya_jax.loss.contract import FieldSpec, MetricBound, Objective, ObjectiveFor, average, make_eval_step
 from zaya_jax.loss.forward import Batch, segment_sums, token_losses, token_nll, under_axis_rules
 from zaya_jax.loss.next_token import loss_and_stats
 from zaya_jax.loss.preference import sequence_logps
@@ -13,6 +13,7 @@ from zaya_jax.loss.preference import sequence_logps
 __all__ = [
     "Batch",
     "FieldSpec",
+    "MetricBound",
     "Objective",
     "ObjectiveFor",
     "average",

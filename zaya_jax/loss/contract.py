@@ -32,17 +32,32 @@ FieldSpec = tuple[type[np.generic], tuple[int, ...]]  # dtype, shape after (rows
 
 
 @dataclasses.dataclass(frozen=True)
+class MetricBound:
+    """The largest value one of an objective's step metrics (a name in ``stats["sums"]``, per unit
+    of the weight) may take: past it the train step keeps its previous state, and the run skips the
+    batch or stops (``resilience.on_metric_bound``, :func:`zaya_jax.train.decisions.decide`).
+    ``setting`` is the config key holding ``limit``; ``meaning`` says what a value past it tells."""
+
+    metric: str
+    limit: float
+    setting: str
+    meaning: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Objective:
     """One objective's loss with its settings bound: ``loss_and_stats``, the sums held-out
     evaluation reports (each ``eval_<name>`` in ``metrics.jsonl``; ``loss`` is ``eval_loss``), the
-    batch fields it adds to the text fields (:data:`zaya_jax.data.BATCH_FIELDS`), and what
-    ``stats["weight"]`` counts (``tokens``: a held-out report has a perplexity; ``pairs``: not)."""
+    batch fields it adds to the text fields (:data:`zaya_jax.data.BATCH_FIELDS`), what
+    ``stats["weight"]`` counts (``tokens``: a held-out report has a perplexity; ``pairs``: not),
+    and the bounds its step metrics are held to (:class:`MetricBound`)."""
 
     name: str
     loss_and_stats: LossFn
     eval_metrics: tuple[str, ...] = ("loss",)
     fields: Mapping[str, FieldSpec] = dataclasses.field(default_factory=dict)
     unit: Literal["tokens", "pairs"] = "tokens"
+    bounds: tuple[MetricBound, ...] = ()
 
 
 ObjectiveFor = Callable[[Config], Objective]  # an objective's binding: settings in, loss out

@@ -8,7 +8,7 @@ import functools
 from typing import Any
 
 from zaya_jax.config import Config, ConfigError
-from zaya_jax.loss import Objective
+from zaya_jax.loss import MetricBound, Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
 from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, RewardFunction, held_out_reward, load_reward
@@ -17,8 +17,18 @@ from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
 
 
 def policy_gradient(cfg: Config) -> Objective:
-    """GRPO's loss with ``cfg.rl`` bound; the batch adds the rollouts' fields."""
-    return Objective("grpo", functools.partial(grpo_loss_and_stats, cfg=cfg), ("loss",), rollout_fields(cfg))
+    """GRPO's loss with ``cfg.rl`` bound; the batch adds the rollouts' fields, and a step whose
+    trainer does not reproduce its rollouts' log-probabilities is rejected (``rl.max_sampler_gap``)."""
+    gap = MetricBound(
+        "sampler_gap", cfg.rl.max_sampler_gap, "rl.max_sampler_gap",
+        "mean |log pi - log pi_sampler| over completion tokens: the trainer's log-probabilities, routes "
+        "replayed, are not the rollouts' recorded ones; with rollouts from another engine, check its "
+        "weights, tokenizer, temperature-1 log-probabilities and routes",
+    )  # fmt: skip
+    bounds = (gap,) if cfg.rl.max_sampler_gap > 0 else ()
+    return Objective(
+        "grpo", functools.partial(grpo_loss_and_stats, cfg=cfg), ("loss",), rollout_fields(cfg), bounds=bounds
+    )
 
 
 def check_grpo(cfg: Config) -> None:

@@ -12,11 +12,25 @@ rows are then trained ``train.batch_size`` at a time.
 
 Rollouts from files (``rl.rollouts``): JSONL records, one completion each, ``{"group": any JSON
 value naming the prompt's group, "prompt_ids": [...], "completion_ids": [...], "logprobs": [...]
-(one per completion token), "reward": float, "routes": [[class per layer] per token read]}``
-(``routes`` optional: ``len(prompt_ids) + len(completion_ids) - 1`` entries, the classes of
-every token but the last; an engine such as vLLM that records routed experts can supply them).
+(one per completion token, at temperature 1), "reward": float}`` and optionally the routes the
+sampler took, for router replay, for every token read (``len(prompt_ids) + len(completion_ids) -
+1`` of them: every token but the last), in one of two layouts:
+
+- zaya's: ``"routes": [[class per layer] per token read]``, a class being an expert index in
+  [0, E), E (``model.num_experts``) for the skip class, or -1 where unknown (the router chooses);
+- vLLM's capture (vllm-project/vllm#28284): ``"routed_experts": [[[expert] per layer] per token
+  read]`` (shape tokens read x layers x top_k, top_k = 1 for ZAYA) with ``"routed_skip": [[bool
+  per layer] per token read]``, true where the router chose the skip class. vLLM (upstream and
+  Zyphra's ``zaya.py``) rewrites a skip choice to expert 0 with weight 0 before its fused MoE, so
+  ``routed_experts`` alone cannot tell a skipped token from one routed to expert 0; every ZAYA
+  router has the skip class, so a record with ``routed_experts`` and no ``routed_skip`` is refused
+  (drop both to let the trainer's router choose). The mask's tokens become class E.
+
 They are read in order, ``steps_per_rollout * train.batch_size`` at a time, advantages normalised
-within the groups of each read, and the files repeat.
+within the groups of each read, and the files repeat. Every batch is checked before its update is
+kept: the trainer's log-probabilities (routes replayed) against the recorded ones, ``sampler_gap``
+(mean |log pi - log pi_sampler| over completion tokens) at most ``rl.max_sampler_gap``, else the
+step is skipped or the run stops (``resilience.on_metric_bound``).
 
 The data position in a checkpoint is the number of rollouts taken, of prompts (or file records)
 consumed and of tokens trained; a run resumed in the middle of a rollout starts the next one (the rest of the
@@ -294,18 +308,69 @@ def _completion_from_record(record: dict[str, Any], model: ModelConfig) -> Compl
     reward = float(record["reward"])
     if not math.isfinite(reward):
         raise ValueError(f"reward {reward} is not a finite number")
-    routes = None
-    if record.get("routes") is not None:
-        layers, classes = model.num_layers, model.num_experts + 1
-        routes = np.asarray(record["routes"], np.int32)
-        expected = (len(prompt) + len(tokens) - 1, layers)
-        if routes.shape != expected:
-            raise ValueError(f"routes have shape {routes.shape}, expected {expected} (tokens read x layers)")
-        if routes.min() < -1 or routes.max() >= classes:
-            raise ValueError(
-                f"routes must be classes in [-1, {classes - 1}] (the skip class is {classes - 1})"
-            )
+    routes = _routes_from_record(record, model, len(prompt) + len(tokens) - 1)
     return Completion(record["group"], prompt, tokens, logprobs, reward, routes)
+
+
+def _routes_from_record(record: dict[str, Any], model: ModelConfig, read: int) -> np.ndarray | None:
+    """The record's routes as zaya classes, (tokens read, layers), or None: ``routes`` as they are,
+    or vLLM's ``routed_experts`` with its ``routed_skip`` mask converted (skip -> E)."""
+    layers, experts = model.num_layers, model.num_experts
+    given = [name for name in ("routes", "routed_experts") if record.get(name) is not None]
+    if len(given) == 2:
+        raise ValueError("routes and routed_experts are two layouts of the same routes: give one")
+    if record.get("routed_skip") is not None and given != ["routed_experts"]:
+        raise ValueError("routed_skip is the skip mask of routed_experts, which the record lacks")
+    if not given:
+        return None
+    if given == ["routes"]:
+        routes = np.asarray(record["routes"])
+        if routes.shape != (read, layers):
+            raise ValueError(
+                f"routes have shape {routes.shape}, expected {(read, layers)} (tokens read x layers)"
+            )
+        if routes.dtype.kind not in "iu" or routes.min() < -1 or routes.max() > experts:
+            raise ValueError(f"routes must be classes in [-1, {experts}] (the skip class is {experts})")
+        return routes.astype(np.int32)
+    return _vllm_routes(record, layers, experts, read)
+
+
+def _vllm_routes(record: dict[str, Any], layers: int, experts: int, read: int) -> np.ndarray:
+    """vLLM's ``routed_experts`` (tokens read, layers, top_k) expert indices and the ``routed_skip``
+    (tokens read, layers) mask -> zaya classes: the expert, E where the mask is set, -1 kept."""
+    routed = np.asarray(record["routed_experts"])
+    if routed.ndim != 3 or routed.shape[:2] != (read, layers):
+        raise ValueError(
+            f"routed_experts have shape {routed.shape}, expected {(read, layers, 1)} (tokens read x layers x top_k)"
+        )
+    if routed.shape[2] != 1:
+        raise ValueError(
+            f"routed_experts hold top_k={routed.shape[2]} experts per token; ZAYA routes each token to one "
+            "class (top_k=1), so only top_k=1 is supported"
+        )
+    if routed.dtype.kind not in "iu" or routed.min() < -1 or routed.max() >= experts:
+        raise ValueError(f"routed_experts must be expert indices in [0, {experts}) (-1: not recorded)")
+    if record.get("routed_skip") is None:  # every ZAYA model has the skip class (E + 1 router classes)
+        raise ValueError(
+            f"routed_experts without routed_skip: this model's router has a skip class besides its {experts} "
+            "experts, and vLLM rewrites a skip choice to expert 0 (with weight 0), so these routes cannot "
+            "tell a skipped token from one routed to expert 0 and replaying them would train a path the "
+            "sampler never took. Supply routed_skip ([tokens read][layers] booleans, true where the router "
+            "chose the skip class), or drop routed_experts to let the trainer's router choose"
+        )
+    skip = np.asarray(record["routed_skip"])
+    if skip.shape != (read, layers) or skip.dtype.kind not in "biu" or not np.isin(skip, (0, 1)).all():
+        raise ValueError(
+            f"routed_skip must be {(read, layers)} booleans (tokens read x layers), got shape {skip.shape}"
+        )
+    routes, skip = routed[..., 0].astype(np.int32), skip.astype(bool)
+    if (skip & (routes > 0)).any():
+        t, layer = (int(i[0]) for i in np.nonzero(skip & (routes > 0)))
+        raise ValueError(
+            f"routed_skip marks token {t} layer {layer} as skipped but routed_experts holds expert "
+            f"{routes[t, layer]} there (vLLM writes 0 for a skip): the mask does not line up with the routes"
+        )
+    return np.where(skip, experts, routes)
 
 
 def kl_reference(setup: RunSetup) -> Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None:

@@ -91,9 +91,7 @@ def make_train_step(
         state: TrainState, batch: Batch, lr_scale: jax.Array, loss_limit: jax.Array | None = None
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """With ``loss_limit`` (a float32 scalar; ``inf`` for none) the step keeps the previous
-        parameters, optimizer and balancing state when the loss or gradient norm is not finite or
-        the loss exceeds the limit (metrics ``skipped``, ``nonfinite``), and with
-        ``resilience.on_routing_alarm: skip`` when its routing is past a limit (``routing_rejected``)."""
+        state on a bad step (:func:`_guarded`)."""
         trained, frozen = trained_and_frozen(state.params)
         grads, stats = _accumulated_grads(grad_fn, (trained, frozen, state.balancing), batch, micro)
         weight = jnp.maximum(stats["weight"], 1.0)
@@ -123,23 +121,44 @@ def make_train_step(
             metrics["lora_b_grad_norm"] = b_grad_norms(grads)
         new_state = TrainState(state.step + 1, trained, opt_state, balancing, controller)
         if loss_limit is not None:
-            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-            accept = finite & (metrics["loss"] <= loss_limit)
-            if cfg.resilience.on_routing_alarm == "skip":  # this step's routing past a limit: undone
-                healthy = within_limits(cfg, metrics["routing"])
-                accept = accept & healthy
-                metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
-            old = state.replace(params=trained_and_frozen(state.params)[0])  # the frozen base: as it is
-            kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, old)
-            new_state = kept.replace(step=state.step + 1)
-            metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
-            metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+            new_state = _guarded(cfg, objective, state, new_state, metrics, grad_norm, loss_limit)
         new_state = new_state.replace(params=_whole(new_state.params, frozen))
         rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
         metrics["lr"], metrics["muon_lr"] = rates["adam_lr"], rates["muon_lr"]
         return new_state, metrics
 
     return under_axis_rules(step, axis_rules)
+
+
+def _guarded(
+    cfg: Config,
+    objective: Objective,
+    state: TrainState,
+    new_state: TrainState,
+    metrics: dict[str, jax.Array],
+    grad_norm: jax.Array,
+    loss_limit: jax.Array,
+) -> TrainState:
+    """``new_state``, or the previous parameters, optimizer and balancing state (the step counted)
+    when the loss or gradient norm is not finite or the loss exceeds ``loss_limit`` (metrics
+    ``skipped``, ``nonfinite``), when a metric passes its objective's bound (``bound_rejected``),
+    and with ``resilience.on_routing_alarm: skip`` when its routing is past a limit
+    (``routing_rejected``)."""
+    finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+    accept = finite & (metrics["loss"] <= loss_limit)
+    if objective.bounds:  # NaN is past any bound
+        within = jnp.all(jnp.stack([metrics[b.metric] <= b.limit for b in objective.bounds]))
+        accept = accept & within
+        metrics["bound_rejected"] = 1.0 - within.astype(jnp.float32)
+    if cfg.resilience.on_routing_alarm == "skip":  # this step's routing past a limit: undone
+        healthy = within_limits(cfg, metrics["routing"])
+        accept = accept & healthy
+        metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
+    old = state.replace(params=trained_and_frozen(state.params)[0])  # the frozen base: as it is
+    kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, old)
+    metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
+    metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+    return kept.replace(step=state.step + 1)
 
 
 def _accumulated_grads(

@@ -19,6 +19,11 @@ class NonFiniteLossError(RuntimeError):
     """A non-finite loss or gradient with ``resilience.on_nonfinite=stop``, or too many rollbacks."""
 
 
+class MetricBoundError(RuntimeError):
+    """A step metric past its objective's bound with ``resilience.on_metric_bound=stop``
+    (:class:`zaya_jax.loss.MetricBound`)."""
+
+
 class LossGuard:
     """The spike limit over the last ``spike_window`` accepted losses. With ``lag`` (the loop's
     ``train.dispatch_ahead``: step t is dispatched before step t-1's loss is read) the limit for

@@ -23,6 +23,7 @@ CONTROL_KEYS = (
     "nonfinite",
     "routing",
     "routing_rejected",
+    "bound_rejected",
 )  # read by the loop, not written as metrics
 
 

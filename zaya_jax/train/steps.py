@@ -18,7 +18,14 @@ from zaya_jax.objectives import HostBatch, Producer, StepPlan
 from zaya_jax.optim import batch_lr_scale
 from zaya_jax.parallel import put_batch
 from zaya_jax.programs import Programs, TrainState
-from zaya_jax.resilience import LossGuard, NonFiniteLossError, RoutingAlarmError, RoutingMonitor, Watchdog
+from zaya_jax.resilience import (
+    LossGuard,
+    MetricBoundError,
+    NonFiniteLossError,
+    RoutingAlarmError,
+    RoutingMonitor,
+    Watchdog,
+)
 from zaya_jax.resilience.routing import RoutingAlarm
 from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.compiled import TrainStep
@@ -157,7 +164,7 @@ class TrainingSteps:
         cfg, rollbacks = self.run.cfg, self.counts["rollbacks"]
         if not self.adapters_checked:
             self.adapters_checked = refuse_inert_adapters(cfg, done.metrics["lora_b_grad_norm"], done.step)
-        outcome = Outcome.of(done.step, done.metrics, done.limit)
+        outcome = Outcome.of(done.step, done.metrics, done.limit, self.run.programs.bound.bounds)
         decision = decide(outcome, cfg.resilience, rollbacks)
         alarm = (
             self.routing.add(done.step, done.metrics["routing"]) if decision.action is Action.ACCEPT else None
@@ -189,11 +196,25 @@ class TrainingSteps:
         r, outcome, decision = self.run, verdict.outcome, verdict.decision
         if outcome.skipped:
             self.counts["skipped_steps"] += 1
-            r.writer.event(
-                "skip", reason=outcome.reason, at_step=done.step, loss=outcome.loss, limit=done.limit
-            )
+            detail = {
+                "reason": outcome.reason,
+                "at_step": done.step,
+                "loss": outcome.loss,
+                "limit": done.limit,
+            }
+            if outcome.exceeded is not None:  # a metric past its objective's bound: the user is told
+                bound, value = outcome.exceeded
+                detail.update(metric=bound.metric, value=value, bound=bound.limit, setting=bound.setting)
+            if decision.action is Action.SKIP and decision.message:
+                r.writer.notice("skip", decision.message, **detail)
+            else:
+                r.writer.event("skip", **detail)
         if decision.action is Action.STOP:
-            raise (RoutingAlarmError if verdict.alarm else NonFiniteLossError)(decision.message)
+            bounded = outcome.exceeded is not None and not outcome.nonfinite
+            error = (
+                RoutingAlarmError if verdict.alarm else MetricBoundError if bounded else NonFiniteLossError
+            )
+            raise error(decision.message)
         if decision.action is Action.ROLLBACK:
             restored = rollback(r.checkpoints, r.writer, latest, decision.reason or outcome.reason, done.step)
             self.routing.reset()
