@@ -46,6 +46,28 @@ def test_chunked_prefill_and_token_by_token_decode_equal_the_full_forward(overri
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=2e-5)
 
 
+def test_a_slot_cache_reads_each_row_at_its_own_offset_like_the_full_forward():
+    """init_cache(per_row=True): rows written at their own positions, real tokens first in each
+    chunk (the rest padding), equal the full forward; a row given no tokens keeps its state."""
+    cfg = tiny_config(layer_types=("hybrid", "hybrid_sliding"), sliding_window=3, cca_time0=3)
+    variables = random_variables(cfg)
+    ids = np.random.default_rng(2).integers(3, cfg.vocab_size, (2, 11)).astype(np.int32)
+    full, _ = Zaya(cfg).apply(variables, jnp.asarray(ids))
+    step = jax.jit(lambda v, t, m, c: Zaya(cfg).apply(v, t, token_mask=m, cache=c))
+    cache, pieces = init_cache(cfg, batch=2, length=16, per_row=True), [[], []]
+    for chunks in [((0, 4), (0, 0)), ((4, 5), (0, 2)), ((5, 11), (2, 9)), ((11, 11), (9, 11))]:
+        tokens, mask = np.zeros((2, 7), np.int32), np.zeros((2, 7), np.int32)
+        for row, (start, stop) in enumerate(chunks):
+            tokens[row, : stop - start], mask[row, : stop - start] = ids[row, start:stop], 1
+        logits, aux = step(variables, jnp.asarray(tokens), jnp.asarray(mask), cache)
+        cache = aux["cache"]
+        for row, (start, stop) in enumerate(chunks):
+            pieces[row].append(np.asarray(logits[row, : stop - start]))
+    assert cache["index"].tolist() == [11, 11]
+    for row in range(2):
+        np.testing.assert_allclose(np.concatenate(pieces[row]), np.asarray(full[row]), atol=2e-5)
+
+
 def test_a_left_padded_row_decodes_like_the_same_prompt_alone():
     cfg = tiny_config()
     variables = random_variables(cfg)

@@ -58,6 +58,25 @@ def test_scores_are_the_models_log_probabilities(run):
     assert "\n" not in generated and len(generated) <= 8
 
 
+def test_generate_until_runs_a_task_at_once_and_cuts_each_text_at_its_own_stop(run):
+    """Requests with different stops and lengths, through two engine slots, give the texts of
+    each request generated alone, cut before the first of its ``until`` strings."""
+    from zaya_jax.harness import ZayaLM
+
+    model = ZayaLM(str(run), slots=2)
+    contexts = ["def ", "import", "class A", "x = "]
+    alone = model.lm.generate(contexts, max_new_tokens=12, stop_tokens=[]).texts
+    stops = [alone[0][3:5], "\x00never", alone[2][6], ""]  # strings each text is known to hold (or not)
+    options = [{"until": [stop], "max_gen_toks": 12 - i} for i, stop in enumerate(stops)]
+    texts = model.generate_until([_request(c, o) for c, o in zip(contexts, options, strict=True)])
+    for text, whole, stop, i in zip(texts, alone, stops, range(4), strict=True):
+        expected = whole[: whole.find(stop)] if stop and stop in whole else whole
+        # a row without a stop string keeps its own max_gen_toks (byte tokenizer: one char per token)
+        assert text == (
+            expected if stop in whole and stop else model.tok.decode(model.tok.encode(whole)[: 12 - i])
+        )
+
+
 def _tiny_task(tmp_path) -> str:
     """A 3-question multiple-choice task from a local JSON file; returns its name."""
     docs = [

@@ -8,8 +8,9 @@
 (``lm_eval``'s own command line with this module imported first, which registers the model), or
 from Python: ``lm_eval.simple_evaluate(model=ZayaLM("runs/tiny"), tasks=[...])``.
 
-Sequences are left-padded to the next power of two (at least 16 tokens), so a task compiles a
-handful of programs, not one per request length.
+Scored sequences are left-padded to the next power of two (at least 16 tokens), so a task compiles
+a handful of programs, not one per request length; ``generate_until`` runs all of a task's
+requests through the rollout engine at once (:mod:`zaya_jax.engine`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
+from zaya_jax.engine import Request
 from zaya_jax.lm import load
 
 
@@ -32,10 +34,16 @@ def _bucket(length: int) -> int:
 class ZayaLM(LM):
     """``pretrained``: a run, checkpoint or HF directory; ``tokenizer``: override its tokenizer
     (a ``tokenizer.json`` path or ``byte``); ``max_length``: the longest scored sequence (default
-    the model's ``max_position_embeddings``)."""
+    the model's ``max_position_embeddings``); ``slots``: ``generate_until`` requests in flight at
+    once (the rollout engine's slots)."""
 
     def __init__(
-        self, pretrained: str, tokenizer: str | None = None, max_length: int | None = None, **_: Any
+        self,
+        pretrained: str,
+        tokenizer: str | None = None,
+        max_length: int | None = None,
+        slots: int = 64,
+        **_: Any,
     ):
         super().__init__()
         self.lm = load(pretrained, tokenizer)
@@ -43,6 +51,7 @@ class ZayaLM(LM):
             raise ValueError(f"{self.lm.tokenizer_problem}; pass model_args tokenizer=PATH")
         self.tok = self.lm.tokenizer
         self.max_length = int(max_length or self.lm.config.max_position_embeddings)
+        self.slots = int(slots)
 
     def _encode(self, text: str) -> list[int]:
         return [int(t) for t in self.tok.encode(text)]
@@ -92,19 +101,28 @@ class ZayaLM(LM):
         return out
 
     def generate_until(self, requests: list[Any]) -> list[str]:
-        out = []
-        for request in requests:
+        """Every request at once through the rollout engine (``slots`` in flight, continuous
+        batching): each stops at the model's EOS ids or at one of its ``until`` strings (the text
+        returned ends before it); a context too long for ``max_gen_toks`` more tokens keeps its end."""
+        jobs = []
+        for index, request in enumerate(requests):
             context, options = request.args
             until = options.get("until") or []
-            until = [until] if isinstance(until, str) else list(until)
+            until = (until,) if isinstance(until, str) else tuple(s for s in until if s)
+            new = int(options.get("max_gen_toks", 256))
             sample = bool(options.get("do_sample", False))
-            generated = self.lm.generate(
-                context,
-                max_new_tokens=int(options.get("max_gen_toks", 256)),
-                temperature=float(options.get("temperature", 1.0)) if sample else 0.0,
-            ).texts[0]
-            cuts = [generated.find(stop) for stop in until if stop and stop in generated]
-            out.append(generated[: min(cuts)] if cuts else generated)
+            keep = max(1, min(self.max_length, self.lm.config.max_position_embeddings) - new)
+            prompt = (self._encode(context) if context else [self.tok.eos_id])[-keep:]
+            temperature = float(options.get("temperature", 1.0)) if sample else 0.0
+            stops = tuple(self.lm.stop_token_ids)
+            jobs.append(
+                Request(prompt, new, temperature, stream=index, stop_tokens=stops, stop_strings=until)
+            )
+        out = []
+        for job, result in zip(jobs, self.lm.engine(slots=self.slots).run(jobs), strict=True):
+            text = self.tok.decode([t for t in result.tokens.tolist() if t not in job.stop_tokens])
+            cuts = [text.find(stop) for stop in job.stop_strings if stop in text]
+            out.append(text[: min(cuts)] if cuts else text)
         return out
 
 

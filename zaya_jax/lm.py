@@ -17,6 +17,7 @@ import numpy.typing as npt
 from zaya_jax.config import Config, DataConfig, DataSource, ModelConfig, RuntimeConfig
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
+from zaya_jax.engine import Engine
 from zaya_jax.eval import evaluate
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
@@ -69,6 +70,27 @@ class LanguageModel:
         logits, _ = self._apply(self.variables, jnp.asarray(ids, jnp.int32), token_mask=mask)
         return np.asarray(logits, dtype=np.float32)
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids generation stops on by default: the model's EOS ids and the tokenizer's (as HF
+        ``generate`` stops)."""
+        tok = self.tokenizer
+        return list(dict.fromkeys([*self.config.stop_token_ids, *([tok.eos_id] if tok is not None else [])]))
+
+    def engine(self, slots: int = 64, prefill_chunk: int = 128, return_routes: bool = False) -> Engine:
+        """The rollout engine (:class:`zaya_jax.engine.Engine`) over this model: ``slots`` requests
+        in flight, ids the tokenizer cannot decode never generated, stop strings decoded with it."""
+        tok = self.tokenizer
+        return Engine(
+            self.config,
+            self.variables,
+            slots=slots,
+            prefill_chunk=prefill_chunk,
+            vocab_limit=tok.vocab_size if tok is not None else None,
+            decode=(lambda ids: tok.decode(ids)) if tok is not None else None,
+            return_routes=return_routes,
+        )
+
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[Sequence[int]] | np.ndarray,
@@ -108,8 +130,8 @@ class LanguageModel:
                     "pass token ids, or the model's tokenizer (--tokenizer PATH or 'byte', lm.tokenizer)"
                 )
             prompts = [tok.encode(p).tolist() for p in prompts]
-        if stop_tokens is None:  # the model's EOS ids and the tokenizer's, as HF generate stops
-            stop_tokens = [*self.config.stop_token_ids, *([tok.eos_id] if tok is not None else [])]
+        if stop_tokens is None:
+            stop_tokens = self.stop_token_ids
         out = generate(
             self.config,
             self.variables,

@@ -56,6 +56,9 @@ class RLConfig:
     rollouts: str = ""
     group_size: int = 8  # completions sampled per prompt (the group of the advantage)
     max_new_tokens: int = 32  # longest completion
+    # Completions in flight at once in the rollout engine (zaya_jax.engine): a finished one's slot
+    # takes the next at once; more slots, more memory (each holds a prompt + max_new_tokens cache).
+    slots: int = 64
     temperature: float = 1.0  # sampling temperature (log-probabilities are at temperature 1 either way)
     steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
     replay_routes: bool = True  # force the sampler's routes in the training forward
@@ -81,7 +84,7 @@ class RLConfig:
     prompt_seed: int = 0  # seed of the built-in task's prompts (held-out ones come from seed + 1)
 
     def validate(self) -> None:
-        for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts"):
+        for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name}={getattr(self, name)} must be a positive integer")
         if self.group_size < 2 and not self.rollouts:

@@ -258,6 +258,7 @@ def held_out_reward(
         max_new_tokens=cfg.rl.max_new_tokens,
         stop_tokens=[*cfg.model.stop_token_ids, tokenizer.eos_id],
         vocab_limit=tokenizer.vocab_size,
+        slots=cfg.rl.slots,
     )
     texts = completion_texts(tokenizer, out.rows())
     scores = [score for r, t in zip(records, texts, strict=True) if (score := reward(r, t)) is not None]

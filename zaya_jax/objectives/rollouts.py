@@ -5,7 +5,8 @@ and, for router replay, the class every layer chose for it.
 Every ``rl.steps_per_rollout`` steps, :class:`Rollouts` takes the next prompts of the stream
 (:class:`~zaya_jax.objectives.rewards.PromptSet`), samples ``rl.group_size`` completions of each with
 zaya's sampler and decode cache (:func:`zaya_jax.generate.generate`, ``return_routes``) from the
-current parameters (handed over by :meth:`Rollouts.observe` before each step), scores them with the
+current parameters (handed over by :meth:`Rollouts.observe` before each step; ``rl.slots`` completions
+in flight in the rollout engine, :mod:`zaya_jax.engine`), scores them with the
 reward function, normalises the rewards within each group (reward minus the group mean, over the
 group's standard deviation; 0 when all are equal) and builds one row per completion. The rollout's
 rows are then trained ``train.batch_size`` at a time.
@@ -220,6 +221,7 @@ class Rollouts:
             seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
+            slots=rl.slots,
         )
         texts = completion_texts(self.tokenizer, out.rows())
         completions = []
