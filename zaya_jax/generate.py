@@ -90,7 +90,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray,
 
 def _cache_shardings(cache: dict[str, Any], mesh: Mesh) -> dict[str, Any]:
     """Keys, values and slot mask split along the cache slots over ``context``; the rest replicated."""
-    split = {"keys": P(None, None, "context"), "values": P(None, None, "context"), "mask": P(None, "context")}
+    kv = P(None, None, None, "context")  # (layers, batch, heads, positions, dim)
+    split = {"keys": kv, "values": kv, "mask": P(None, "context")}
     return {name: NamedSharding(mesh, split.get(name, P())) for name in cache}
 
 

@@ -72,7 +72,8 @@ def _constrained(cache: dict[str, jax.Array], shape: Shape) -> dict[str, jax.Arr
     """Keys, values and the key mask split along the cache slots over ``context``; the rest replicated."""
     if shape.mesh is None:
         return cache
-    split = {"keys": P(None, None, "context"), "values": P(None, None, "context"), "mask": P(None, "context")}
+    kv = P(None, None, None, "context")  # (layers, batch, heads, positions, dim)
+    split = {"keys": kv, "values": kv, "mask": P(None, "context")}
     return {
         name: jax.lax.with_sharding_constraint(x, NamedSharding(shape.mesh, split.get(name, P())))
         for name, x in cache.items()

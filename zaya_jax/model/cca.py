@@ -167,15 +167,28 @@ def write_rows(buffer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array
 
 
 def _write_cache(cache, k, v, index):
-    """The new keys and values written at slots [index, index + T) (a slot cache: each row at its
-    own ``index``); returns (k, v over all slots, updates)."""
+    """The new keys and values (batch, T, nk, d) written into layer ``cache["layer"]`` of the
+    stacked (layers, batch, nk, S, d) cache at positions [index, index + T) (a slot cache: each row at
+    its own ``index``, positions past S dropped). Returns (this layer's keys and values over all S
+    positions as (batch, S, nk, d), the updated stacks).
+
+    The stacks are carried through the layer loop and written in place, in the attention's
+    (heads, positions) layout: sliced out of a scanned stack and transposed for the attention, a
+    384-position cache cost 4 copies per layer and step (``bench/cache_layout.py``)."""
+    keys, values, layer = cache["keys"], cache["values"], cache["layer"]
+    batch, seq = k.shape[:2]
     if index.ndim == 1:
-        k, v = write_rows(cache["keys"], k, index), write_rows(cache["values"], v, index)
-        return k, v, {"keys": k, "values": v}
-    start = (0, index, 0, 0)
-    k = jax.lax.dynamic_update_slice(cache["keys"], k.astype(cache["keys"].dtype), start)
-    v = jax.lax.dynamic_update_slice(cache["values"], v.astype(cache["values"].dtype), start)
-    return k, v, {"keys": k, "values": v}
+        rows, slots = jnp.arange(batch)[:, None], index[:, None] + jnp.arange(seq)[None, :]
+        keys = keys.at[layer, rows, :, slots].set(k.astype(keys.dtype), mode="drop")
+        values = values.at[layer, rows, :, slots].set(v.astype(values.dtype), mode="drop")
+    else:
+        start = (layer, 0, 0, index, 0)
+        keys = jax.lax.dynamic_update_slice(keys, k.astype(keys.dtype).transpose(0, 2, 1, 3)[None], start)
+        values = jax.lax.dynamic_update_slice(
+            values, v.astype(values.dtype).transpose(0, 2, 1, 3)[None], start
+        )
+    here = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False).transpose(0, 2, 1, 3)  # noqa: E731
+    return here(keys), here(values), {"keys": keys, "values": values}
 
 
 def _normalized_rotated(q: jax.Array, k: jax.Array, temp: jax.Array, tables: tuple[jax.Array, jax.Array]):
@@ -204,9 +217,10 @@ class CCAAttention(nn.Module):
     seq, embed), updated layer cache or None).
 
     ``mask`` says which keys each query sees (causal, documents, padding; this layer's sliding
-    ``window`` is added here). ``cache`` (decoding) = {"keys", "values": (batch, S, nk, d),
-    "conv": (batch, P, C), "vdel": (batch, nk*d/2)} with the new tokens written at slots
-    [index, index + seq); ``mask`` then spans the S cache slots.
+    ``window`` is added here). ``cache`` (decoding) = {"keys", "values": every layer's, stacked
+    (layers, batch, nk, S, d), "layer": this layer's index, "conv": (batch, P, C), "vdel": (batch,
+    nk*d/2)} with the new tokens written at slots [index, index + seq); ``mask`` then spans the S
+    cache slots. The updated cache returned holds the updated stacks, this layer's conv and vdel.
 
     Three modes share the spec's steps and differ only in the temporal parts (convolution, value
     shift) and the attention: *plain* (one device holds the sequence), *context* (the sequence is

@@ -24,7 +24,8 @@ from zaya_jax.model.router import BALANCING, Router
 from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
 
-LAYER_CACHE_KEYS = ("keys", "values", "conv", "vdel")
+LAYER_CACHE_KEYS = ("conv", "vdel")  # scanned with the blocks, one row per layer
+KV_CACHE_KEYS = ("keys", "values")  # every layer's, stacked, carried through the blocks and written in place
 
 REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
@@ -46,7 +47,8 @@ def positions_in_document(segment_ids: jax.Array) -> jax.Array:
 
 
 class Block(nn.Module):
-    """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R)).
+    """One decoder block; ``carry`` = (h float32 (batch, seq, embed), r (batch, seq, R), the stacked
+    decode cache's keys and values (:data:`KV_CACHE_KEYS`) or None).
 
     ``layer`` holds this layer's scanned inputs (EDA scale, RoPE frequencies, sliding window, and
     with router replay the (batch, seq) classes to select, ``routes``),
@@ -61,8 +63,9 @@ class Block(nn.Module):
     def __call__(self, carry, layer: dict[str, jax.Array], ctx: dict[str, Any]):
         cfg = self.cfg
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-        h, r = carry
+        h, r, kv = carry
         token_mask = ctx["token_mask"]
+        cache = None if kv is None else {**layer["cache"], **kv, "layer": layer["layer"]}
 
         a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
         o, cache = CCAAttention(cfg, self.hooks, name="attn")(
@@ -73,9 +76,11 @@ class Block(nn.Module):
             mask=ctx["mask"],
             segment_ids=ctx["segment_ids"],
             token_mask=token_mask,
-            cache=layer.get("cache"),
+            cache=cache,
             index=ctx.get("cache_index"),
         )
+        if cache is not None:
+            kv = {name: cache.pop(name) for name in KV_CACHE_KEYS}
         merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
         norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
         if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
@@ -120,14 +125,14 @@ class Block(nn.Module):
             known = valid * (captured >= 0)
             stats["routes_captured"] = jnp.sum(known)
             stats["route_flips"] = jnp.sum(known * (captured != routing.natural))
-        return (h, routing.state), (stats, cache)
+        return (h, routing.state, kv), (stats, cache)
 
 
 def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
     """The module class of the whole stack: :class:`Block` (rematerialised per ``cfg.remat``)
     scanned ``cfg.num_layers`` times. Instantiate it as ``(cfg, hooks, name="layers")`` and call
-    it with ``((h, r), layer_inputs, ctx)``; it returns the final carry and the stacked per-layer
-    (stats, cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any, as it
+    it with ``((h, r, kv), layer_inputs, ctx)`` (``kv`` the decode cache's stacked keys and values,
+    or None); it returns the final carry and the stacked per-layer (stats, conv/vdel cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any, as it
     reads each weight (:mod:`zaya_jax.model.adapters`)."""
     block = Block
     if cfg.remat != "none":

@@ -21,6 +21,7 @@ from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ContextParallelism, ModelHooks
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.stack import (
+    KV_CACHE_KEYS,
     LAYER_CACHE_KEYS,
     layer_inputs,
     scanned_blocks,
@@ -146,8 +147,11 @@ class Zaya(nn.Module):
             )
         ctx = shared_inputs((batch, seq), token_mask, segment_ids, positions, cache)
         key_mask = ctx.pop("key_mask", None)
+        kv = None
         if cache is not None:
             per_layer["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
+            per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            kv = {k: cache[k] for k in KV_CACHE_KEYS}
         if routes is not None:  # scanned with the blocks: (layers, batch, seq)
             per_layer["routes" if replay_routes else "observed_routes"] = jnp.moveaxis(
                 jnp.asarray(routes, jnp.int32), -1, 0
@@ -157,14 +161,17 @@ class Zaya(nn.Module):
         h = ((e + input_bias.astype(dtype)) * input_scale.astype(dtype)).astype(jnp.float32)
         h = nn.with_logical_constraint(h, ACTIVATION_AXES)
         r = jnp.zeros((batch, seq, cfg.router_hidden_size), dtype)
-        (h, _), (stats, layer_cache) = scanned_blocks(cfg)(cfg, self.hooks, name="layers")(
-            (h, r), per_layer, ctx
+        (h, _, kv), (stats, layer_cache) = scanned_blocks(cfg)(cfg, self.hooks, name="layers")(
+            (h, r, kv), per_layer, ctx
         )
         if cache is not None:
             advance = seq
             if cache["index"].ndim == 1 and token_mask is not None:  # a slot cache: real tokens per row
                 advance = jnp.sum(token_mask, axis=1, dtype=jnp.int32)
-            stats = {**stats, "cache": {**layer_cache, "mask": key_mask, "index": cache["index"] + advance}}
+            stats = {
+                **stats,
+                "cache": {**layer_cache, **kv, "mask": key_mask, "index": cache["index"] + advance},
+            }
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
         y = nn.with_logical_constraint(y if layout is None else layout.restore(y), ACTIVATION_AXES)
@@ -211,8 +218,8 @@ def init_cache(
 ) -> dict[str, jax.Array]:
     """An empty decode cache for ``length`` token slots (spec §3), stacked over layers.
 
-    ``keys``/``values`` (layers, batch, length, nk, d): post-norm, post-temp, post-RoPE keys and the
-    shifted values; ``conv`` (layers, batch, P, C): the last P raw [q0 || k0] columns; ``vdel``
+    ``keys``/``values`` (layers, batch, nk, length, d): post-norm, post-temp, post-RoPE keys and the
+    shifted values, in the attention's (heads, positions) layout; ``conv`` (layers, batch, P, C): the last P raw [q0 || k0] columns; ``vdel``
     (layers, batch, nk*d/2): the most recent delayed-value projection; ``mask`` (batch, length) 1 for
     slots holding real tokens; ``index`` the next free slot. Every layer keeps all ``length`` slots;
     sliding-window layers mask by slot distance.
@@ -225,8 +232,8 @@ def init_cache(
     layers, nk, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     context = cfg.conv_context
     return {
-        "keys": jnp.zeros((layers, batch, length, nk, d), dtype),
-        "values": jnp.zeros((layers, batch, length, nk, d), dtype),
+        "keys": jnp.zeros((layers, batch, nk, length, d), dtype),
+        "values": jnp.zeros((layers, batch, nk, length, d), dtype),
         "conv": jnp.zeros((layers, batch, context, cfg.conv_channels), dtype),
         "vdel": jnp.zeros((layers, batch, cfg.kv_width // 2), dtype),
         "mask": jnp.zeros((batch, length), jnp.int32),
