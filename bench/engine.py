@@ -2,7 +2,7 @@
 
 64 prompts (16-128 tokens), a group of 8 completions each (512 rows), completion lengths drawn from
 a wide distribution (log-normal, median 48, clipped to 4-256: what EOS does to sampled completions,
-made repeatable). One model (the ``tiny`` preset's shapes, HF's random init) saved once with
+made repeatable). One model (the ``--config`` preset's shapes, ``tiny`` by default; HF's random init) saved once with
 ``save_pretrained``; each variant loads those files in its own process, runs the whole workload once
 to compile (JAX) or warm up (PyTorch), then once timed, greedy:
 
@@ -16,7 +16,10 @@ static sampler's tokens must be equal (checked: the run fails otherwise); the sh
 equal to the engine's is printed (two frameworks' float sums may break a near-tie differently).
 Variants run in separate processes, interleaved over ``--rounds``; the best time of each is kept.
 
-    python bench/engine.py [--prompts 64] [--group 8] [--slots 64] [--rounds 2]
+    python bench/engine.py [--prompts 64] [--group 8] [--slots 64] [--rounds 2] [--config tiny]
+
+On a GPU both frameworks run there (JAX's default device; PyTorch's "cuda", which ROCm's build
+also answers to).
 """
 
 from __future__ import annotations
@@ -75,7 +78,10 @@ def run_hf(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # ROCm's torch also answers to "cuda"
+    model = (
+        transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval().to(device)
+    )
     out = []
     for batch in _batches(len(rows), slots):
         width, longest = max(len(rows[i]) for i in batch), max(lengths[i] for i in batch)
@@ -86,15 +92,15 @@ def run_hf(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
             mask[j, width - len(rows[i]) :] = 1
         with torch.no_grad():
             gen = model.generate(
-                input_ids=ids,
-                attention_mask=mask,
+                input_ids=ids.to(device),
+                attention_mask=mask.to(device),
                 max_new_tokens=longest,
                 min_new_tokens=longest,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        out += [gen[j, width : width + lengths[i]].tolist() for j, i in enumerate(batch)]
+        out += [gen[j, width : width + lengths[i]].cpu().tolist() for j, i in enumerate(batch)]
     return out
 
 
@@ -118,6 +124,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--config", default="tiny", help="the preset whose model shapes are used")
     parser.add_argument("--part", choices=sorted(PARTS))
     parser.add_argument("--dir")
     parser.add_argument("--workload")
@@ -131,7 +138,7 @@ def main() -> None:
     import zaya_jax
     from zaya_jax.interop.hf import model_to_hf_config
 
-    cfg = zaya_jax.load_config("tiny").model
+    cfg = zaya_jax.load_config(args.config).model
     rows, lengths = workload(args.prompts, args.group, cfg.vocab_size)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/ on one lent GPU, in under 10 minutes (each step has its own timeout;
-# they add up to 585 s; typical runs take less). Run from the repository root; results go to $OUT
+# they add up to 600 s; typical runs take less). Run from the repository root; results go to $OUT
 # (default ./gpu_out), ending with one markdown table for bench/RESULTS.md (bench/gpu_table.py).
 #   bash bench/gpu.sh            # on the GPU machine (ROCm or CUDA jax installed)
 #   PLUMBING=1 bash bench/gpu.sh # the CPU plumbing check: tiny sizes, 8 fake devices (every step: 3.5 min on
@@ -71,15 +71,18 @@ timeout 25 python3 bench/data_pipeline.py --config $CONFIG ${DATA_ARGS:---batche
 fi
 if want decoding; then
 step "decoding"
-timeout 30 python3 bench/generate_speed.py --config $CONFIG ${DECODE_ARGS:---batch 8 --prompt 256 --new 128} \
+timeout 20 python3 bench/generate_speed.py --config $CONFIG ${DECODE_ARGS:---batch 8 --prompt 256 --new 128} \
   2>&1 | tee "$OUT/generate.json" | tail -14
+step "rollout engine vs the static sampler and HF generate (RL-shaped workload)"
+timeout 40 python3 bench/engine.py --config $CONFIG --rounds 1 ${ENGINE_ARGS:---prompts 32 --group 8 --slots 64} \
+  2>&1 | tee "$OUT/engine.md" | tail -8
 fi
 if want kernels; then
 step "kernels vs XLA"
 timeout 25 python3 bench/kernels.py ${KERNEL_ARGS:---repeats 5} 2>&1 | tee "$OUT/kernels.json" | tail -3
 fi
 step "attention: dense, blocked, pallas, cuDNN (bf16, 8/2 heads of 128) at 4k, 8k, 32k"
-timeout 90 python3 bench/attention.py --shapes ${ATTN_SHAPES:-2x4096 1x8192 1x32768} \
+timeout 75 python3 bench/attention.py --shapes ${ATTN_SHAPES:-2x4096 1x8192 1x32768} \
   ${ATTN_ARGS:---blocks 128 256 --heads 8,2,128 --dtype bfloat16 --repeats 5} 2>&1 | tee "$OUT/attention.json" | tail -3
 step "MoE paths at ZAYA1-8B's expert shapes (bf16)"
 timeout 45 python3 bench/moe_paths.py ${MOE_ARGS:---tokens 8192} 2>&1 | tee "$OUT/moe_paths.json" | tail -12
