@@ -49,7 +49,14 @@ def test_greedy_tokens_logprobs_and_routes_equal_the_static_sampler(overrides):
 
     # generate() runs the engine and returns the static sampler's Generation, field for field
     through = generate(
-        cfg, variables, prompts, max_new_tokens=12, stop_tokens=[stop], return_routes=True, slots=4
+        cfg,
+        variables,
+        prompts,
+        max_new_tokens=12,
+        stop_tokens=[stop],
+        return_routes=True,
+        slots=3,
+        prefill_chunk=8,
     )
     for name in ("tokens", "lengths", "stopped", "prompt_lengths", "prompt_routes", "routes"):
         np.testing.assert_array_equal(getattr(through, name), getattr(static, name), err_msg=name)
