@@ -244,3 +244,30 @@ def test_an_aligned_mask_needs_as_many_queries_as_keys():
     q, k, v, _ = _inputs(1, 8, 2, 2, seq_k=12)
     with pytest.raises(ValueError, match="as many queries as keys"):
         blocked_attention(q, k, v, self_attention_mask(8))
+
+
+@pytest.mark.parametrize("seq", [1, 2, 5], ids=["decode", "two", "chunk"])
+def test_per_row_query_slots_see_their_own_causal_window_and_keys(seq):
+    """A slot cache's mask (q_slots per row) is each row's own causal, windowed, valid-key mask, and
+    attention over it (products and sums for a few queries, matmuls for more) equals the definition."""
+    batch, slots = 3, 12
+    q, k, v, _ = _inputs(batch, seq, 4, 2, seq_k=slots, seed=seq)
+    index = jnp.asarray([0, 4, 7])
+    valid = jnp.arange(slots)[None] < (index + seq)[:, None]
+    mask = AttentionMask(
+        q_slots=index[:, None] + jnp.arange(seq),
+        k_slots=jnp.arange(slots),
+        k_valid=valid,
+        window=jnp.int32(4),
+    )
+    assert mask.per_row
+    dense = np.asarray(mask.dense())
+    for row in range(batch):
+        for t in range(seq):
+            position = int(index[row]) + t
+            expected = [position - 4 < key <= position for key in range(slots)]
+            assert dense[row, t].tolist() == expected
+    got = attention(q, k, v, mask, impl="blocked")
+    np.testing.assert_allclose(
+        np.asarray(got), np.asarray(dot_product_attention(q, k, v, mask.dense())), atol=1e-5
+    )

@@ -35,3 +35,23 @@ def dot_product_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Ar
     out = out.reshape(batch, nk, groups, seq, d).transpose(0, 3, 1, 2, 4).reshape(batch, seq, nq * d)
     sees_a_key = jnp.any(mask, axis=-1)[..., None]  # (b|1, seq, 1): a row of only hidden keys -> 0
     return out * sees_a_key.astype(out.dtype)
+
+
+def few_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """The definition for a few queries per row (decoding), as products and sums over the head
+    dimension instead of batched matmuls: with 1-8 query rows per KV head the matmuls are too small
+    to feed a CPU's matrix units (``bench/RESULTS.md``). Shapes and result as
+    :func:`dot_product_attention`; keys and values are read as (batch, nk, seq_k, d), the decode
+    cache's layout."""
+    batch, seq, nq, d = q.shape
+    nk, dtype = k.shape[2], v.dtype
+    groups = nq // nk
+    q = (q * jnp.asarray(d**-0.5, q.dtype)).reshape(batch, seq, nk, groups, d)
+    q = q.transpose(0, 2, 3, 1, 4).astype(jnp.float32)  # (b, k, g, t, d)
+    k, v = (x.transpose(0, 2, 1, 3).astype(jnp.float32) for x in (k, v))  # (b, k, s, d)
+    scores = jnp.sum(q[:, :, :, :, None, :] * k[:, :, None, None], axis=-1)  # (b, k, g, t, s)
+    bias = jnp.where(mask, 0.0, HIDDEN)[:, None, None]  # (b|1, 1, 1, t, s)
+    probs = jax.nn.softmax(scores + bias, axis=-1)
+    out = jnp.sum(probs[..., None] * v[:, :, None, None], axis=-2)  # (b, k, g, t, d)
+    out = out * jnp.any(mask, axis=-1)[:, None, None, :, None]  # a row of only hidden keys -> 0
+    return out.transpose(0, 3, 1, 2, 4).astype(dtype).reshape(batch, seq, nq * d)

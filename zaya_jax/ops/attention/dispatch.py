@@ -14,7 +14,7 @@ import jax
 from zaya_jax.ops.attention.blocked import blocked_attention
 from zaya_jax.ops.attention.cpu import cpu_attention
 from zaya_jax.ops.attention.cudnn import cudnn_attention
-from zaya_jax.ops.attention.dense import dot_product_attention
+from zaya_jax.ops.attention.dense import dot_product_attention, few_query_attention
 from zaya_jax.ops.attention.masks import AttentionMask
 from zaya_jax.ops.platform import planning_gpu_on_cpu
 
@@ -37,10 +37,12 @@ def attention(
     one block; 0.7x the CCA layer's time at 16 x 128 on CPU, where the kernel's layout changes
     around its custom_vjp do not fuse with their neighbours). A mask with per-row query slots (a
     slot cache, :attr:`AttentionMask.per_row`: a few new tokens per row against the cache) also
-    runs the dense definition, whatever ``impl``."""
+    runs the dense definition, whatever ``impl`` (as products and sums for up to 8 query rows per
+    KV head, :func:`~zaya_jax.ops.attention.dense.few_query_attention`)."""
     batch, seq, nq, d = q.shape
     if mask.per_row:  # a slot cache's rows at their own offsets (decoding a few tokens per row)
-        return dot_product_attention(q, k, v, mask.dense())
+        few = seq * nq // k.shape[2] <= 8
+        return (few_query_attention if few else dot_product_attention)(q, k, v, mask.dense())
     if impl == "pallas":
         out = _pallas_or_twin(q, k, v, mask, block)
         return out.reshape(batch, seq, nq * d)
