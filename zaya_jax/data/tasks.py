@@ -5,7 +5,7 @@ and the answer is that word reversed.
 
 ``reverse_chats(n, seed)`` gives the conversations, ``reverse_answer(prompt)`` the correct reply to
 one, and ``exact_match(prompt, reply)`` scores a model's reply (1.0 or 0.0, surrounding whitespace
-and the template's ``<|end|>`` marker ignored). ``reverse_pairs(n, seed)`` gives preference pairs
+and the template's end-of-turn marker, ``<|end|>`` or a tokenizer's ``<|im_end|>``, ignored). ``reverse_pairs(n, seed)`` gives preference pairs
 (chosen: the reversed word; rejected: the word copied unchanged), and :func:`reverse_reward` is the
 GRPO reward function (``rl.reward``) of the task.
 """
@@ -13,6 +13,7 @@ GRPO reward function (``rl.reward``) of the task.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import numpy as np
 
 _PREFIX = "reverse: "
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+_MARKER = re.compile(r"<\|?[\w/.-]+\|?>")
 
 
 def reverse_chats(
@@ -71,9 +73,17 @@ def reverse_answer(prompt: str) -> str:
     return prompt[len(_PREFIX) :][::-1]
 
 
+def reply_answer(reply: str) -> str:
+    """A reply as the reward receives it (the template's rendering, special tokens kept) cut at
+    the first end-of-turn marker (``<|end|>``, ``<|im_end|>``, ``</s>``, ``<end_of_turn>`` ...:
+    anything shaped ``<...>`` or ``<|...|>`` without spaces), surrounding whitespace stripped."""
+    return _MARKER.split(reply, maxsplit=1)[0].strip()
+
+
 def exact_match(prompt: str, reply: str) -> float:
-    """1.0 when ``reply`` (before any ``<|end|>``, stripped) is the correct answer, else 0.0."""
-    return float(reply.split("<|end|>")[0].strip() == reverse_answer(prompt))
+    """1.0 when ``reply`` (before any end-of-turn marker, stripped: :func:`reply_answer`) is the
+    correct answer, else 0.0."""
+    return float(reply_answer(reply) == reverse_answer(prompt))
 
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:

@@ -42,7 +42,13 @@ from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.loss import FieldSpec
 from zaya_jax.model.adapters import switched_off
-from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, RewardFunction, completion_texts
+from zaya_jax.objectives.rewards import (
+    PromptEncoder,
+    PromptSet,
+    RewardFunction,
+    completion_texts,
+    rollout_stop_ids,
+)
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
 from zaya_jax.parallel import put_batch
 
@@ -151,6 +157,7 @@ class Rollouts:
         self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
+        self.stop_ids = rollout_stop_ids(cfg, tokenizer, self.encode.chat)
         self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
         self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
         self.pending: list[dict[str, np.ndarray]] = []
@@ -202,7 +209,7 @@ class Rollouts:
             attention_mask=mask,
             max_new_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
-            stop_tokens=[*self.cfg.model.stop_token_ids, self.tokenizer.eos_id],
+            stop_tokens=self.stop_ids,
             seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
