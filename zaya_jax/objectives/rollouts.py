@@ -75,9 +75,9 @@ class Completion:
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
 
 
-def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray, float]:
-    """(reward - group mean) / group std per completion (0 for a group whose rewards are all equal),
-    and the mean over groups of that std."""
+def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:
+    """(reward - group mean) per completion, over the group's std when ``scale`` (0 for a group whose
+    rewards are all equal), and the mean over groups of that std."""
     members: dict[str, list[int]] = {}
     for i, group in enumerate(groups):
         members.setdefault(json.dumps(group, sort_keys=True), []).append(i)
@@ -85,7 +85,8 @@ def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray
     for indices in members.values():
         values = rewards[indices]
         stds.append(float(values.std()))
-        advantages[indices] = 0.0 if stds[-1] < 1e-6 else (values - values.mean()) / stds[-1]
+        if stds[-1] >= 1e-6:
+            advantages[indices] = (values - values.mean()) / (stds[-1] if scale else 1.0)
     return advantages, float(np.mean(stds))
 
 
@@ -238,7 +239,9 @@ class Rollouts:
         rewards = np.asarray(
             [c.reward if s else 0.0 for c, s in zip(completions, scored, strict=True)], np.float32
         )
-        advantages, group_std = group_advantages([c.group for c in completions], rewards)
+        advantages, group_std = group_advantages(
+            [c.group for c in completions], rewards, self.cfg.rl.scale_advantages
+        )
         if failed:
             self.event("reward_error", groups=len(failed), first=self.reward.problem)
         pad = self.tokenizer.pad_id
