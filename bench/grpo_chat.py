@@ -20,7 +20,7 @@ The task is :func:`zaya_jax.data.tasks.sort_chats` ("sort: qbxa" -> "abqx", 3-7 
 Everything runs in child processes (``zaya train``), so ``taskset -c 1 python bench/grpo_chat.py``
 keeps to one core.
 
-    python bench/grpo_chat.py [--workdir DIR] [--sft-steps 250] [--grpo-steps 60] [--variant ...]
+    python bench/grpo_chat.py [--workdir DIR] [--sft-steps 120] [--grpo-steps 60] [--variant ...]
 """
 
 from __future__ import annotations
@@ -133,7 +133,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
-    parser.add_argument("--sft-steps", type=int, default=250)
+    parser.add_argument("--sft-steps", type=int, default=120)
     parser.add_argument("--grpo-steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--variant", action="append", default=[], help="NAME=OVERRIDE,OVERRIDE (or legacy)")
