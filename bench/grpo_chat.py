@@ -10,7 +10,8 @@ The task is :func:`zaya_jax.data.tasks.sort_chats` ("sort: qbxa" -> "abqx", 3-7 
    spans come from rendered prefixes, as for most published templates).
 2. SFT (``configs/sft.yaml`` on ``tiny`` with that tokenizer, ``--sft-steps`` steps on 4,000
    conversations): the starting point, its held-out exact match and reward measured.
-3. GRPO from it (``configs/grpo-chat.yaml`` unless a variant says otherwise) on 2,000 other prompts,
+3. GRPO from it (``configs/grpo-chat.yaml`` and the variant's overrides; without ``--variant``, the
+   ``grpo`` preset's settings against ``grpo-chat``'s) on 2,000 other prompts,
    the held-out mean greedy reward on 128 prompts of the prompt file (none in the SFT data) at step
    0 and every ``--eval-every`` steps, one run per variant: ``--variant NAME=OVERRIDE,OVERRIDE``
    (config overrides; ``legacy`` in the list: rollouts as before the fix of issue 40, stopping at
@@ -20,7 +21,7 @@ The task is :func:`zaya_jax.data.tasks.sort_chats` ("sort: qbxa" -> "abqx", 3-7 
 Everything runs in child processes (``zaya train``), so ``taskset -c 1 python bench/grpo_chat.py``
 keeps to one core.
 
-    python bench/grpo_chat.py [--workdir DIR] [--sft-steps 120] [--grpo-steps 60] [--variant ...]
+    python bench/grpo_chat.py [--workdir DIR] [--sft-steps 120] [--grpo-steps 100] [--variant ...]
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ CHATML = (
 )
 SPECIALS = ["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4: tiny's pad/eos/bos are 0/1/2
 VOCAB = 320
+# Without --variant: the grpo preset's settings (tuned on the reverse task) against grpo-chat's.
+DEFAULT_VARIANTS = {
+    "the grpo preset's settings": "rl.temperature=1.0,optim.muon_lr=0.002,optim.adam_lr=2e-4",
+    "configs/grpo-chat.yaml": "",
+}
 
 
 def build_tokenizer(directory: Path, records: list[dict]) -> Path:
@@ -134,7 +140,7 @@ def main() -> None:
     )
     parser.add_argument("--workdir", help="where the runs go (default: a temporary directory)")
     parser.add_argument("--sft-steps", type=int, default=120)
-    parser.add_argument("--grpo-steps", type=int, default=60)
+    parser.add_argument("--grpo-steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--variant", action="append", default=[], help="NAME=OVERRIDE,OVERRIDE (or legacy)")
     args = parser.parse_args()
@@ -162,7 +168,7 @@ def main() -> None:
     print(
         f"start (SFT step {args.sft_steps}): held-out reward {base:.3f}, exact match {exact:.1%}", flush=True
     )
-    variants = dict(v.split("=", 1) for v in args.variant) if args.variant else {"preset": ""}
+    variants = dict(v.split("=", 1) for v in args.variant) if args.variant else DEFAULT_VARIANTS
     print("| variant | time | held-out reward, step 0 → every " f"{args.eval_every} | train reward first/last 10 | "
           "zero-advantage rows | completion length | clip fraction |\n|---|---|---|---|---|---|---|")  # fmt: skip
     for i, (name, spec) in enumerate(variants.items()):
