@@ -13,7 +13,7 @@ from tests.data.test_chat import chat_tokenizer_dir
 from zaya_jax.config import load_config
 from zaya_jax.data import load_tokenizer
 from zaya_jax.data.chat import BYTE_CHAT_TEMPLATE, ChatEncoder, ChatTemplate
-from zaya_jax.data.tasks import reverse_reward
+from zaya_jax.data.tasks import reverse_reward, sort_chats, sort_reward
 from zaya_jax.generate import Generation
 from zaya_jax.objectives import rewards
 from zaya_jax.objectives.rewards import completion_texts, held_out_reward, rollout_stop_ids
@@ -84,3 +84,14 @@ def test_the_held_out_reward_samples_with_the_stop_ids_and_scores_the_rendered_t
         load_config("grpo"), {}, chatml, [RECORD], lambda r, t: texts.append(t) or reverse_reward(r, t)
     )
     assert im_end in seen["stop_tokens"] and reward == 1.0 and texts == ["cba<|im_end|>"]
+
+
+def test_the_sort_task_gives_partial_credit_up_to_the_end_of_turn():
+    record = sort_chats(1, seed=3)[0]
+    answer = record["messages"][1]["content"]
+    assert answer == "".join(sorted(record["messages"][0]["content"].removeprefix("sort: ")))
+    assert sort_reward(record, answer + "<|im_end|>") == 1.0
+    assert sort_reward(record, answer[:-1] + "<|im_end|>") == pytest.approx(1 - 1 / len(answer))
+    assert sort_reward(record, answer + "\nuser\nsort: ab") < 0.5  # cut off: what follows costs credit
+    with pytest.raises(ValueError, match="not a sort-task prompt"):
+        sort_reward(RECORD, "abc")
