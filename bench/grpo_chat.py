@@ -142,7 +142,9 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=120)
     parser.add_argument("--grpo-steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
-    parser.add_argument("--variant", action="append", default=[], help="NAME=OVERRIDE,OVERRIDE (or legacy); NAME without '='")
+    parser.add_argument(
+        "--variant", action="append", default=[], help="NAME=OVERRIDE,OVERRIDE (or legacy); NAME without '='"
+    )
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="zaya-grpo-chat-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
