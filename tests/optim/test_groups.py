@@ -7,6 +7,7 @@ import pytest
 
 from zaya_jax.config import load_config
 from zaya_jax.optim import LeafGroup, describe_groups, model_param_groups, param_groups
+from zaya_jax.optim.groups import is_leaf_group
 
 
 @pytest.fixture(scope="module")
@@ -102,3 +103,10 @@ def test_describe_groups_covers_every_parameter():
         "axes": ["vocab", "embed"],
         "shape": [264, 128],
     }
+
+
+def test_matrix_optimizer_adamw_leaves_no_muon_leaf():
+    cfg = load_config("tiny").model
+    groups = jax.tree.leaves(model_param_groups(cfg, matrix_optimizer="adamw"), is_leaf=is_leaf_group)
+    muon = [g for g in jax.tree.leaves(model_param_groups(cfg), is_leaf=is_leaf_group) if g.group == "muon"]
+    assert muon and all(g.group == "adamw" for g in groups) and sum(g.decay for g in groups) >= len(muon)

@@ -60,6 +60,12 @@ class RLConfig:
     # takes the next at once; more slots, more memory (each holds a prompt + max_new_tokens cache).
     slots: int = 64
     temperature: float = 1.0  # sampling temperature (log-probabilities are at temperature 1 either way)
+    # Each completion's advantage is its reward minus its group's mean, divided by the group's std
+    # (GRPO); false: not divided (Dr. GRPO), so a group whose rewards differ by little moves the policy little.
+    scale_advantages: bool = True
+    # The loss's average: over every completion token of the batch ("token", DAPO: a long completion
+    # weighs more) or per completion, then over completions ("sequence", GRPO's original).
+    loss_norm: Literal["token", "sequence"] = "token"
     steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
     replay_routes: bool = True  # force the sampler's routes in the training forward
     clip_low: float = 0.2  # the ratio's lower clip 1 - clip_low

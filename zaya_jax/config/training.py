@@ -45,6 +45,9 @@ class OptimConfig:
     lr_batch_scaling: Literal["none", "sqrt", "linear"] = "none"
     # The router's R x R MLP and down-projection are hidden matrices; "adamw" keeps them out of Muon.
     router_group: Literal["muon", "adamw"] = "muon"
+    # "adamw": every hidden matrix trains with AdamW at adam_lr too (no Muon leaf), e.g. for RL steps,
+    # whose noisy gradients Muon turns into full-size orthogonal updates.
+    matrix_optimizer: Literal["muon", "adamw"] = "muon"
     # Newton-Schulz: "reference" (XLA matmuls) or "custom" (the zaya_newton_schulz custom call
     # where its library is registered for the platform, else the reference).
     kernels: Literal["reference", "custom"] = "reference"

@@ -194,6 +194,25 @@ class ChatEncoder:
         """``messages`` rendered with the generation prompt: the text a model continues to reply."""
         return self._text(messages, tools, prompt=True)
 
+    def turn_end_ids(self) -> tuple[int, ...]:
+        """The token that closes an assistant turn in this template: the first token rendered after
+        an assistant message's content, when it is a special token (one with no text of its own, as
+        ChatML's ``<|im_end|>`` or Llama 3's ``<|eot_id|>``); () when the turn ends in plain text
+        (the byte template's ``<|end|>`` bytes) or the template cannot render a plain exchange."""
+        sentinel = "Zq"
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": sentinel}]
+        try:
+            text = self._text(messages, None)
+        except self._template_errors:
+            return ()
+        end = text.rfind(sentinel) + len(sentinel)
+        ids, offsets = self.tokenizer.encode_offsets(text)
+        after = np.flatnonzero((offsets[:, 0] >= end) & (offsets[:, 1] > offsets[:, 0]))
+        if end < len(sentinel) or not len(after):
+            return ()
+        first = int(ids[after[0]])
+        return (first,) if self.tokenizer.decode([first]) == "" else ()
+
     def _text(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, prompt: bool = False
     ) -> str:

@@ -5,14 +5,19 @@ and the answer is that word reversed.
 
 ``reverse_chats(n, seed)`` gives the conversations, ``reverse_answer(prompt)`` the correct reply to
 one, and ``exact_match(prompt, reply)`` scores a model's reply (1.0 or 0.0, surrounding whitespace
-and the template's ``<|end|>`` marker ignored). ``reverse_pairs(n, seed)`` gives preference pairs
+and the template's end-of-turn marker, ``<|end|>`` or a tokenizer's ``<|im_end|>``, ignored). ``reverse_pairs(n, seed)`` gives preference pairs
 (chosen: the reversed word; rejected: the word copied unchanged), and :func:`reverse_reward` is the
 GRPO reward function (``rl.reward``) of the task.
+
+A second task, for GRPO on a task it was not tuned on (``bench/grpo_chat.py``): ``sort_chats(n,
+seed)`` asks to sort random letters, and :func:`sort_reward` gives partial credit (the fraction of
+characters in place).
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -20,7 +25,9 @@ from typing import Any
 import numpy as np
 
 _PREFIX = "reverse: "
+_SORT_PREFIX = "sort: "
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+_MARKER = re.compile(r"<\|?[\w/.-]+\|?>")
 
 
 def reverse_chats(
@@ -71,9 +78,49 @@ def reverse_answer(prompt: str) -> str:
     return prompt[len(_PREFIX) :][::-1]
 
 
+def reply_answer(reply: str) -> str:
+    """A reply as the reward receives it (the template's rendering, special tokens kept) cut at
+    the first end-of-turn marker (``<|end|>``, ``<|im_end|>``, ``</s>``, ``<end_of_turn>`` ...:
+    anything shaped ``<...>`` or ``<|...|>`` without spaces), surrounding whitespace stripped."""
+    return _MARKER.split(reply, maxsplit=1)[0].strip()
+
+
 def exact_match(prompt: str, reply: str) -> float:
-    """1.0 when ``reply`` (before any ``<|end|>``, stripped) is the correct answer, else 0.0."""
-    return float(reply.split("<|end|>")[0].strip() == reverse_answer(prompt))
+    """1.0 when ``reply`` (before any end-of-turn marker, stripped: :func:`reply_answer`) is the
+    correct answer, else 0.0."""
+    return float(reply_answer(reply) == reverse_answer(prompt))
+
+
+def sort_chats(
+    n: int, seed: int | Sequence[int] = 0, min_len: int = 3, max_len: int = 7
+) -> list[dict[str, Any]]:
+    """``n`` chat records of the sort task: the user asks to sort random lowercase letters
+    (``"sort: qbxa"``) and the assistant answers them in alphabetical order (``"abqx"``)."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(n):
+        word = "".join(rng.choice(_LETTERS, size=int(rng.integers(min_len, max_len + 1))))
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": _SORT_PREFIX + word},
+                    {"role": "assistant", "content": "".join(sorted(word))},
+                ]
+            }
+        )
+    return records
+
+
+def sort_reward(record: dict[str, Any], completion: str) -> float:
+    """The sort task's partial-credit reward: the characters of the reply (:func:`reply_answer`: up
+    to the end of turn) equal to the sorted letters at the same position, over the longer of the
+    two (1.0 exactly for the right answer; a reply cut at ``rl.max_new_tokens`` before its end of
+    turn is scored whole, so what follows the answer costs credit)."""
+    prompt = next(m["content"] for m in record["messages"] if m["role"] == "user")
+    if not prompt.startswith(_SORT_PREFIX):
+        raise ValueError(f"not a sort-task prompt (it starts with {_SORT_PREFIX!r}): {prompt!r}")
+    answer, reply = "".join(sorted(prompt[len(_SORT_PREFIX) :])), reply_answer(completion)
+    return sum(a == b for a, b in zip(answer, reply, strict=False)) / max(len(answer), len(reply), 1)
 
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:

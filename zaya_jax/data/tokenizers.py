@@ -64,7 +64,7 @@ class Tokenizer(Protocol):
 
     def template_variables(self) -> dict[str, str]: ...
 
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str: ...
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteTokenizer:
@@ -108,9 +108,10 @@ class ByteTokenizer:
         """No special-token strings: the byte vocabulary's special ids have no text."""
         return {}
 
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Ids -> text; special ids and ids past the byte range (padded model vocabularies) are
-        dropped, invalid UTF-8 (e.g. a sampled partial character) becomes U+FFFD."""
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """Ids -> text; special ids (which have no text, so ``skip_special_tokens`` changes nothing)
+        and ids past the byte range (padded model vocabularies) are dropped, invalid UTF-8 (e.g. a
+        sampled partial character) becomes U+FFFD."""
         arr = _id_array(ids)
         arr = arr[(arr >= BYTE_OFFSET) & (arr < BYTE_VOCAB_SIZE)]
         return (arr - BYTE_OFFSET).astype(np.uint8).tobytes().decode("utf-8", errors="replace")
@@ -242,9 +243,10 @@ class HFTokenizer:
                     found[key] = token
         return found
 
-    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
-        """Ids -> text, special tokens skipped."""
-        return self._tok.decode(_id_array(ids).tolist())
+    def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = True) -> str:
+        """Ids -> text, special tokens skipped (``skip_special_tokens=False``: kept as their text,
+        ``<|im_end|>``, as a chat template renders them)."""
+        return self._tok.decode(_id_array(ids).tolist(), skip_special_tokens=skip_special_tokens)
 
 
 def special_tokens(directory: str | Path) -> dict[str, str]:

@@ -1,7 +1,9 @@
 """GRPO's policy-gradient objective (Shao et al. 2024) on sampled rollouts, token-level as in DAPO
 (Yu et al. 2025): the clipped importance-weighted surrogate summed over completion tokens, plus
 ``rl.kl`` times the k3 estimate of KL(pi || reference) (Schulman's unbiased, non-negative
-estimator exp(d) - d - 1, d = log ref - log pi), divided by the completion tokens of the batch.
+estimator exp(d) - d - 1, d = log ref - log pi), divided by the completion tokens of the batch
+(``rl.loss_norm: token``), or each completion's mean over its tokens averaged over the completions
+(``sequence``, GRPO's original: a long completion weighs as much as a short one).
 
 The batch adds per-token fields (:mod:`zaya_jax.objectives.rollouts` builds them): ``sampler_logprobs``
 (the sampler's log-probability of each target), ``advantages`` (the target's completion's
@@ -26,13 +28,17 @@ def grpo_loss_and_stats(
     model: Zaya, params: dict[str, Any], balancing: dict[str, Any], batch: Batch, cfg: Config
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Summed loss over completion tokens and the statistics to accumulate (``weight`` = completion
-    tokens; ``sums``: loss, kl, clip_fraction (tokens whose ratio was clipped), ratio,
+    tokens, or completions with ``rl.loss_norm: sequence``, each token weighted by 1 / its
+    completion's length; ``sums``: loss, kl, clip_fraction (tokens whose ratio was clipped), ratio,
     sampler_gap (|log pi - log pi_sampler|: nonzero on the first step means the trainer does not
     reproduce the sampler))."""
     rl = cfg.rl
     ce, _, routing = token_nll(model, params, balancing, batch, cfg.train.loss_chunk, rl.replay_routes)
     logp = -ce
     mask = batch["loss_mask"].astype(jnp.float32)
+    weights = mask  # "token": every completion token counts once
+    if rl.loss_norm == "sequence":  # each completion's tokens share one unit of weight
+        weights = mask / jnp.maximum(mask.sum(axis=-1, keepdims=True), 1.0)
     advantages = batch["advantages"]
     log_ratio = jnp.where(mask > 0, logp - batch["sampler_logprobs"], 0.0)
     ratio = jnp.exp(log_ratio)
@@ -46,7 +52,7 @@ def grpo_loss_and_stats(
     per_token = surrogate + rl.kl * kl
 
     def total(x: jax.Array) -> jax.Array:
-        return jnp.sum(x * mask)
+        return jnp.sum(x * weights)
 
     sums = {
         "loss": total(per_token),
@@ -56,4 +62,4 @@ def grpo_loss_and_stats(
         "sampler_gap": total(jnp.abs(log_ratio)),
     }
     tokens = mask.sum()
-    return sums["loss"], {"weight": tokens, "tokens": tokens, "sums": sums, **routing}
+    return sums["loss"], {"weight": weights.sum(), "tokens": tokens, "sums": sums, **routing}

@@ -20,6 +20,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from zaya_jax.data.chat import ChatEncoder, check_record, tokenizer_chat_templat
 from zaya_jax.data.corpus import held_out_key
 from zaya_jax.data.tasks import reverse_chats
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.files import read_json
 from zaya_jax.generate import generate
 from zaya_jax.objectives.spec import TrainState
 
@@ -234,9 +236,43 @@ class PromptEncoder:
         return ids, mask, prompts
 
 
+def generation_config_eos(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of ``generation_config.json`` beside an HF
+    tokenizer's file, () when there is none."""
+    if tokenizer.spec["kind"] != "hf":
+        return ()
+    path = Path(tokenizer.spec["path"]).parent / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = read_json(path, "the generation config", "fix it or remove it").get("eos_token_id")
+    listed = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in listed):
+        raise DataError(f"{path}: eos_token_id {eos!r} is not a token id of the tokenizer or a list of them")
+    return tuple(listed)
+
+
+def rollout_stop_ids(cfg: Config, tokenizer: Tokenizer, chat: ChatEncoder | None = None) -> tuple[int, ...]:
+    """The ids a rollout (and the held-out reward's greedy completion) stops on: the model's
+    ``stop_token_ids`` (``model.eos_token_id``, ``model.eos_token_ids``), the tokenizer's EOS, the
+    EOS list of ``generation_config.json`` beside the tokenizer, and the chat template's end of
+    turn (:meth:`ChatEncoder.turn_end_ids`: ``<|im_end|>`` for ChatML), so a chat model stops where
+    its reply ends without ``model.eos_token_ids`` set by hand."""
+    chat = chat or ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
+    ids = (
+        *cfg.model.stop_token_ids,
+        tokenizer.eos_id,
+        *generation_config_eos(tokenizer),
+        *chat.turn_end_ids(),
+    )
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
 def completion_texts(tokenizer: Tokenizer, rows: list[list[int]]) -> list[str]:
-    """Generated ids -> text, the EOS left out."""
-    return [tokenizer.decode([t for t in row if t != tokenizer.eos_id]) for row in rows]
+    """Generated ids -> the text the reward function receives: the completion as the chat template
+    renders it, special tokens kept as their text (the stop token included: ``"cba<|im_end|>"``
+    after ChatML's end of turn; a completion cut at ``rl.max_new_tokens`` has none). The byte
+    tokenizer's special ids (EOS) have no text."""
+    return [tokenizer.decode(row, skip_special_tokens=False) for row in rows]
 
 
 def held_out_reward(
@@ -256,7 +292,7 @@ def held_out_reward(
         ids,
         attention_mask=mask,
         max_new_tokens=cfg.rl.max_new_tokens,
-        stop_tokens=[*cfg.model.stop_token_ids, tokenizer.eos_id],
+        stop_tokens=rollout_stop_ids(cfg, tokenizer, encode.chat),
         vocab_limit=tokenizer.vocab_size,
         slots=cfg.rl.slots,
     )

@@ -57,7 +57,13 @@ from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.loss import FieldSpec
 from zaya_jax.model.adapters import switched_off
-from zaya_jax.objectives.rewards import PromptEncoder, PromptSet, RewardFunction, completion_texts
+from zaya_jax.objectives.rewards import (
+    PromptEncoder,
+    PromptSet,
+    RewardFunction,
+    completion_texts,
+    rollout_stop_ids,
+)
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
 from zaya_jax.parallel import put_batch
 
@@ -84,9 +90,9 @@ class Completion:
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
 
 
-def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray, float]:
-    """(reward - group mean) / group std per completion (0 for a group whose rewards are all equal),
-    and the mean over groups of that std."""
+def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:
+    """(reward - group mean) per completion, over the group's std when ``scale`` (0 for a group whose
+    rewards are all equal), and the mean over groups of that std."""
     members: dict[str, list[int]] = {}
     for i, group in enumerate(groups):
         members.setdefault(json.dumps(group, sort_keys=True), []).append(i)
@@ -94,7 +100,8 @@ def group_advantages(groups: list[Any], rewards: np.ndarray) -> tuple[np.ndarray
     for indices in members.values():
         values = rewards[indices]
         stds.append(float(values.std()))
-        advantages[indices] = 0.0 if stds[-1] < 1e-6 else (values - values.mean()) / stds[-1]
+        if stds[-1] >= 1e-6:
+            advantages[indices] = (values - values.mean()) / (stds[-1] if scale else 1.0)
     return advantages, float(np.mean(stds))
 
 
@@ -166,6 +173,7 @@ class Rollouts:
         self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
+        self.stop_ids = rollout_stop_ids(cfg, tokenizer, self.encode.chat)
         self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
         self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
         self.pending: list[dict[str, np.ndarray]] = []
@@ -217,7 +225,7 @@ class Rollouts:
             attention_mask=mask,
             max_new_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
-            stop_tokens=[*self.cfg.model.stop_token_ids, self.tokenizer.eos_id],
+            stop_tokens=self.stop_ids,
             seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
@@ -247,7 +255,9 @@ class Rollouts:
         rewards = np.asarray(
             [c.reward if s else 0.0 for c, s in zip(completions, scored, strict=True)], np.float32
         )
-        advantages, group_std = group_advantages([c.group for c in completions], rewards)
+        advantages, group_std = group_advantages(
+            [c.group for c in completions], rewards, self.cfg.rl.scale_advantages
+        )
         if failed:
             self.event("reward_error", groups=len(failed), first=self.reward.problem)
         pad = self.tokenizer.pad_id

@@ -133,9 +133,19 @@ def param_logical_axes(model_cfg: ModelConfig) -> dict[str, Any]:
     return _abstract_params(model_cfg)[0]
 
 
-def model_param_groups(model_cfg: ModelConfig, router_group: Group = "muon") -> dict[str, Any]:
-    """``param_groups`` of ``Zaya(model_cfg)``'s params (same structure as ``variables["params"]``)."""
-    return param_groups(param_logical_axes(model_cfg), router_group)
+def model_param_groups(
+    model_cfg: ModelConfig, router_group: Group = "muon", matrix_optimizer: Group = "muon"
+) -> dict[str, Any]:
+    """``param_groups`` of ``Zaya(model_cfg)``'s params (same structure as ``variables["params"]``);
+    ``matrix_optimizer="adamw"`` sends every Muon matrix to AdamW (with weight decay)."""
+    groups = param_groups(param_logical_axes(model_cfg), router_group)
+    if matrix_optimizer == "adamw":
+        groups = jax.tree.map(
+            lambda g: LeafGroup("adamw", None, True) if g.group == "muon" else g,
+            groups,
+            is_leaf=is_leaf_group,
+        )
+    return groups
 
 
 def describe_groups(model_cfg: ModelConfig, router_group: Group = "muon") -> dict[str, dict[str, Any]]:

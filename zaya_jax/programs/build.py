@@ -74,7 +74,10 @@ class Programs:
         if self.cfg.lora.enabled:  # the adapters alone, all AdamW without weight decay
             groups = jax.tree.map(lambda _: LeafGroup("adamw", None, False), shardings)
         else:
-            groups = self.groups or model_param_groups(self.cfg.model, self.cfg.optim.router_group)
+            optim = self.cfg.optim
+            groups = self.groups or model_param_groups(
+                self.cfg.model, optim.router_group, optim.matrix_optimizer
+            )
         return build_optimizer(self.cfg.optim, groups, self.cfg.train.steps, shardings=shardings)
 
     def _variables(self, key: jax.Array) -> dict[str, Any]:
