@@ -33,9 +33,18 @@ kept: the trainer's log-probabilities (routes replayed) against the recorded one
 (mean |log pi - log pi_sampler| over completion tokens) at most ``rl.max_sampler_gap``, else the
 step is skipped or the run stops (``resilience.on_metric_bound``).
 
+On several processes (``jax.distributed``) process p of P samples rows [p n / P, (p + 1) n / P) of
+a rollout's n rows (whole prompts' groups or not) on its own devices, with the parameters made
+usable by it alone (:func:`~zaya_jax.parallel.process_local`: its shards in place when the layout
+keeps them within a process, else gathered); row i draws from the stream (seed, i) whichever process
+samples it. Every process's tokens, log-probabilities, routes and rewards are then gathered
+(``process_allgather`` of fixed-shape arrays), so that every process builds the same rollout, its
+advantages over whole groups, and takes its rows of each batch (:func:`~zaya_jax.parallel.local_rows`,
+as pretraining's streams do): a rollout, and the run, are the same on any number of processes.
+
 The data position in a checkpoint is the number of rollouts taken, of prompts (or file records)
-consumed and of tokens trained; a run resumed in the middle of a rollout starts the next one (the rest of the
-interrupted rollout is not trained).
+consumed and of tokens trained, the same in every process; a run resumed (on any number of processes)
+in the middle of a rollout starts the next one (the rest of the interrupted rollout is not trained).
 """
 
 from __future__ import annotations
