@@ -3,7 +3,8 @@ samples its half of every rollout's rows on its own devices, the completions are
 both build the same global rollout, and each trains its rows of every batch. The losses equal a
 one-process run's with the same seeds (row i of a rollout draws from the stream (seed, i) whichever
 process samples it), and a run stopped (SIGTERM) and saved by two processes, resumed by one,
-continues the same prompt stream and ends with the uninterrupted run's losses and rewards."""
+continues the same prompt stream and ends with the uninterrupted run's losses and rewards. With
+parameters split across the processes (fsdp spanning them) the sampler gets them gathered."""
 
 from __future__ import annotations
 
@@ -106,6 +107,13 @@ def test_two_processes_train_the_one_process_run(tmp_path, reference):
     assert (
         positions[0]["consumed"] == STEPS // 2 * 4 and positions[0]["rollouts"] == STEPS // 2
     )  # 16 rows: 4 groups
+
+
+def test_parameters_split_across_processes_are_gathered_for_sampling(tmp_path, reference):
+    run = tmp_path / "run"  # fsdp over 4 devices, 2 in each process: the sampler needs them gathered
+    _finish(_start(run, STEPS, *GRPO, "mesh.data=1", "mesh.fsdp=4"))
+    _assert_same(_metrics(run), _metrics(reference), list(range(1, STEPS + 1)))
+    _assert_same_weights(run, reference)
 
 
 def test_two_process_run_resumed_by_one_continues_the_prompt_stream(tmp_path, reference):

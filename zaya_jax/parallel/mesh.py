@@ -95,28 +95,35 @@ def process_local(tree: Any) -> Any:
     def local(x: Any) -> Any:
         if not isinstance(x, jax.Array) or x.is_fully_addressable:
             return x
-        sharding = x.sharding
-        if isinstance(sharding, NamedSharding):
-            mesh, spec = sharding.mesh, sharding.spec
-            try:
-                part = mesh.local_mesh
-            except (ValueError, AssertionError, IndexError):  # this process's devices are not one block
-                part = None
-            used = {
+        part = _local_part(x.sharding)  # this process's block of the mesh (None: not one block)
+        if part is not None:
+            mesh, spec = x.sharding.mesh, x.sharding.spec
+            axes = [
                 a
                 for entry in spec
                 if entry is not None
                 for a in (entry if isinstance(entry, tuple) else (entry,))
-            }
-            if part is not None and all(part.shape[a] == mesh.shape[a] for a in used):
+            ]
+            if all(part.shape[a] == mesh.shape[a] for a in axes):
                 shards = [s.data for s in x.addressable_shards]
                 return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(part, spec), shards)
         value = np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return jax.device_put(
-            value, NamedSharding(Mesh(np.asarray(jax.local_devices()), ("local",)), PartitionSpec())
-        )
+        # on the same devices, in the same order, as the arrays kept in place
+        if part is None:
+            part = Mesh(np.asarray(jax.local_devices()), ("local",))
+        return jax.device_put(value, NamedSharding(part, PartitionSpec()))
 
     return jax.tree.map(local, tree)
+
+
+def _local_part(sharding: Any) -> Mesh | None:
+    """The block of a NamedSharding's mesh that this process's devices form, or None."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    try:
+        return sharding.mesh.local_mesh
+    except ValueError:  # this process's devices are not one block of the mesh
+        return None
 
 
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
