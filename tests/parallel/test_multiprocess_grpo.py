@@ -4,7 +4,9 @@ both build the same global rollout, and each trains its rows of every batch. The
 one-process run's with the same seeds (row i of a rollout draws from the stream (seed, i) whichever
 process samples it), and a run stopped (SIGTERM) and saved by two processes, resumed by one,
 continues the same prompt stream and ends with the uninterrupted run's losses and rewards. With
-parameters split across the processes (fsdp spanning them) the sampler gets them gathered."""
+parameters split across the processes (fsdp spanning them) the sampler gets them gathered. A
+rollback (an injected NaN) with rollouts scored against reference weights (rl.kl) goes as in one
+process."""
 
 from __future__ import annotations
 
