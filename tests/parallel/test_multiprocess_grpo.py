@@ -64,6 +64,11 @@ def _metrics(run: Path) -> dict[int, dict]:
     return {line["step"]: line for line in lines if "loss" in line}
 
 
+def _evaluations(run: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [line for line in lines if "eval_loss" in line]
+
+
 def _positions(run: Path, step: int) -> list[dict]:
     data = run / "checkpoints" / str(step) / "data"
     return [json.loads(p.read_text()) for p in sorted(data.glob("process_*"))]
@@ -72,7 +77,7 @@ def _positions(run: Path, step: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("grpo_reference") / "run"
-    _one_process(run, STEPS)
+    _one_process(run, STEPS, "eval.every=4")
     return run
 
 
@@ -103,8 +108,11 @@ def _assert_same_weights(run: Path, reference: Path) -> None:
 
 def test_two_processes_train_the_one_process_run(tmp_path, reference):
     run = tmp_path / "run"
-    _finish(_start(run, STEPS, *GRPO))
+    _finish(_start(run, STEPS, *GRPO, "eval.every=4"))
     _assert_same(_metrics(run), _metrics(reference), list(range(1, STEPS + 1)))
+    # held-out reward: every process evaluates every held-out prompt, as one process does
+    (ours,), (theirs,) = (_evaluations(r) for r in (run, reference))
+    assert ours["step"] == theirs["step"] == STEPS and ours["eval_loss"] == theirs["eval_loss"]
     _assert_same_weights(run, reference)
     # both processes saved the same global position: rollouts taken, prompts consumed, tokens trained
     positions = _positions(run, STEPS)
