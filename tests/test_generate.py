@@ -1,6 +1,6 @@
 """Decoding with the CCA cache: chunked prefill and token-by-token decode equal the full forward,
 greedy generation equals Hugging Face ``generate`` (left padding and a stop token included), the
-sampling filters, ``lm.generate`` with text and ``zaya generate``."""
+sampling filters and streams (a share of the rows sampled apart draws what it draws in the whole), ``lm.generate`` with text and ``zaya generate``."""
 
 from __future__ import annotations
 
@@ -158,6 +158,14 @@ def test_sampling_is_seeded_and_top_k_1_is_greedy():
 
     np.testing.assert_array_equal(sample(1).tokens, sample(1).tokens)
     assert not np.array_equal(sample(1).tokens, sample(2).tokens)
+    # a share of the rows sampled apart (another process's, in GRPO) names its first row's stream
+    rows = [[5, 9, 14], [7, 8], [3, 4, 5, 6], [11]]
+    whole = generate(cfg, variables, rows, max_new_tokens=6, temperature=5.0, stop_tokens=[], seed=1)
+    share = generate(
+        cfg, variables, rows[2:], max_new_tokens=6, temperature=5.0, stop_tokens=[], seed=1, first_stream=2
+    )
+    np.testing.assert_array_equal(share.tokens, whole.tokens[2:])
+    np.testing.assert_allclose(share.logprobs, whole.logprobs[2:], atol=1e-5)
 
 
 def test_generation_rejects_bad_requests_with_the_fix():

@@ -341,6 +341,7 @@ def generate(
     slots: int | None = None,
     prefill_chunk: int = 128,
     capacity: int | None = None,
+    first_stream: int = 0,
 ) -> Generation:
     """Continue each prompt by up to ``max_new_tokens`` tokens, through the rollout engine
     (:class:`zaya_jax.engine.Engine`: a slot cache, continuous batching).
@@ -349,8 +350,9 @@ def generate(
     ``attention_mask`` (1 = real token) when that array is left-padded. ``stop_tokens``
     default to the model's ``stop_token_ids`` (``eos_token_id`` and the ``eos_token_ids`` list);
     ``vocab_limit`` keeps ids below it (a tokenizer smaller than a padded model vocabulary).
-    ``temperature=0`` is greedy; with sampling, row i draws from the stream ``(seed, i)``, so its
-    tokens do not depend on the other rows. ``mesh``: a mesh with a ``context`` axis over which the
+    ``temperature=0`` is greedy; with sampling, row i draws from the stream ``(seed, first_stream +
+    i)``, so its tokens do not depend on the other rows (a share of a larger batch sampled elsewhere
+    passes its first row's index). ``mesh``: a mesh with a ``context`` axis over which the
     decode cache is split along its slots (tree attention, ``zaya_jax.parallel.tree``); the tokens
     are the same as on one device. ``return_routes``: also return the class every layer selected
     for every token read (router replay in training, :class:`Generation`). ``slots``: rows in
@@ -364,7 +366,7 @@ def generate(
     stops = cfg.stop_token_ids if stop_tokens is None else tuple(int(t) for t in stop_tokens)
     requests = [
         Request(row, max_new_tokens, temperature, top_k, top_p, seed, stream, tuple(stops))
-        for stream, row in enumerate(rows)
+        for stream, row in enumerate(rows, start=first_stream)
     ]
     engine = Engine(
         cfg,

@@ -6,9 +6,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import TYPE_CHECKING
 
 from zaya_jax.cli.output import print_json
 from zaya_jax.config import Config, available_presets, load_config, to_dict
+
+if TYPE_CHECKING:
+    from zaya_jax.parallel.distributed import Launch
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,23 +80,28 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
         print(help_text(args.help_config or None))
         return 0
-    cfg = _train_config(args)
+    launch = Launch(args.coordinator, args.num_processes, args.process_id)
+    cfg = _train_config(args, None if args.compile_only else launch)
     if args.compile_only:
         return _compile_only(cfg, args.devices, args.target, args.fit_device, args.gpu_kind)
-    launch = Launch(args.coordinator, args.num_processes, args.process_id)
     summary = train(cfg, progress=not args.no_progress, hooks=args.hooks, launch=launch)
     print_json(summary)
     return 0
 
 
-def _train_config(args: argparse.Namespace) -> Config:
+def _train_config(args: argparse.Namespace, launch: Launch | None = None) -> Config:
     """The preset with the overrides; with ``train.init_from`` (or ``--init-from``) the model section
-    is the source's, and ``model.*`` overrides apply on top of it."""
+    is the source's, and ``model.*`` overrides apply on top of it. Reading the source starts a JAX
+    backend, so a run's ``launch`` (jax.distributed) is set up before it."""
     overrides = [*args.overrides, *([f"train.init_from={args.init_from}"] if args.init_from else [])]
     cfg = load_config(args.config, overrides)
     if not cfg.train.init_from:
         return cfg
+    from zaya_jax.parallel.distributed import setup_runtime
     from zaya_jax.train.init import source_model_config
+
+    if launch is not None:
+        setup_runtime(cfg.runtime, launch)
 
     return load_config(args.config, overrides, model=to_dict(source_model_config(cfg.train.init_from)))
 

@@ -34,6 +34,7 @@ from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.files import read_json
 from zaya_jax.generate import generate
 from zaya_jax.objectives.spec import TrainState
+from zaya_jax.parallel import process_local
 
 BLOCK = 1024
 Reward = Callable[[dict[str, Any], str], float]
@@ -315,6 +316,6 @@ class HeldOutReward:
 
     def __call__(self, step: int, state: TrainState) -> dict[str, float]:
         self.beat(step, "eval")
-        variables = {"params": state.params, "balancing": state.balancing}
+        variables = process_local({"params": state.params, "balancing": state.balancing})  # each process: all
         mean = held_out_reward(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
         return {"loss": -mean, "reward": mean}

@@ -33,9 +33,18 @@ kept: the trainer's log-probabilities (routes replayed) against the recorded one
 (mean |log pi - log pi_sampler| over completion tokens) at most ``rl.max_sampler_gap``, else the
 step is skipped or the run stops (``resilience.on_metric_bound``).
 
+On several processes (``jax.distributed``) process p of P samples rows [p n / P, (p + 1) n / P) of
+a rollout's n rows (whole prompts' groups or not) on its own devices, with the parameters made
+usable by it alone (:func:`~zaya_jax.parallel.process_local`: its shards in place when the layout
+keeps them within a process, else gathered); row i draws from the stream (seed, i) whichever process
+samples it. Every process's tokens, log-probabilities, routes and rewards are then gathered
+(``process_allgather`` of fixed-shape arrays), so that every process builds the same rollout, its
+advantages over whole groups, and takes its rows of each batch (:func:`~zaya_jax.parallel.local_rows`,
+as pretraining's streams do): a rollout, and the run, are the same on any number of processes.
+
 The data position in a checkpoint is the number of rollouts taken, of prompts (or file records)
-consumed and of tokens trained; a run resumed in the middle of a rollout starts the next one (the rest of the
-interrupted rollout is not trained).
+consumed and of tokens trained, the same in every process; a run resumed (on any number of processes)
+in the middle of a rollout starts the next one (the rest of the interrupted rollout is not trained).
 """
 
 from __future__ import annotations
@@ -49,12 +58,13 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from zaya_jax.config import Config, ConfigError, ModelConfig
 from zaya_jax.data import BATCH_KEYS, BadDocuments, DataError, jsonl_records
 from zaya_jax.data.batch import empty_row
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.generate import generate
+from zaya_jax.generate import Generation, generate
 from zaya_jax.loss import FieldSpec
 from zaya_jax.model.adapters import switched_off
 from zaya_jax.objectives.rewards import (
@@ -65,7 +75,7 @@ from zaya_jax.objectives.rewards import (
     rollout_stop_ids,
 )
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
-from zaya_jax.parallel import put_batch
+from zaya_jax.parallel import local_rows, process_local, put_batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,10 +172,6 @@ class Rollouts:
         weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
         prompt set (default: read from ``cfg.rl``); ``event(name, **detail)`` records what a
         rollout skipped (``reward_error``)."""
-        if jax.process_count() > 1:
-            raise ConfigError(
-                "train.objective=grpo runs in one process for now; launch it without --num-processes"
-            )
         if cfg.rl.kl > 0 and reference is None:
             raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
         self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
@@ -187,8 +193,13 @@ class Rollouts:
         return dict(self.position)
 
     def set_state(self, saved: list[DataPosition]) -> None:
-        """Continue from the position saved (by the one process a grpo run has)."""
-        self.position = {k: int(saved[0][k]) for k in ("rollouts", "consumed", "tokens_seen")}
+        """Continue from the positions every process of the run saved (any number of processes: the
+        position is global, the same in each)."""
+        keys = ("rollouts", "consumed", "tokens_seen")
+        positions = {tuple(int(state[k]) for k in keys) for state in saved}
+        if len(positions) != 1:
+            raise DataError(f"the saved rollout positions disagree on {keys}: {sorted(positions)}")
+        self.position = dict(zip(keys, positions.pop(), strict=True))
         self.pending = []
 
     @property
@@ -204,7 +215,7 @@ class Rollouts:
             self.pending[: self.cfg.train.batch_size],
             self.pending[self.cfg.train.batch_size :],
         )
-        batch = {k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]}
+        batch = local_rows({k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]})
         train = self.cfg.train
         plan = RolloutPlan(train.batch_size, train.seq_len, 0, None, self.stats)
         self.position["tokens_seen"] += plan.tokens
@@ -218,11 +229,12 @@ class Rollouts:
         records = [self.prompts.record(start + i) for i in range(self.size // group)]
         self.position["consumed"] += len(records)
         ids, mask, prompts = self.encode([r for r in records for _ in range(group)])
+        low, high = _share(len(prompts))  # this process samples rows [low, high) of the rollout
         out = generate(
             self.cfg.model,
-            self.params,
-            ids,
-            attention_mask=mask,
+            process_local(self.params),
+            ids[low:high],
+            attention_mask=mask[low:high],
             max_new_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
             stop_tokens=self.stop_ids,
@@ -230,15 +242,17 @@ class Rollouts:
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
             slots=rl.slots,
+            first_stream=low,
         )
         texts = completion_texts(self.tokenizer, out.rows())
+        rewards = [self.reward(records[(low + i) // group], text) for i, text in enumerate(texts)]
+        every = _gather_rows(out, rewards, self.cfg.train.seq_len)  # every process's rows, in row order
         completions = []
-        for i, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
-            n = int(out.lengths[i])
-            routes = out.row_routes(i)[:-1]
-            record = records[i // group]
+        for i, prompt in enumerate(prompts):
+            n, reward = int(every["lengths"][i]), float(every["rewards"][i])
+            routes = every["routes"][i, : len(prompt) + n - 1]
             completions.append(
-                Completion(start + i // group, prompt, out.tokens[i, :n], out.logprobs[i, :n], self.reward(record, text), routes)
+                Completion(start + i // group, prompt, every["tokens"][i, :n], every["logprobs"][i, :n], None if math.isnan(reward) else reward, routes)
             )  # fmt: skip
         return completions
 
@@ -281,6 +295,34 @@ class Rollouts:
         logprobs = np.asarray(self.reference(batch, self.params))
         for row, values in zip(rows, logprobs, strict=True):
             row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
+
+
+def _share(rows: int) -> tuple[int, int]:
+    """The rows [low, high) of a rollout's ``rows`` (a multiple of the process count: whole
+    ``train.batch_size`` batches) that this process samples."""
+    count, index = jax.process_count(), jax.process_index()
+    return index * rows // count, (index + 1) * rows // count
+
+
+def _gather_rows(out: Generation, rewards: list[float | None], seq_len: int) -> dict[str, np.ndarray]:
+    """This process's sampled rows and their rewards (NaN: unscored) as fixed-shape arrays, joined
+    with every other process's in process order (row order: see :func:`_share`): ``tokens``,
+    ``lengths``, ``logprobs``, ``rewards`` and ``routes`` (rows, ``seq_len``, layers) aligned with
+    each row's prompt and completion, -1 after them."""
+    routes = np.full((len(rewards), seq_len, out.routes.shape[-1]), -1, np.int32)
+    for i in range(len(rewards)):
+        row = out.row_routes(i)[:-1]
+        routes[i, : len(row)] = row
+    mine = {
+        "tokens": out.tokens,
+        "lengths": out.lengths,
+        "logprobs": out.logprobs,
+        "rewards": np.asarray([np.nan if r is None else r for r in rewards], np.float32),
+        "routes": routes,
+    }
+    if jax.process_count() == 1:
+        return mine
+    return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(mine, tiled=True).items()}
 
 
 def _read_rollout_files(cfg: Config) -> list[Completion]:
@@ -403,6 +445,6 @@ def kl_reference(setup: RunSetup) -> Callable[[HostBatch, dict[str, Any] | None]
             if not kept:
                 kept.append(setup.starting_weights())
             params, balancing = kept[0].params, kept[0].balancing
-        return np.asarray(step(params, balancing, put_batch(batch, layout.batch)))
+        return np.asarray(step(params, balancing, put_batch(local_rows(batch), layout.batch)))  # replicated
 
     return score

@@ -2,7 +2,15 @@
 batches (``zaya_jax.parallel.rules``, ``zaya_jax.parallel.mesh``)."""
 
 from zaya_jax.parallel.layout import Layout, make_layout
-from zaya_jax.parallel.mesh import batch_sharding, local_rows, make_mesh, mesh_sizes, put_batch, replicated
+from zaya_jax.parallel.mesh import (
+    batch_sharding,
+    local_rows,
+    make_mesh,
+    mesh_sizes,
+    process_local,
+    put_batch,
+    replicated,
+)
 from zaya_jax.parallel.rules import (
     DEFAULT_RULES,
     batch_spec,
@@ -24,6 +32,7 @@ __all__ = [
     "make_mesh",
     "matching_shardings",
     "mesh_sizes",
+    "process_local",
     "put_batch",
     "replicated",
     "variable_shardings",

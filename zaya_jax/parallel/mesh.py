@@ -82,6 +82,50 @@ def local_rows(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: v[index * rows : (index + 1) * rows] for k, v in batch.items()}
 
 
+def process_local(tree: Any) -> Any:
+    """``tree``'s arrays usable by this process alone (e.g. by a sampler that runs on this
+    process's devices while the others run theirs). An array already addressable here is kept; one
+    whose sharding splits it only over mesh axes that lie within a process (replicated across
+    processes: the default layout, where the data axis spans processes) becomes the same shards on
+    this process's part of the mesh, without a copy; any other (split across processes, e.g. an
+    fsdp axis spanning them) is gathered whole (``process_allgather``, a collective every process
+    makes in the same order) and placed on this process's devices, replicated."""
+    from jax.experimental import multihost_utils
+
+    def local(x: Any) -> Any:
+        if not isinstance(x, jax.Array) or x.is_fully_addressable:
+            return x
+        part = _local_part(x.sharding)  # this process's block of the mesh (None: not one block)
+        if part is not None:
+            mesh, spec = x.sharding.mesh, x.sharding.spec
+            axes = [
+                a
+                for entry in spec
+                if entry is not None
+                for a in (entry if isinstance(entry, tuple) else (entry,))
+            ]
+            if all(part.shape[a] == mesh.shape[a] for a in axes):
+                shards = [s.data for s in x.addressable_shards]
+                return jax.make_array_from_single_device_arrays(x.shape, NamedSharding(part, spec), shards)
+        value = np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        # on the same devices, in the same order, as the arrays kept in place
+        if part is None:
+            part = Mesh(np.asarray(jax.local_devices()), ("local",))
+        return jax.device_put(value, NamedSharding(part, PartitionSpec()))
+
+    return jax.tree.map(local, tree)
+
+
+def _local_part(sharding: Any) -> Mesh | None:
+    """The block of a NamedSharding's mesh that this process's devices form, or None."""
+    if not isinstance(sharding, NamedSharding):
+        return None
+    try:
+        return sharding.mesh.local_mesh
+    except ValueError:  # this process's devices are not one block of the mesh
+        return None
+
+
 def put_batch(batch: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
     """Host rows of this process -> global arrays. Each process passes its own slice of the global
     batch (``jax.make_array_from_process_local_data``); one process passes the whole batch."""
