@@ -4,7 +4,7 @@ both build the same global rollout, and each trains its rows of every batch. The
 one-process run's with the same seeds (row i of a rollout draws from the stream (seed, i) whichever
 process samples it), and a run stopped (SIGTERM) and saved by two processes, resumed by one,
 continues the same prompt stream and ends with the uninterrupted run's losses and rewards. With
-parameters split across the processes (fsdp spanning them) the sampler gets them gathered. A
+parameters split across the processes (fsdp spanning them: the sampler gets them gathered), a
 rollback (an injected NaN) with rollouts scored against reference weights (rl.kl) goes as in one
 process."""
 
@@ -122,13 +122,6 @@ def test_two_processes_train_the_one_process_run(tmp_path, reference):
     )  # 16 rows: 4 groups
 
 
-def test_parameters_split_across_processes_are_gathered_for_sampling(tmp_path, reference):
-    run = tmp_path / "run"  # fsdp over 4 devices, 2 in each process: the sampler needs them gathered
-    _finish(_start(run, STEPS, *GRPO, "mesh.data=1", "mesh.fsdp=4"))
-    _assert_same(_metrics(run), _metrics(reference), list(range(1, STEPS + 1)))
-    _assert_same_weights(run, reference)
-
-
 def test_two_process_run_resumed_by_one_continues_the_prompt_stream(tmp_path, reference):
     run = tmp_path / "run"
     procs = _start(run, STEPS, *GRPO, fault=("pause_at_step=1",))
@@ -144,11 +137,18 @@ def test_two_process_run_resumed_by_one_continues_the_prompt_stream(tmp_path, re
     _assert_same_weights(run, reference)
 
 
-def test_a_rollback_with_a_kl_reference_on_two_processes_equals_one(tmp_path, reference):
-    """A NaN injected into step 3's batch rolls both processes back to step 2 (agreed), and the
-    run, scoring its rollouts against the reference weights (rl.kl, each process its rows), goes
-    on as the one-process run with the same fault does."""
-    extra = ["resilience.on_nonfinite=rollback", "rl.kl=0.05", f"train.init_from={reference}"]
+def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_one(tmp_path, reference):
+    """With the parameters split across the processes (fsdp over 4 devices, 2 in each process: the
+    sampler gets them gathered), a NaN injected into step 3's batch rolls both processes back to
+    step 2 (agreed), and the run, scoring its rollouts against the reference weights (rl.kl, each
+    process its rows), goes on as the one-process run with the same fault does."""
+    extra = [
+        "mesh.data=1",
+        "mesh.fsdp=4",
+        "resilience.on_nonfinite=rollback",
+        "rl.kl=0.05",
+        f"train.init_from={reference}",
+    ]
     one, two = tmp_path / "one", tmp_path / "two"
     _one_process(one, STEPS, *extra, fault=("nan_at_step=3",))
     _finish(_start(two, STEPS, *GRPO, *extra, fault=("nan_at_step=3",)))
@@ -164,3 +164,4 @@ def test_a_rollback_with_a_kl_reference_on_two_processes_equals_one(tmp_path, re
         assert ours[s]["kl"] == pytest.approx(theirs[s]["kl"], rel=1e-5), s
     _assert_same(ours, theirs, list(range(1, STEPS + 1)))
     assert _positions(two, STEPS)[0] == _positions(one, STEPS)[0]
+    _assert_same_weights(two, one)
