@@ -46,11 +46,17 @@ def test_chunked_prefill_and_token_by_token_decode_equal_the_full_forward(overri
     np.testing.assert_allclose(np.asarray(decoded), np.asarray(full), atol=2e-5)
 
 
-def test_a_slot_cache_reads_each_row_at_its_own_offset_like_the_full_forward():
+@pytest.mark.parametrize("types", [("hybrid", "hybrid_sliding"), ("hybrid_sliding", "hybrid_sliding")])
+def test_a_slot_cache_reads_each_row_at_its_own_offset_like_the_full_forward(types):
     """init_cache(per_row=True): rows written at their own positions, real tokens first in each
-    chunk (the rest padding), equal the full forward; a row given no tokens keeps its state."""
-    cfg = tiny_config(layer_types=("hybrid", "hybrid_sliding"), sliding_window=3, cca_time0=3)
+    chunk (the rest padding), equal the full forward; a row given no tokens keeps its state. The
+    sliding layers keep rings of their window's 3 positions, read in chunks up to 7 wide."""
+    cfg = tiny_config(layer_types=types, sliding_window=3, cca_time0=3)
     variables = random_variables(cfg)
+    sliding = types.count("hybrid_sliding")
+    shapes = jax.eval_shape(lambda: init_cache(cfg, batch=2, length=16, per_row=True))
+    assert shapes["window_keys"].shape == (sliding, 2, cfg.num_kv_heads, 3, cfg.head_dim)
+    assert shapes["keys"].shape[0] == cfg.num_layers - sliding and shapes["window_slots"].shape == (2, 3)
     ids = np.random.default_rng(2).integers(3, cfg.vocab_size, (2, 11)).astype(np.int32)
     full, _ = Zaya(cfg).apply(variables, jnp.asarray(ids))
     step = jax.jit(lambda v, t, m, c: Zaya(cfg).apply(v, t, token_mask=m, cache=c))

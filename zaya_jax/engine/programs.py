@@ -2,7 +2,8 @@
 
 The state is a fixed number of slots, each one sequence's decode cache (a slot cache of
 :func:`zaya_jax.model.init_cache` with ``per_row=True``: keys, values, CCA's conv state and
-delayed value, the key mask and the row's next slot), its generated tokens, their
+delayed value, the key mask and the row's next slot; a sliding layer keeps only its window, in a
+ring), its generated tokens, their
 log-probabilities, the classes each layer chose for every token read (with routes) and its
 sampling parameters. Four programs change it:
 
@@ -35,6 +36,7 @@ from zaya_jax.engine.sampling import choose, token_logprob
 from zaya_jax.model import Zaya, init_cache
 from zaya_jax.model.cca import write_rows
 from zaya_jax.model.mesh_hooks import ModelHooks
+from zaya_jax.model.stack import ROW_CACHE_KEYS
 from zaya_jax.parallel.tree import tree_attention
 
 State = dict[str, Any]
@@ -69,7 +71,8 @@ def _model(cfg: ModelConfig, shape: Shape) -> Zaya:
 
 
 def _constrained(cache: dict[str, jax.Array], shape: Shape) -> dict[str, jax.Array]:
-    """Keys, values and the key mask split along the cache slots over ``context``; the rest replicated."""
+    """Keys, values and the key mask split along the cache slots over ``context``; the rest (the
+    sliding layers' window caches too) replicated."""
     if shape.mesh is None:
         return cache
     kv = P(None, None, None, "context")  # (layers, batch, heads, positions, dim)
@@ -118,6 +121,8 @@ def admit_program(cfg: ModelConfig, shape: Shape):
         for name in ("conv", "vdel"):
             cache[name] = reset(cache[name], 0, axis=1)
         cache["mask"], cache["index"] = reset(cache["mask"], 0), reset(cache["index"], 0)
+        if "window_slots" in cache:  # the sliding layers' rings hold no position yet
+            cache["window_slots"] = reset(cache["window_slots"], -1)
         new = {
             **state,
             "cache": _constrained(cache, shape),
@@ -188,21 +193,20 @@ def prefill_program(cfg: ModelConfig, shape: Shape, bucket: int, width: int):
 
     def prefill(variables, state, rows, tokens, n, sample, vocab_limit):
         full = state["cache"]
-        gather = lambda x, axis: jnp.take(x, rows, axis=axis, mode="clip")  # noqa: E731
-        cache = {k: gather(x, 1) for k, x in full.items() if k not in ("mask", "index")}
-        cache["mask"], cache["index"] = gather(full["mask"], 0), gather(full["index"], 0)
+        axis = lambda name: 0 if name in ROW_CACHE_KEYS else 1  # noqa: E731  (per row, or per layer)
+        cache = {k: jnp.take(x, rows, axis=axis(k), mode="clip") for k, x in full.items()}
         start = cache["index"]
         mask = (jnp.arange(width)[None] < n[:, None]).astype(jnp.int32)
         logits, cache, read = _apply(model, variables, tokens, mask, cache, shape.routes)
         scatter = lambda x, new, axis: x.at[(slice(None),) * axis + (rows,)].set(new, mode="drop")  # noqa: E731
-        new_cache = {k: scatter(full[k], cache[k], 1) for k in full if k not in ("mask", "index")}
-        new_cache["mask"], new_cache["index"] = (
-            scatter(full["mask"], cache["mask"], 0),
-            scatter(full["index"], cache["index"], 0),
-        )
+        new_cache = {k: scatter(full[k], cache[k], axis(k)) for k in full}
         state = {**state, "cache": _constrained(new_cache, shape)}
         if shape.routes:
-            routes = write_rows(gather(state["routes"], 0), jnp.where(mask[..., None] > 0, read, -1), start)
+            routes = write_rows(
+                jnp.take(state["routes"], rows, axis=0, mode="clip"),
+                jnp.where(mask[..., None] > 0, read, -1),
+                start,
+            )
             state["routes"] = scatter(state["routes"], routes, 0)
         return _emit(state, _last_real(logits, n), sample & (n > 0), vocab_limit, rows)
 

@@ -29,6 +29,11 @@ from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.rope import apply_rope, rope_tables
 from zaya_jax.ops.attention import AttentionMask, attention
 
+# The decode cache's stacks carried through the blocks and written in place: every full layer's
+# keys and values, and in a slot cache with window caches (zaya_jax.model.init_cache) every sliding
+# layer's ring.
+KV_CACHE_KEYS = ("keys", "values", "window_keys", "window_values")
+
 
 def shift_right(x: jax.Array, shift: int) -> jax.Array:
     """x[:, t - shift] along axis 1, zero for t < shift. x: (batch, seq, ...)."""
@@ -191,6 +196,21 @@ def _write_cache(cache, k, v, index):
     return here(keys), here(values), {"keys": keys, "values": values}
 
 
+def _write_window(cache, k, v, targets):
+    """The new keys and values (batch, T, nk, d) of a sliding layer written into its ring, layer
+    ``cache["layer"]`` of the stacked (sliding layers, batch, nk, R, d) window caches, at ring slots
+    ``targets`` (batch, T) (R: not written). Returns (the ring as it was before the chunk followed
+    by the chunk, as (batch, R + T, nk, d) keys and values, the updated stacks)."""
+    keys, values, layer = cache["window_keys"], cache["window_values"], cache["layer"]
+    rows = jnp.arange(k.shape[0])[:, None]
+    here = lambda x: jax.lax.dynamic_index_in_dim(x, layer, keepdims=False).transpose(0, 2, 1, 3)  # noqa: E731
+    seen_k = jnp.concatenate([here(keys), k.astype(keys.dtype)], axis=1)
+    seen_v = jnp.concatenate([here(values), v.astype(values.dtype)], axis=1)
+    keys = keys.at[layer, rows, :, targets].set(k.astype(keys.dtype), mode="drop")
+    values = values.at[layer, rows, :, targets].set(v.astype(values.dtype), mode="drop")
+    return seen_k, seen_v, {"window_keys": keys, "window_values": values}
+
+
 def _normalized_rotated(q: jax.Array, k: jax.Array, temp: jax.Array, tables: tuple[jax.Array, jax.Array]):
     """Steps 5-6: q and k L2-normalised to sqrt(d), k scaled by the per-KV-head ``temp``, both
     rotated by the RoPE ``tables`` (cos, sin)."""
@@ -230,18 +250,39 @@ class CCAAttention(nn.Module):
     cfg: ModelConfig
     hooks: ModelHooks = SINGLE_DEVICE
 
-    def _attend_local(self, q, k, v, mask, cache, index, new_cache):
+    def _attend_local(self, q, k, v, mask, cache, index, new_cache, window, window_mask):
         """Attention where one device holds every key: the plain and decode modes (decoding first
-        writes the new keys and values into the cache). Returns (output, updated cache or None)."""
+        writes the new keys and values into the cache). Returns (output, updated cache or None).
+
+        A slot cache with window caches (``"window_keys"``) holds a sliding layer's keys in a ring
+        of its window's size: such a layer attends to the ring and the chunk, then writes the chunk
+        into the ring (:func:`~zaya_jax.model.stack.window_inputs`); which of the two a layer is
+        comes from its scanned ``window`` (a ``lax.cond``, one program for every layer)."""
         cfg = self.cfg
-        if cache is not None:
-            k, v, kv_cache = _write_cache(cache, k, v, index)
-            new_cache = {**new_cache, **kv_cache}
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
-        kernel = self.hooks.attention or functools.partial(
-            attention, impl=cfg.attention_impl, block=cfg.attention_block
-        )
-        return kernel(q, k, v, mask), new_cache
+        local = functools.partial(attention, impl=cfg.attention_impl, block=cfg.attention_block)
+        kernel = self.hooks.attention or local
+        if cache is None:
+            return kernel(q, k, v, mask), new_cache
+        stacks = {name: cache[name] for name in KV_CACHE_KEYS if name in cache}
+
+        def full(stacks):
+            keys, values, written = _write_cache({**stacks, "layer": cache["layer"]}, k, v, index)
+            return kernel(q, keys.astype(q.dtype), values.astype(q.dtype), mask), {**stacks, **written}
+
+        def ring(stacks):
+            keys, values, written = _write_window(
+                {**stacks, "layer": cache["layer"]}, k, v, cache["window_targets"]
+            )
+            out = local(q, keys.astype(q.dtype), values.astype(q.dtype), window_mask.replace(window=window))
+            return out, {**stacks, **written}
+
+        if "window_keys" not in stacks:
+            out, stacks = full(stacks)
+        elif stacks["keys"].shape[0] == 0:  # every layer slides
+            out, stacks = ring(stacks)
+        else:
+            out, stacks = jax.lax.cond(window > 0, ring, full, stacks)
+        return out, {**new_cache, **stacks}
 
     @nn.compact
     def __call__(
@@ -252,6 +293,7 @@ class CCAAttention(nn.Module):
         *,
         positions: jax.Array,
         mask: AttentionMask,
+        window_mask: AttentionMask | None = None,
         segment_ids: jax.Array | None,
         token_mask: jax.Array | None,
         cache: dict[str, jax.Array] | None = None,
@@ -321,5 +363,5 @@ class CCAAttention(nn.Module):
             real = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
             out = self.hooks.context.attention(q, k, v, segments, real, mask.window)
         else:
-            out, new_cache = self._attend_local(q, k, v, mask, cache, index, new_cache)
+            out, new_cache = self._attend_local(q, k, v, mask, cache, index, new_cache, window, window_mask)
         return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache

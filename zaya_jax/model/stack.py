@@ -15,7 +15,7 @@ import numpy as np
 
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.balancing import probability_moments, router_entropy_sum
-from zaya_jax.model.cca import CCAAttention, write_rows
+from zaya_jax.model.cca import KV_CACHE_KEYS, CCAAttention, write_rows
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
@@ -25,7 +25,17 @@ from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
 
 LAYER_CACHE_KEYS = ("conv", "vdel")  # scanned with the blocks, one row per layer
-KV_CACHE_KEYS = ("keys", "values")  # every layer's, stacked, carried through the blocks and written in place
+ROW_CACHE_KEYS = ("mask", "index", "window_slots")  # per row, not per layer: (batch, ...)
+
+
+def cache_rows(cfg: ModelConfig, windowed: bool) -> np.ndarray:
+    """(layers,) each layer's row in its stack of the decode cache: the layer's index, or with
+    window caches its index among the full layers or among the sliding ones."""
+    sliding = np.asarray([t == "hybrid_sliding" for t in cfg.resolved_layer_types])
+    if not windowed:
+        return np.arange(len(sliding), dtype=np.int32)
+    return np.where(sliding, np.cumsum(sliding) - 1, np.cumsum(~sliding) - 1).astype(np.int32)
+
 
 REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
@@ -65,7 +75,11 @@ class Block(nn.Module):
         dtype, pdtype = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
         h, r, kv = carry
         token_mask = ctx["token_mask"]
-        cache = None if kv is None else {**layer["cache"], **kv, "layer": layer["layer"]}
+        cache = None
+        if kv is not None:
+            cache = {**layer["cache"], **kv, "layer": layer["layer"]}
+            if "window_targets" in ctx:
+                cache["window_targets"] = ctx["window_targets"]
 
         a = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="input_norm")(h.astype(dtype))
         o, cache = CCAAttention(cfg, self.hooks, name="attn")(
@@ -74,13 +88,14 @@ class Block(nn.Module):
             layer["window"],
             positions=ctx["positions"],
             mask=ctx["mask"],
+            window_mask=ctx.get("window_mask"),
             segment_ids=ctx["segment_ids"],
             token_mask=token_mask,
             cache=cache,
             index=ctx.get("cache_index"),
         )
         if cache is not None:
-            kv = {name: cache.pop(name) for name in KV_CACHE_KEYS}
+            kv = {name: cache.pop(name) for name in KV_CACHE_KEYS if name in kv}
         merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
         norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
         if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
@@ -187,9 +202,12 @@ def shared_inputs(
         raise ValueError("segment_ids (packed documents) cannot be combined with a decode cache")
     index = cache["index"]
     new_mask = jnp.ones((batch, seq), jnp.int32) if token_mask is None else token_mask.astype(jnp.int32)
+    window = {}
     if index.ndim == 1:  # a slot cache: each row written at its own slot (zaya_jax.engine)
         query_slots = index[:, None] + jnp.arange(seq)
         key_mask = write_rows(cache["mask"], new_mask, index)
+        if "window_slots" in cache:
+            window = window_inputs(cache["window_slots"], query_slots.astype(jnp.int32), new_mask)
     else:
         query_slots = index + jnp.arange(seq)
         key_mask = jax.lax.dynamic_update_slice(cache["mask"], new_mask, (0, index))
@@ -207,4 +225,33 @@ def shared_inputs(
         "token_mask": token_mask,
         "cache_index": index,
         "key_mask": key_mask,
+        **window,
+    }
+
+
+def window_inputs(slots: jax.Array, query_slots: jax.Array, real: jax.Array) -> dict[str, Any]:
+    """What the sliding layers of a slot cache with window caches share for a chunk: each layer's
+    window cache is a ring of R positions per row, position p at ring slot p % R, and ``slots``
+    (batch, R) says which position each ring slot holds (-1: none yet).
+
+    A sliding layer attends to its ring as it was before the chunk followed by the chunk's own
+    keys, then writes the chunk's last R real tokens into the ring: so R = the window covers what
+    any query of any chunk width can see. Returns ``window_mask`` (over the R ring slots then the
+    chunk, the window added by the layer), ``window_targets`` (batch, seq) the ring slot each new
+    token is written to (R: not written) and ``window_slots``, the ring's positions after the chunk."""
+    ring = slots.shape[1]
+    keep = real > 0
+    last = jnp.sum(real, axis=1) + query_slots[:, 0]  # one past each row's last real position
+    keep = keep & (query_slots >= last[:, None] - ring)
+    targets = jnp.where(keep, query_slots % ring, ring)
+    rows = jnp.arange(slots.shape[0])[:, None]
+    mask = AttentionMask(
+        q_slots=query_slots,
+        k_slots=jnp.concatenate([slots, query_slots], axis=1),
+        k_valid=jnp.concatenate([slots >= 0, real > 0], axis=1),
+    )
+    return {
+        "window_mask": mask,
+        "window_targets": targets,
+        "window_slots": slots.at[rows, targets].set(query_slots, mode="drop"),
     }

@@ -23,6 +23,7 @@ from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.stack import (
     KV_CACHE_KEYS,
     LAYER_CACHE_KEYS,
+    cache_rows,
     layer_inputs,
     scanned_blocks,
     shared_inputs,
@@ -147,11 +148,12 @@ class Zaya(nn.Module):
             )
         ctx = shared_inputs((batch, seq), token_mask, segment_ids, positions, cache)
         key_mask = ctx.pop("key_mask", None)
+        window_slots = ctx.pop("window_slots", None)
         kv = None
         if cache is not None:
             per_layer["cache"] = {k: cache[k] for k in LAYER_CACHE_KEYS}
-            per_layer["layer"] = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-            kv = {k: cache[k] for k in KV_CACHE_KEYS}
+            per_layer["layer"] = jnp.asarray(cache_rows(cfg, windowed="window_keys" in cache))
+            kv = {k: cache[k] for k in KV_CACHE_KEYS if k in cache}
         if routes is not None:  # scanned with the blocks: (layers, batch, seq)
             per_layer["routes" if replay_routes else "observed_routes"] = jnp.moveaxis(
                 jnp.asarray(routes, jnp.int32), -1, 0
@@ -168,10 +170,10 @@ class Zaya(nn.Module):
             advance = seq
             if cache["index"].ndim == 1 and token_mask is not None:  # a slot cache: real tokens per row
                 advance = jnp.sum(token_mask, axis=1, dtype=jnp.int32)
-            stats = {
-                **stats,
-                "cache": {**layer_cache, **kv, "mask": key_mask, "index": cache["index"] + advance},
-            }
+            new_cache = {**layer_cache, **kv, "mask": key_mask, "index": cache["index"] + advance}
+            if window_slots is not None:
+                new_cache["window_slots"] = window_slots
+            stats = {**stats, "cache": new_cache}
 
         y = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="final_norm")(h.astype(dtype))
         y = nn.with_logical_constraint(y if layout is None else layout.restore(y), ACTIVATION_AXES)
@@ -215,6 +217,7 @@ def init_cache(
     length: int,
     dtype: jax.typing.DTypeLike | None = None,
     per_row: bool = False,
+    window_caches: bool = True,
 ) -> dict[str, jax.Array]:
     """An empty decode cache for ``length`` token slots (spec §3), stacked over layers.
 
@@ -226,19 +229,34 @@ def init_cache(
 
     ``per_row``: a slot cache (:mod:`zaya_jax.engine`), ``index`` (batch,) the next free slot of
     each row: each row is its own sequence, written at its own offset, real tokens first in a chunk
-    (``token_mask`` marks them; the row's index advances by their count).
+    (``token_mask`` marks them; the row's index advances by their count). Its sliding layers (when
+    their window is shorter than ``length`` and ``window_caches``) keep window caches instead:
+    ``keys``/``values`` then stack only the full layers, ``window_keys``/``window_values``
+    (sliding layers, batch, nk, window, d) the sliding layers' rings, and ``window_slots``
+    (batch, window) the position each ring slot holds (-1: none), the same for every sliding
+    layer (:func:`~zaya_jax.model.stack.window_inputs`).
     """
     dtype = jnp.dtype(dtype or cfg.dtype)
     layers, nk, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     context = cfg.conv_context
-    return {
-        "keys": jnp.zeros((layers, batch, nk, length, d), dtype),
-        "values": jnp.zeros((layers, batch, nk, length, d), dtype),
+    window = cfg.sliding_window if per_row and window_caches and cfg.has_sliding_layers else None
+    sliding = (
+        sum(t == "hybrid_sliding" for t in cfg.resolved_layer_types) if window and window < length else 0
+    )
+    full = layers - sliding
+    cache = {
+        "keys": jnp.zeros((full, batch, nk, length, d), dtype),
+        "values": jnp.zeros((full, batch, nk, length, d), dtype),
         "conv": jnp.zeros((layers, batch, context, cfg.conv_channels), dtype),
         "vdel": jnp.zeros((layers, batch, cfg.kv_width // 2), dtype),
         "mask": jnp.zeros((batch, length), jnp.int32),
         "index": jnp.zeros((batch,) if per_row else (), jnp.int32),
     }
+    if sliding:
+        cache["window_keys"] = jnp.zeros((sliding, batch, nk, window, d), dtype)
+        cache["window_values"] = jnp.zeros((sliding, batch, nk, window, d), dtype)
+        cache["window_slots"] = jnp.full((batch, window), -1, jnp.int32)
+    return cache
 
 
 # Tracing the model's init is seconds of Python for a config; a config's variables are the same on

@@ -25,7 +25,8 @@ class AttentionMask:
     q_slots: (seq_q,) and k_slots: (seq_k,) int32 sequence (or cache) indices; a key is visible
     when its slot <= the query's slot. q_slots may also be (batch, seq_q), one row of slots per
     sequence (a slot cache whose rows are written at their own offsets, :mod:`zaya_jax.engine`):
-    only the dense definition reads such a mask (:attr:`per_row`). q_segments/k_segments:
+    only the dense definition reads such a mask (:attr:`per_row`), whose k_slots may then be
+    (batch, seq_k) too (a sliding layer's window cache: its ring holds other positions in each row). q_segments/k_segments:
     (batch, seq_q/seq_k) document ids, a key is visible only within the query's document (both or
     neither). k_valid: (batch, seq_k) bool,
     False for padding keys. window: int32 scalar, a key is visible when fewer than ``window`` slots
@@ -50,8 +51,8 @@ class AttentionMask:
     def dense(self) -> jax.Array:
         """(batch or 1, seq_q, seq_k) bool: the whole mask (for the dense reference and decoding)."""
         if self.per_row:  # one row of query slots per sequence: the causal and window terms per row
-            rows = jax.vmap(lambda slots: visible_keys(slots, self.k_slots, None, None, None, self.window)[0])
-            ok = rows(self.q_slots)
+            k_slots = self.k_slots if self.k_slots.ndim == 2 else self.k_slots[None]
+            ok = visible_keys(self.q_slots, k_slots, None, None, None, self.window)[0]
             if self.q_segments is not None:
                 ok = ok & (self.q_segments[..., :, None] == self.k_segments[..., None, :])
             return ok if self.k_valid is None else ok & self.k_valid[..., None, :]
