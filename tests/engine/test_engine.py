@@ -99,6 +99,19 @@ def test_slots_are_reused_without_recompiling_and_calls_of_one_shape_share_progr
     assert decode._cache_size() == 1  # another call of the same shape: nothing compiled
 
 
+def test_a_reused_slot_forgets_the_previous_rows_sliding_window():
+    """A sliding layer's ring (window 3) still holds the previous row's last positions (1-3) when
+    the next prompt enters the slot; the new row must not see them at its own positions 1-3."""
+    cfg = tiny_config(layer_types=("hybrid_sliding", "hybrid"), sliding_window=3)
+    variables = varied_variables(cfg)
+    short, long = Request([5, 6], 2), Request(_prompts(cfg, 1, 10, seed=4)[0] + [7] * 10, 4)
+    first, reused = Engine(cfg, variables, slots=1, prefill_chunk=8).run([short, long])
+    assert first.tokens.size == 2
+    alone = Engine(cfg, variables, slots=1, prefill_chunk=8).run([long])[0]
+    assert reused.tokens.tolist() == alone.tokens.tolist()
+    np.testing.assert_allclose(reused.logprobs, alone.logprobs, atol=1e-6)
+
+
 def test_stop_strings_end_a_row_at_the_token_that_completes_them():
     cfg = tiny_config()
     variables = varied_variables(cfg)
