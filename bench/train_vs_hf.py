@@ -11,12 +11,15 @@ batch of random token ids (next-token loss) and the same initial weights, float3
 * ``zaya_adamw_<impl>``: the same step with every leaf on AdamW (the optimizer HF is run with);
 * ``dense_muon``: zaya-jax with one expert instead of E (the dense model whose per-token active
   size equals the MoE's);
-* ``hf_adamw_tcmalloc``: ``hf_adamw`` under tcmalloc, where it is installed.
+* ``hf_adamw@tcmalloc``: ``hf_adamw`` under tcmalloc, where it is installed (and
+  ``hf_adamw@mimalloc`` with ``--allocators ... mimalloc``).
 
 Allocators: each zaya worker runs under the allocator the ``zaya`` command would use
-(``zaya_jax.allocator``: tcmalloc where installed, ``ZAYA_ALLOCATOR=system`` for the C library's);
-``hf_adamw`` runs under the C library's malloc, as ``python`` starts PyTorch, and
-``hf_adamw_tcmalloc`` under tcmalloc, so the ratios are given against both.
+(``zaya_jax.allocator``: mimalloc from its wheel, else tcmalloc where installed); ``hf_adamw`` runs
+under the C library's malloc, as ``python`` starts PyTorch, so the ratios are given against HF
+under each. ``--allocators system tcmalloc mimalloc mimalloc-purge`` runs every zaya variant under
+each allocator instead, side by side, and reports each worker's page faults, kernel time per step
+and peak resident memory.
 
 Timing JAX and PyTorch in one process distorts both on a small machine (each framework's thread
 pools compete: PyTorch ran 4-9x and JAX 1.2-2x slower than alone), so every variant is a worker
@@ -27,6 +30,7 @@ measured by a zaya worker on CPU, the datasheet peak on a GPU) and every ratio a
 
     python bench/train_vs_hf.py [--config tiny] [--batch 16] [--seq 128] [--rounds 5] [--steps 3]
                                 [--impls sorted] [--set key=value ...] [--no-dense]
+                                [--allocators auto|system|tcmalloc|mimalloc|mimalloc-purge ...]
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from pathlib import Path
 
 import numpy as np
 
-from zaya_jax.allocator import find_tcmalloc, wanted_library, with_preload
+from zaya_jax.allocator import allocator_env, find_mimalloc, find_tcmalloc, wanted_library
 
 
 def _config(args):
@@ -63,6 +67,10 @@ def _ids(cfg, args) -> np.ndarray:
 
 
 def _serve(run, info: dict) -> None:
+    """Answer each "RUN n" with the n step times, the minor page faults and kernel seconds per step
+    and the process's peak resident set so far."""
+    import resource
+
     from zaya_jax.allocator import loaded_allocator
 
     info["allocator"] = loaded_allocator() or "system"
@@ -71,12 +79,20 @@ def _serve(run, info: dict) -> None:
         command = line.split()
         if not command or command[0] == "QUIT":
             return
-        times = []
-        for _ in range(int(command[1])):
+        times, steps = [], int(command[1])
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        for _ in range(steps):
             start = time.perf_counter()
             run()
             times.append(time.perf_counter() - start)
-        print("TIMES " + json.dumps(times), flush=True)
+        after = resource.getrusage(resource.RUSAGE_SELF)
+        usage = {
+            "times": times,
+            "faults": (after.ru_minflt - before.ru_minflt) / steps,
+            "kernel_s": (after.ru_stime - before.ru_stime) / steps,
+            "peak_rss_mb": after.ru_maxrss / 1024,
+        }
+        print("TIMES " + json.dumps(usage), flush=True)
 
 
 def hf_worker(args) -> None:
@@ -180,6 +196,9 @@ def _start(variant: str, args, weights: Path) -> subprocess.Popen:
     tree = None
     if variant.startswith(BASELINE):  # the same worker code, importing zaya_jax from another checkout
         variant, tree = variant[len(BASELINE) :], args.baseline
+    variant, _, allocator = variant.partition("@")
+    if not allocator:  # zaya workers: the allocator the zaya command runs under; HF: the C library's
+        allocator = "auto" if variant.startswith(("zaya", "dense")) else "system"
     cmd = [sys.executable, __file__, "--worker", variant, "--weights", str(weights)]
     for name in ("config", "batch", "seq", "warmup", "device"):
         cmd += [f"--{name}", str(getattr(args, name))]
@@ -189,11 +208,24 @@ def _start(variant: str, args, weights: Path) -> subprocess.Popen:
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", **os.environ, "PYTHONUNBUFFERED": "1"}
     if tree:
         env["PYTHONPATH"] = str(Path(tree).resolve())
-    # zaya workers: the allocator the zaya command runs under; HF: the C library's, or tcmalloc
-    library = find_tcmalloc() if variant == "hf_adamw_tcmalloc" else None
-    library = wanted_library() if variant.startswith(("zaya", "dense")) else library
-    env = with_preload(env, library) if library else env
+    env = _under(env, allocator)
     return subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _under(env: dict[str, str], name: str) -> dict[str, str]:
+    """``env`` for a worker under allocator ``name``: auto (what the zaya command picks), system,
+    tcmalloc, mimalloc (with zaya's options) or mimalloc-purge (mimalloc purging freed memory after
+    its default 10 ms)."""
+    env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+    if name == "system":
+        return env
+    library = {"auto": wanted_library, "tcmalloc": find_tcmalloc}.get(name, find_mimalloc)()
+    if library is None:
+        raise SystemExit(f"--allocators {name}: not installed here")
+    env = allocator_env(env, library)
+    if name == "mimalloc-purge":
+        env["MIMALLOC_PURGE_DELAY"] = "10"
+    return env
 
 
 BASELINE = "baseline:"
@@ -225,6 +257,14 @@ def main() -> None:
         "variants run too, in their own processes, and each is compared with this tree's",
     )
     parser.add_argument("--no-hf", action="store_true", help="zaya variants only (with --baseline)")
+    parser.add_argument(
+        "--allocators",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "system", "tcmalloc", "mimalloc", "mimalloc-purge"],
+        help="run each zaya variant under each (auto: the zaya command's choice), and HF under "
+        "each of system/tcmalloc/mimalloc given",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--weights", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -237,9 +277,12 @@ def main() -> None:
         parser.error("HF runs in float32 here; compare like with like: --set model.dtype=float32")
     if args.device == "auto":
         args.device = "gpu"  # PyTorch on the GPU when it sees one, as JAX
-    variants = ["hf_adamw"] + (["hf_adamw_tcmalloc"] if find_tcmalloc() and not args.no_hf else [])
-    variants += [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
-    variants += [] if args.no_dense else ["dense_muon"]
+    variants = ["hf_adamw"] + (["hf_adamw@tcmalloc"] if find_tcmalloc() and not args.no_hf else [])
+    if "mimalloc" in args.allocators and not args.no_hf:
+        variants.append("hf_adamw@mimalloc")
+    ours = [f"zaya_{opt}_{impl}" for impl in args.impls for opt in args.optimizers]
+    ours += [] if args.no_dense else ["dense_muon"]
+    variants += ours if args.allocators == ["auto"] else [f"{v}@{a}" for v in ours for a in args.allocators]
     if args.baseline:
         variants += [BASELINE + v for v in variants if not v.startswith("hf_adamw")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -252,12 +295,13 @@ def main() -> None:
         for variant in [v for v in variants if v not in workers]:  # set up (compile) one at a time
             workers[variant] = _start(variant, args, weights)
             info[variant] = _expect(workers[variant], "READY", variant)
-        rounds = {v: [] for v in variants}
+        rounds, usage = {v: [] for v in variants}, {v: [] for v in variants}
         for _ in range(args.rounds):
             for variant, proc in workers.items():
                 proc.stdin.write(f"RUN {args.steps}\n")
                 proc.stdin.flush()
-                rounds[variant].append(statistics.median(_expect(proc, "TIMES", variant)))
+                usage[variant].append(_expect(proc, "TIMES", variant))
+                rounds[variant].append(statistics.median(usage[variant][-1]["times"]))
         for proc in workers.values():
             proc.stdin.write("QUIT\n")
             proc.stdin.flush()
@@ -277,6 +321,14 @@ def main() -> None:
         "peak_gflops": round(peak / 1e9, 1),
         "peak_source": info[zaya]["peak_source"],
         "step_s": {v: round(t, 4) for v, t in step_s.items()},
+        # per step, the median over rounds: minor page faults and kernel (system) ms, both cores
+        "page_faults_per_step": {
+            v: round(statistics.median(u["faults"] for u in us)) for v, us in usage.items()
+        },
+        "kernel_ms_per_step": {
+            v: round(1e3 * statistics.median(u["kernel_s"] for u in us), 1) for v, us in usage.items()
+        },
+        "peak_rss_mb": {v: round(max(u["peak_rss_mb"] for u in us)) for v, us in usage.items()},
         "round_medians_s": {v: [round(t, 4) for t in r] for v, r in rounds.items()},
         "tokens_per_s": {v: round(tokens / t) for v, t in step_s.items()},
         "mfu": {
@@ -284,9 +336,9 @@ def main() -> None:
             for v, t in step_s.items()
         },
     }
-    for hf in ("hf_adamw", "hf_adamw_tcmalloc"):
+    for hf in ("hf_adamw", "hf_adamw@tcmalloc", "hf_adamw@mimalloc"):
         if hf in step_s:
-            key = "ratio_vs_hf" + hf[len("hf_adamw") :]
+            key = "ratio_vs_hf" + hf[len("hf_adamw") :].replace("@", "_")
             report[key] = {v: round(step_s[hf] / t, 3) for v, t in step_s.items()}
     if args.baseline:  # < 1: this tree's step is faster than the baseline's
         report["time_vs_baseline"] = {

@@ -1,5 +1,6 @@
-"""The ``zaya`` command's host allocator: re-executed under tcmalloc where it is installed, the
-system's malloc on request, a clear error for a wrong path, and the page faults it removes."""
+"""The ``zaya`` command's host allocator: a plain install runs it under mimalloc from its wheel
+(no system package), tcmalloc and the system's malloc on request, a clear error for a wrong path or
+a missing library, the page faults it removes, and the one-line warning on the slow path."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import subprocess
 import sys
 import textwrap
 
-from zaya_jax.allocator import find_tcmalloc
+import pytest
+
+from zaya_jax.allocator import find_mimalloc, find_tcmalloc, slow_path_warning
 
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
 
@@ -25,13 +28,26 @@ def _doctor(**extra: str) -> str:
     return json.loads(done.stdout)["allocator"]  # --json survived the re-execution
 
 
-def test_zaya_runs_under_tcmalloc_where_installed_and_says_what_to_install_elsewhere():
-    library = find_tcmalloc()
-    if library:  # CI installs libtcmalloc-minimal4 (.ci/run)
-        assert "tcmalloc" in _doctor() and os.path.basename(library).split(".so")[0] in _doctor()
-    else:
-        assert "install tcmalloc" in _doctor()
+def test_a_plain_install_runs_zaya_under_mimalloc_from_its_wheel():
+    library = find_mimalloc()  # pyproject.toml's cmeel-mimalloc: no system package involved
+    assert library is not None and ("site-packages" in library or "dist-packages" in library)
+    assert _doctor() == library
     assert _doctor(ZAYA_ALLOCATOR="system") == "system malloc (ZAYA_ALLOCATOR=system)"
+    if find_tcmalloc():
+        assert "tcmalloc" in _doctor(ZAYA_ALLOCATOR="tcmalloc")
+
+
+def test_the_slow_path_warning_names_the_cost_and_the_fix(monkeypatch):
+    monkeypatch.setattr("zaya_jax.allocator.loaded_allocator", lambda: None)
+    monkeypatch.setenv("ZAYA_ALLOCATOR", "system")
+    assert "unset ZAYA_ALLOCATOR" in slow_path_warning() and "faults" in slow_path_warning()
+    monkeypatch.setenv("ZAYA_ALLOCATOR", "auto")
+    assert "python -m zaya_jax.allocator --env" in slow_path_warning()  # installed, not preloaded
+    monkeypatch.setattr("zaya_jax.allocator.find_mimalloc", lambda: None)
+    monkeypatch.setattr("zaya_jax.allocator.find_tcmalloc", lambda: None)
+    assert "pip install cmeel-mimalloc" in slow_path_warning()
+    monkeypatch.setattr("zaya_jax.allocator.loaded_allocator", lambda: "/x/libmimalloc.so")
+    assert slow_path_warning() is None
 
 
 def test_a_wrong_allocator_path_exits_2_naming_the_variable():
@@ -55,11 +71,14 @@ _FAULTS = textwrap.dedent(
     x = jnp.full((128, 131072), 0.5, jnp.float32)
     for _ in range(2):
         f(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    before, start = usage.ru_minflt, usage.ru_stime
     for _ in range(4):
         f(x).block_until_ready()
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 4
-    print(json.dumps({"allocator": loaded_allocator(), "faults": faults}))
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    faults = (after.ru_minflt - before) / 4
+    kernel_ms = (after.ru_stime - start) / 4 * 1e3
+    print(json.dumps({"allocator": loaded_allocator(), "faults": faults, "kernel_ms": kernel_ms}))
     """
 )
 
@@ -71,13 +90,35 @@ def _faults(**extra: str) -> dict:
     return json.loads(done.stdout)
 
 
-def test_tcmalloc_stops_every_execution_faulting_in_its_temporary_buffer():
+def test_the_default_allocator_stops_every_execution_faulting_in_its_temporary_buffer():
     system = _faults(ZAYA_ALLOCATOR="system")
     assert system["allocator"] is None
     assert system["faults"] > 16_000  # both 64 MiB operands, page by page, at every execution
-    library = find_tcmalloc()
-    if library is None:
-        return  # nothing to compare with; the system's number above is what a user gets
-    tcmalloc = _faults()
-    assert "tcmalloc" in tcmalloc["allocator"]
-    assert tcmalloc["faults"] < system["faults"] / 20, (tcmalloc, system)
+    default = _faults()  # mimalloc from the wheel, with its purge delay off (zaya_jax.allocator)
+    assert "mimalloc" in default["allocator"]
+    assert default["faults"] < system["faults"] / 20, (default, system)
+    purging = _faults(MIMALLOC_PURGE_DELAY="0")  # mimalloc's own setting wins: it purges at once
+    assert purging["faults"] > default["faults"] or purging["kernel_ms"] > 5 * default["kernel_ms"] + 5, (
+        purging,
+        default,
+    )
+    if find_tcmalloc():
+        tcmalloc = _faults(ZAYA_ALLOCATOR="tcmalloc")
+        assert "tcmalloc" in tcmalloc["allocator"]
+        assert tcmalloc["faults"] < system["faults"] / 20, (tcmalloc, system)
+
+
+def test_a_missing_named_allocator_exits_2_with_the_install_command(monkeypatch):
+    missing = "tcmalloc" if find_tcmalloc() is None else None
+    if missing is None:  # tcmalloc is here: check the message of a missing mimalloc in process
+        monkeypatch.setenv("ZAYA_ALLOCATOR", "mimalloc")
+        monkeypatch.setattr("zaya_jax.allocator.find_mimalloc", lambda: None)
+        from zaya_jax.allocator import AllocatorError, wanted_library
+
+        with pytest.raises(AllocatorError, match="pip install cmeel-mimalloc"):
+            wanted_library()
+        return
+    done = subprocess.run(
+        [*CLI, "doctor"], capture_output=True, text=True, env=_env(ZAYA_ALLOCATOR="tcmalloc")
+    )
+    assert done.returncode == 2 and "apt-get install libtcmalloc-minimal4" in done.stderr
