@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 import zaya_jax
+from zaya_jax.allocator import slow_path_warning
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, config_from_dict, load_config
 from zaya_jax.objectives.lm import plan_for
@@ -41,6 +42,10 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     # a few lines on stderr say what starts: the run, its size and mesh, then the compile
     assert f"zaya train: {run} (new run)" in captured.err and "parameters (" in captured.err
     assert "zaya train: compiling the train step for batches of 2 x 32 tokens" in captured.err
+    # pytest runs under the system's malloc: one line names the slow path and the fix
+    slow = slow_path_warning()
+    assert captured.err.count("zaya: CPU steps run under") == (1 if slow else 0)
+    assert slow is None or slow in captured.err
     assert np.isfinite(summary["eval_loss"])
 
     cfg = config_from_dict(yaml.safe_load((run / "config.yaml").read_text()))
