@@ -11,7 +11,8 @@ Kubernetes and ``zaya supervise`` see no difference) before it imports JAX.
 
 Which one (``bench/allocators.py``, ``bench/RESULTS.md``): mimalloc, from the ``cmeel-mimalloc``
 wheel that ``pip install`` brings on Linux x86-64 and aarch64, with ``MIMALLOC_PURGE_DELAY=-1``: it
-then keeps freed memory mapped for reuse, and a step faults nothing in afresh. With its default
+then keeps freed memory mapped for reuse, and a step faults nothing in afresh (and
+``MIMALLOC_ALLOW_THP=0``, see :data:`OPTIONS`). With its default
 purge delay (10 ms) it hands a step's buffer back between steps and the kernel zeroes it again
 (few faults, as it maps huge pages, but as much kernel time as glibc). tcmalloc (gperftools) keeps
 freed spans too, but comes only from the system's packages. glibc's own settings do not help:
@@ -41,10 +42,13 @@ _REEXECUTED = "ZAYA_ALLOCATOR_REEXECUTED"  # set in the re-executed process: nev
 _NAMES = ("tcmalloc_minimal", "tcmalloc")
 KINDS = ("mimalloc", "tcmalloc", "jemalloc")
 # Each allocator's settings, unless the environment sets them: mimalloc keeps freed memory mapped
-# (its default purges it after 10 ms, and the next step faults it in again); gperftools reports
-# every allocation over 1 GiB on stderr, and a large model's host arrays are.
+# (its default purges it after 10 ms, and the next step faults it in again) and asks for no
+# transparent huge pages (with them, where the kernel defragments on madvise, the default, a tiny
+# step spent 2-810 ms in the kernel compacting memory, varying run to run; without, 5-25 ms, and
+# 10-30% less peak memory); gperftools reports every allocation over 1 GiB on stderr, and a large
+# model's host arrays are.
 OPTIONS = {
-    "mimalloc": {"MIMALLOC_PURGE_DELAY": "-1"},
+    "mimalloc": {"MIMALLOC_PURGE_DELAY": "-1", "MIMALLOC_ALLOW_THP": "0"},
     "tcmalloc": {"TCMALLOC_LARGE_ALLOC_REPORT_THRESHOLD": str(1 << 50)},
 }
 
