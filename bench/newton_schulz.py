@@ -1,0 +1,133 @@
+"""Newton-Schulz on a preset's Muon leaves: the standard iteration (``X ← aX + (bG + cG²)X``)
+against the Gram formulation that ``formulation="auto"`` picks (``zaya_jax.ops.newton_schulz``),
+through :func:`zaya_jax.optim.orthogonalize` as the train step calls it (``impl="reference"``, the
+leaf's stack axes flattened into a batch).
+
+Per leaf: each formulation jitted alone and timed interleaved with the other (median of
+``--repeats`` rounds, each round runs both), FLOPs of one call, and the largest absolute and the
+relative Frobenius difference of the outputs. ``total``: all leaves in one jitted function (as in
+the train step), timed the same way. Inputs are Gaussian momenta of the leaves' shapes. Prints one
+JSON object.
+
+    taskset -c 1 python bench/newton_schulz.py [--preset tiny] [--repeats 21]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from zaya_jax import load_config
+from zaya_jax.config import NS_COEFFS
+from zaya_jax.ops.newton_schulz import GRAM_RESTART, gram_flops, resolve_formulation, standard_flops
+from zaya_jax.optim import orthogonalize
+from zaya_jax.optim.groups import describe_groups
+
+STEPS = 5
+FORMULATIONS = ("standard", "auto")
+
+
+def muon_leaves(preset: str) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
+    """name -> (shape, matrix_axes as indices) of every Muon leaf of the preset's model."""
+    out = {}
+    for name, info in describe_groups(load_config(preset).model).items():
+        if info["group"] != "muon":
+            continue
+        axes = list(info["axes"])
+        matrix_axes = (axes.index(info["matrix_axes"][0]), axes.index(info["matrix_axes"][1]))
+        out[name] = (tuple(info["shape"]), matrix_axes)
+    return out
+
+
+def leaf_flops(shape, matrix_axes, formulation: str) -> tuple[str, int]:
+    fan_in, fan_out = shape[matrix_axes[0]], shape[matrix_axes[1]]
+    m, n = min(fan_in, fan_out), max(fan_in, fan_out)
+    batch = int(np.prod(shape)) // (m * n)
+    chosen = resolve_formulation("standard" if formulation == "standard" else "auto", m, n)
+    flops = gram_flops(m, n, STEPS, GRAM_RESTART) if chosen == "gram" else standard_flops(m, n, STEPS)
+    return chosen, batch * flops
+
+
+def interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
+    for fn in fns.values():
+        jax.block_until_ready(fn(*args))  # compile
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+    leaves = muon_leaves(args.preset)
+    rng = np.random.default_rng(0)
+    inputs = {
+        name: jnp.asarray(rng.standard_normal(shape), jnp.float32) for name, (shape, _) in leaves.items()
+    }
+
+    def orth(name, formulation):
+        return lambda x: orthogonalize(x, leaves[name][1], NS_COEFFS, STEPS, formulation=formulation)
+
+    result = {
+        "preset": args.preset,
+        "backend": jax.default_backend(),
+        "steps": STEPS,
+        "restart": GRAM_RESTART,
+    }
+    per_leaf = {}
+    for name, (shape, matrix_axes) in leaves.items():
+        fns = {f: jax.jit(orth(name, f)) for f in FORMULATIONS}
+        ms = interleaved(fns, (inputs[name],), args.repeats)
+        outs = {f: np.asarray(fn(inputs[name])) for f, fn in fns.items()}
+        diff = outs["auto"] - outs["standard"]
+        chosen, new_flops = leaf_flops(shape, matrix_axes, "auto")
+        _, old_flops = leaf_flops(shape, matrix_axes, "standard")
+        per_leaf[name] = {
+            "shape": list(shape),
+            "new_formulation": chosen,
+            "old_ms": round(ms["standard"], 3),
+            "new_ms": round(ms["auto"], 3),
+            "ratio": round(ms["auto"] / ms["standard"], 3),
+            "old_gflop": round(old_flops / 1e9, 4),
+            "new_gflop": round(new_flops / 1e9, 4),
+            "max_abs_diff": float(np.abs(diff).max()),
+            "rel_fro_diff": float(np.linalg.norm(diff) / np.linalg.norm(outs["standard"])),
+        }
+    result["leaves"] = per_leaf
+
+    def all_leaves(formulation):
+        return jax.jit(lambda xs: {name: orth(name, formulation)(x) for name, x in xs.items()})
+
+    fns = {f: all_leaves(f) for f in FORMULATIONS}
+    ms = interleaved(fns, (inputs,), args.repeats)
+    old = sum(v["old_gflop"] for v in per_leaf.values())
+    new = sum(v["new_gflop"] for v in per_leaf.values())
+    result["total"] = {
+        "old_ms": round(ms["standard"], 3),
+        "new_ms": round(ms["auto"], 3),
+        "ratio": round(ms["auto"] / ms["standard"], 3),
+        "sum_of_leaves_old_ms": round(sum(v["old_ms"] for v in per_leaf.values()), 3),
+        "sum_of_leaves_new_ms": round(sum(v["new_ms"] for v in per_leaf.values()), 3),
+        "old_gflop": round(old, 4),
+        "new_gflop": round(new, 4),
+        "flop_ratio": round(new / old, 3),
+        "max_abs_diff": max(v["max_abs_diff"] for v in per_leaf.values()),
+        "max_rel_fro_diff": max(v["rel_fro_diff"] for v in per_leaf.values()),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
