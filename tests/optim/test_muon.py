@@ -11,7 +11,7 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from zaya_jax.config import NS_COEFFS, OptimConfig
+from zaya_jax.config import NS_COEFFS, ConfigError, OptimConfig
 from zaya_jax.ops.newton_schulz import (
     gram_flops,
     newton_schulz_gram_reference,
@@ -256,3 +256,20 @@ def test_auto_formulation_is_gram_only_where_it_saves_flops():
         np.testing.assert_array_equal(orthogonalize(x, (1, 2)), expected)
     with pytest.raises(ValueError, match="formulation"):
         newton_schulz(x, formulation="fast")
+
+
+def test_optim_ns_formulation_reaches_the_muon_leaves():
+    # The experts leaf (40 x 16, aspect 2.5) iterates on its Gram matrix unless told otherwise; the
+    # 24 x 16 ones (aspect 1.5) stay standard either way.
+    groups = param_groups(AXES)
+    trained = {
+        f: _train(build_optimizer(dataclasses.replace(CFG, ns_formulation=f), groups, TOTAL_STEPS))
+        for f in ("auto", "standard", "gram")
+    }
+    np.testing.assert_array_equal(trained["auto"]["experts"], trained["gram"]["experts"])
+    np.testing.assert_array_equal(trained["auto"]["matrix"], trained["standard"]["matrix"])
+    assert not np.array_equal(trained["gram"]["experts"], trained["standard"]["experts"])
+    for name in ("matrix", "layer_stack", "experts"):
+        _assert_close(trained["gram"][name], trained["standard"][name], name)
+    with pytest.raises(ConfigError, match="ns_formulation"):
+        dataclasses.replace(CFG, kernels="custom", ns_formulation="gram").validate()
