@@ -184,44 +184,48 @@ def test_newton_schulz_runs_in_float32_for_bfloat16_input():
 
 
 # The Gram formulation of Newton-Schulz (zaya_jax.ops.newton_schulz) against the standard one, on
-# the wide (m, n) matrices that Muon iterates on (tall leaves transposed): the `tiny` preset's
-# Muon leaves (k_proj, v/router down, experts wo, experts wi) and ZAYA1-8B's v_proj and k_proj, a
-# few matrices each. Measured over Gaussian, low-rank + noise and ill-conditioned (singular values
-# 1e-4..1) inputs: relative Frobenius difference <= 1.6e-5 and max |ΔX| <= 4.6e-6, the size of the
-# standard iteration's own float32 error (<= 1.0e-5 off float64). Without the restart (G
-# recomputed from X after 3 steps) the difference is >= 9e-5 on the low-rank and ill-conditioned
-# inputs; a wrong sign or coefficient gives > 1e-2.
+# Muon leaves' matrices in their stored orientation (tall ones iterate on their short side): the
+# `tiny` preset's k_proj, v/router down, experts wo and experts wi, and ZAYA1-8B's v_proj and
+# k_proj, a few matrices each. Bound set from measurements over Gaussian, low-rank + noise and
+# ill-conditioned (singular values 1e-4..1) inputs, with margin: relative Frobenius difference
+# and max |ΔX| below the bounds (measured up to ~1.6e-5 and ~5e-6, the size of the standard
+# iteration's own float32 error, <= 1.0e-5 off float64). Without the restart (G recomputed
+# from X after 3 steps) the difference is 4e-5..3e-4 on the low-rank and ill-conditioned inputs;
+# a wrong sign or coefficient gives > 1e-2.
 GRAM_REL_FRO_BOUND = 4e-5
 GRAM_MAX_ABS_BOUND = 2e-5
-GRAM_SHAPES = [(4, 64, 128), (4, 32, 128), (4, 128, 256), (4, 128, 512), (2, 128, 2048), (2, 256, 2048)]
+GRAM_SHAPES = [(4, 128, 64), (4, 128, 32), (4, 256, 128), (4, 128, 512), (2, 2048, 128), (2, 2048, 256)]
 
 
-def _wide_input(kind: str, shape: tuple[int, int, int], seed: int) -> np.ndarray:
+def _matrices(kind: str, shape: tuple[int, int, int], seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    batch, m, n = shape
+    batch, m, n = shape[0], min(shape[1:]), max(shape[1:])
     if kind == "gaussian":
-        return rng.standard_normal(shape)
-    if kind == "low_rank":
+        x = rng.standard_normal((batch, m, n))
+    elif kind == "low_rank":
         r = max(1, m // 8)
         signal = rng.standard_normal((batch, m, r)) @ rng.standard_normal((batch, r, n))
-        return signal + 0.01 * np.sqrt(r) * rng.standard_normal(shape)
-    out = []
-    for _ in range(batch):  # ill-conditioned: singular values log-spaced over 1e-4..1
-        u, _ = np.linalg.qr(rng.standard_normal((m, m)))
-        v, _ = np.linalg.qr(rng.standard_normal((n, m)))
-        out.append((u * np.logspace(-4, 0, m)) @ v.T)
-    return np.stack(out)
+        x = signal + 0.01 * np.sqrt(r) * rng.standard_normal((batch, m, n))
+    else:  # ill-conditioned: singular values log-spaced over 1e-4..1
+        out = []
+        for _ in range(batch):
+            u, _ = np.linalg.qr(rng.standard_normal((m, m)))
+            v, _ = np.linalg.qr(rng.standard_normal((n, m)))
+            out.append((u * np.logspace(-4, 0, m)) @ v.T)
+        x = np.stack(out)
+    return np.swapaxes(x, -1, -2) if shape[1] > shape[2] else x
 
 
-def _gram_vs_standard(x: jax.Array, **gram_kwargs) -> tuple[float, float, np.ndarray, np.ndarray]:
+def _gram_vs_standard(
+    x: jax.Array, restart: int | None = None
+) -> tuple[float, float, np.ndarray, np.ndarray]:
     standard = np.asarray(jax.jit(lambda x: newton_schulz(x, formulation="standard"))(x), np.float64)
-    if gram_kwargs:
-        a, b, c = NS_COEFFS
-        norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-8
-        fn = jax.jit(lambda x: newton_schulz_gram_reference(x / norm, 5, a, b, c, **gram_kwargs))
-        gram = np.asarray(fn(x), np.float64)
-    else:
+    if restart is None:
         gram = np.asarray(jax.jit(lambda x: newton_schulz(x, formulation="gram"))(x), np.float64)
+    else:
+        norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-8
+        fn = jax.jit(lambda x: newton_schulz_gram_reference(x, 5, *NS_COEFFS, restart=restart, norm=norm))
+        gram = np.asarray(fn(x), np.float64)
     diff = gram - standard
     return float(np.linalg.norm(diff) / np.linalg.norm(standard)), float(np.abs(diff).max()), gram, standard
 
@@ -229,27 +233,30 @@ def _gram_vs_standard(x: jax.Array, **gram_kwargs) -> tuple[float, float, np.nda
 @pytest.mark.parametrize("kind", ["gaussian", "low_rank", "ill_conditioned"])
 @pytest.mark.parametrize("shape", GRAM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gram_newton_schulz_matches_the_standard_iteration(kind: str, shape: tuple[int, int, int]):
-    x = jnp.asarray(_wide_input(kind, shape, seed=shape[1] + shape[2]), jnp.float32)
+    x = jnp.asarray(_matrices(kind, shape, seed=shape[1] + shape[2]), jnp.float32)
     rel_fro, max_abs, gram, standard = _gram_vs_standard(x)
     assert rel_fro < GRAM_REL_FRO_BOUND and max_abs < GRAM_MAX_ABS_BOUND, (rel_fro, max_abs)
     # Same singular-value band: [0.68, 1.14] for well-spread spectra, the same small ones lifted.
-    sv_gram, sv_standard = _singular_values(gram), _singular_values(standard)
-    np.testing.assert_allclose(sv_gram, sv_standard, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(_singular_values(gram), _singular_values(standard), rtol=0, atol=1e-4)
 
 
 def test_gram_newton_schulz_needs_its_restart():
     # The bound is tight enough to see the restart: one 5-step Gram segment drifts past it.
-    x = jnp.asarray(_wide_input("ill_conditioned", (4, 128, 512), seed=0), jnp.float32)
+    x = jnp.asarray(_matrices("ill_conditioned", (4, 128, 512), seed=0), jnp.float32)
     assert _gram_vs_standard(x, restart=3)[0] < GRAM_REL_FRO_BOUND
     assert _gram_vs_standard(x, restart=5)[0] > GRAM_REL_FRO_BOUND
 
 
-def test_auto_formulation_is_gram_only_where_it_saves_flops():
-    for m, n in [(32, 32), (128, 128), (128, 192), (128, 193), (64, 128), (128, 512), (2048, 4096)]:
-        cheaper = gram_flops(m, n, 5) < standard_flops(m, n, 5)
-        assert (resolve_formulation("auto", m, n) == "gram") == cheaper, (m, n)
-    # Leaf by leaf: wide or tall with aspect > 1.5 is Gram (bit for bit), square stays standard.
-    for shape in [(3, 24, 64), (3, 64, 24), (3, 32, 40)]:
+def test_auto_formulation_is_gram_where_it_saves_flops_and_memory():
+    for m, n in [(32, 32), (128, 128), (128, 192), (128, 256), (128, 511), (128, 512), (64, 4096)]:
+        gram = resolve_formulation("auto", m, n) == "gram"
+        assert gram == (n >= 4 * m), (m, n)
+        assert gram_flops(m, n, 5) < standard_flops(m, n, 5) or not gram, (m, n)
+    # The FLOP crossover is n = 5m/3 (213.3 for m = 128).
+    assert gram_flops(128, 214, 5) < standard_flops(128, 214, 5)
+    assert gram_flops(128, 213, 5) > standard_flops(128, 213, 5)
+    # Leaf by leaf, either orientation: aspect >= 4 is Gram (bit for bit), the rest standard.
+    for shape in [(3, 24, 96), (3, 96, 24), (3, 32, 64), (3, 64, 32)]:
         x = jax.random.normal(jax.random.key(6), shape)
         m, n = sorted(shape[1:])
         expected = newton_schulz(x, formulation=resolve_formulation("auto", m, n))
@@ -259,16 +266,15 @@ def test_auto_formulation_is_gram_only_where_it_saves_flops():
 
 
 def test_optim_ns_formulation_reaches_the_muon_leaves():
-    # The experts leaf (40 x 16, aspect 2.5) iterates on its Gram matrix unless told otherwise; the
-    # 24 x 16 ones (aspect 1.5) stay standard either way.
+    # Every leaf here has aspect <= 2.5, so auto is standard; "gram" changes the results, slightly.
     groups = param_groups(AXES)
     trained = {
         f: _train(build_optimizer(dataclasses.replace(CFG, ns_formulation=f), groups, TOTAL_STEPS))
         for f in ("auto", "standard", "gram")
     }
-    np.testing.assert_array_equal(trained["auto"]["experts"], trained["gram"]["experts"])
-    np.testing.assert_array_equal(trained["auto"]["matrix"], trained["standard"]["matrix"])
-    assert not np.array_equal(trained["gram"]["experts"], trained["standard"]["experts"])
+    for name in ("matrix", "layer_stack", "experts"):
+        np.testing.assert_array_equal(trained["auto"][name], trained["standard"][name])
+        assert not np.array_equal(trained["gram"][name], trained["standard"][name])
     for name in ("matrix", "layer_stack", "experts"):
         _assert_close(trained["gram"][name], trained["standard"][name], name)
     with pytest.raises(ConfigError, match="ns_formulation"):

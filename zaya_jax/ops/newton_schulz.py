@@ -9,13 +9,17 @@ The pure-JAX path has two formulations of the same iteration:
   (a multiply-add counted as 2).
 * ``gram``: every iterate is ``Xₖ = QₖX₀`` with ``Qₖ`` a polynomial in ``G₀ = X₀X₀ᵀ``, so the
   iteration runs on m x m matrices only: ``Pₖ = aI + bGₖ + cGₖ²``, ``Qₖ₊₁ = PₖQₖ``,
-  ``Gₖ₊₁ = PₖGₖPₖ`` (symmetrised), and X is touched twice per segment (``G₀ = X₀X₀ᵀ`` and the
-  final ``QX₀``). With ``Q₁ = P₀`` and no ``G`` after the last step, a segment of k steps costs
-  4m²n + (8k - 6)m³. ``restart`` segments the steps: G is recomputed from the current X after
-  ``restart`` steps, which bounds the float32 error of a G whose conditioning grows with k.
+  ``Gₖ₊₁ = PₖGₖPₖ`` (symmetrised). With ``Q₁ = P₀`` and no ``G`` after the last step, k steps
+  cost (8k - 6)m³. Float32 G loses the small singular values' accuracy as Q grows, so the steps run
+  in segments of ``restart`` (3: 5 = 3 + 2) and each later segment starts from the Gram matrix of
+  the current ``X = QX₀``, accumulated a block of m columns at a time (never storing that X);
+  the result is ``(Q'Q)X₀``. X (m, n) is read 2j times for j segments.
 
-With j segments over s steps the Gram form saves (s - j)(4n - 6m)m² FLOPs: it is cheaper exactly
-when n > 1.5m, whatever s and j (j < s). ``formulation="auto"`` picks per (m, n) statically.
+FLOPs for s steps in j segments: 4jm²n + (8s - 4j - 2)m³ against
+s(4m²n + 2m³): the Gram form is cheaper when n > m(6s - 4j - 2)/(4(s - j)), 5m/3 for s=5, j=2
+(1.5m without a restart). ``formulation="auto"`` picks per (m, n) statically, and waits until
+n >= 4m, where the Gram form's temporaries (about 5 m x m per matrix) are no more than the
+standard loop's (X + one m x m); see :data:`GRAM_MIN_ASPECT`.
 """
 
 from __future__ import annotations
@@ -44,8 +48,11 @@ GRAM_RESTART = 3
 restart the float32 result is ~2e-4 (relative Frobenius) off the float64 iteration on low-rank or
 ill-conditioned input, 20x the standard iteration's own float32 error; with it, no worse than that."""
 
-GRAM_MIN_ASPECT = 1.5
-"""``auto`` uses the Gram formulation when n > GRAM_MIN_ASPECT * m (the FLOP crossover)."""
+GRAM_MIN_ASPECT = 4
+"""``auto`` uses the Gram formulation when n >= GRAM_MIN_ASPECT * m. It has fewer FLOPs from
+n > 5m/3, but its temporaries are about five m x m matrices per matrix against the standard
+iteration's X plus one m x m (mn + m²): below n = 4m it needs more memory (ZAYA1-8B's experts wi,
+n = 2m: 50 instead of 30 GiB), from there no more."""
 
 FORMULATIONS = ("auto", "standard", "gram")
 
@@ -54,18 +61,16 @@ def _symmetrise(g: jax.Array) -> jax.Array:
     return 0.5 * (g + jnp.swapaxes(g, -1, -2))
 
 
-def _gram_segment(x: jax.Array, steps: int, a, b, c) -> jax.Array:
-    """``steps`` (>= 1) iterations as ``Q X`` with Q a polynomial in ``G = X Xᵀ``."""
-    m = x.shape[-2]
-    eye = jnp.eye(m, dtype=jnp.float32)
+def _gram_polynomial(gram: jax.Array, steps: int, a, b, c) -> jax.Array:
+    """Q with ``steps`` (>= 1) iterations taking X to Q X, from ``G = X Xᵀ`` only."""
+    eye = jnp.eye(gram.shape[-1], dtype=jnp.float32)
 
     def poly(g):
         return a * eye + b * g + c * (g @ g)
 
-    gram = x @ jnp.swapaxes(x, -1, -2)
     q = poly(gram)  # Q₁ = P₀
     if steps == 1:
-        return q @ x
+        return q
 
     def step(_, carry):
         q, gram = carry
@@ -75,26 +80,74 @@ def _gram_segment(x: jax.Array, steps: int, a, b, c) -> jax.Array:
     # Steps 2 .. steps-1 rolled; the last needs no next G.
     gram = _symmetrise(q @ gram @ q)
     q, gram = jax.lax.fori_loop(0, steps - 2, step, (q, gram))
-    return (poly(gram) @ q) @ x
+    return poly(gram) @ q
+
+
+def _gram(x: jax.Array, tall: bool) -> jax.Array:
+    """The m x m Gram matrix of the short side: ``XXᵀ``, or ``XᵀX`` for a tall X."""
+    return jnp.swapaxes(x, -1, -2) @ x if tall else x @ jnp.swapaxes(x, -1, -2)
+
+
+def _apply(q: jax.Array, x: jax.Array, tall: bool) -> jax.Array:
+    """``Q X`` in X's orientation: ``X Qᵀ`` (= ``(Q Xᵀ)ᵀ``) for a tall X."""
+    return x @ jnp.swapaxes(q, -1, -2) if tall else q @ x
+
+
+def _gram_of_product(q: jax.Array, x: jax.Array, tall: bool) -> jax.Array:
+    """The Gram matrix of ``Q X`` without an X-sized temporary: a block of m of X's long side at a time."""
+    m = q.shape[-1]
+    long_axis = x.ndim - 2 if tall else x.ndim - 1
+    n = x.shape[long_axis]
+    if n % m or n == m:
+        return _gram(_apply(q, x, tall), tall)
+
+    def block(i, gram):
+        return gram + _gram(_apply(q, jax.lax.dynamic_slice_in_dim(x, i * m, m, axis=long_axis), tall), tall)
+
+    return jax.lax.fori_loop(0, n // m, block, jnp.zeros(q.shape, jnp.float32))
 
 
 def newton_schulz_gram_reference(
-    x: jax.Array, steps: int, a: float, b: float, c: float, restart: int = GRAM_RESTART
+    x: jax.Array,
+    steps: int,
+    a: float,
+    b: float,
+    c: float,
+    restart: int = GRAM_RESTART,
+    norm: jax.Array | None = None,
 ) -> jax.Array:
-    """The iterations on the Gram matrix, G recomputed from X every ``restart`` steps (see module)."""
+    """The iterations on the Gram matrix, G recomputed from X every ``restart`` steps (see module).
+
+    x: float32 (..., A, B) of either orientation (the Gram matrix is of the short side);
+    ``norm`` (broadcastable to x, optional): iterate on ``x / norm``, folded into G and Q so that
+    the normalised X is never stored. The restart's ``Xₖ = QₖX₀`` is not stored either: its Gram
+    matrix is accumulated a block of columns at a time and the result is ``(Q'Qₖ)X₀``, so the
+    temporaries are m x m matrices only (in X's place, the standard iteration's loop carry).
+    """
     a, b, c = (jnp.asarray(v, jnp.float32) for v in (a, b, c))
+    tall = x.shape[-2] > x.shape[-1]
+    total = None
     done = 0
     while done < steps:
         k = min(restart, steps - done)
-        x = _gram_segment(x, k, a, b, c)
+        if total is None:
+            gram = _gram(x, tall)
+            if norm is not None:
+                gram = gram / jnp.square(norm)
+        else:
+            gram = _gram_of_product(total, x, tall)
+        q = _gram_polynomial(gram, k, a, b, c)
+        if total is None and norm is not None:
+            q = q / norm
+        total = q if total is None else q @ total
         done += k
-    return x
+    return _apply(total, x, tall)
 
 
 def gram_flops(m: int, n: int, steps: int, restart: int = GRAM_RESTART) -> int:
     """FLOPs of :func:`newton_schulz_gram_reference` on one (m, n) matrix."""
     segments = -(-steps // restart)
-    return 4 * segments * m * m * n + (8 * steps - 6 * segments) * m**3
+    return 4 * segments * m * m * n + (8 * steps - 4 * segments - 2) * m**3
 
 
 def standard_flops(m: int, n: int, steps: int) -> int:
@@ -103,11 +156,11 @@ def standard_flops(m: int, n: int, steps: int) -> int:
 
 
 def resolve_formulation(formulation: str, m: int, n: int) -> str:
-    """``standard`` or ``gram`` for a (m, n) matrix (m <= n); ``auto``: gram iff n > 1.5 m."""
+    """``standard`` or ``gram`` for a (m, n) matrix (m <= n); ``auto``: gram iff n >= 4m."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"unknown Newton-Schulz formulation {formulation!r}; use one of {FORMULATIONS}")
     if formulation == "auto":
-        return "gram" if n > GRAM_MIN_ASPECT * m else "standard"
+        return "gram" if n >= GRAM_MIN_ASPECT * m else "standard"
     return formulation
 
 
@@ -155,7 +208,7 @@ def newton_schulz_iterations(
     """``steps`` iterations on float32 (..., m, n) matrices with m <= n (wide: transpose tall ones).
 
     ``impl="reference"``: pure JAX, ``formulation`` ``standard``, ``gram`` or ``auto`` (gram when
-    n > 1.5 m, see the module docstring). ``impl="custom"``: the custom call, which runs the
+    n >= 4m, see the module docstring). ``impl="custom"``: the custom call, which runs the
     standard iteration (``auto`` means standard there; ``gram`` is not ported to it).
     """
     if x.ndim < 2 or x.shape[-2] > x.shape[-1]:

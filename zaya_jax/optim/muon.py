@@ -30,7 +30,11 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.config import NS_COEFFS
-from zaya_jax.ops.newton_schulz import newton_schulz_iterations
+from zaya_jax.ops.newton_schulz import (
+    newton_schulz_gram_reference,
+    newton_schulz_iterations,
+    resolve_formulation,
+)
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
 DEFAULT_NS_COEFFS = NS_COEFFS  # Keller Jordan's quintic (a, b, c), zaya_jax.config.NS_COEFFS
@@ -55,8 +59,8 @@ def newton_schulz(
     trade exact convergence for a steep slope (3.4) at zero. Tall matrices (A > B) iterate on their
     transpose so the Gram matrix is the smaller B x B, as optax does.
 
-    ``formulation`` (``impl="reference"``): ``standard`` iterates on X; ``gram`` on the Gram matrix
-    with X touched once per 3-step segment (fewer FLOPs when the long side is > 1.5x the short one);
+    ``formulation`` (``impl="reference"``): ``standard`` iterates on X; ``gram`` on the Gram matrix,
+    X read twice per 3-step segment (fewer FLOPs when the long side is > 5/3 of the short one);
     ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``).
     """
     if x.ndim < 2:
@@ -64,16 +68,22 @@ def newton_schulz(
     if len(coeffs) != 3:
         raise ValueError(f"Newton-Schulz coefficients must be 3 numbers (a, b, c), got {list(coeffs)}")
     x = x.astype(jnp.float32)
+    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
+    norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
+    short, long = sorted(x.shape[-2:])
+    if impl == "reference" and resolve_formulation(formulation, short, long) == "gram":
+        # Either orientation, the normalisation folded into G and Q: no X-sized temporary.
+        a, b, c = (float(v) for v in coeffs)
+        return newton_schulz_gram_reference(x, steps, a, b, c, norm=norm)
     tall = x.shape[-2] > x.shape[-1]
     if tall:
-        x = jnp.swapaxes(x, -1, -2)
-    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
-    x = x / (jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps)
+        x, norm = jnp.swapaxes(x, -1, -2), jnp.swapaxes(norm, -1, -2)
+    x = x / norm
     # The reference is a rolled loop: unlike optax 0.2.8's unrolled one, it keeps XLA from
     # scheduling many leaves' iterations side by side: the ZAYA1-8B update's temporaries drop from
     # 42.7 to 30.0 GiB on an H200. The price is float32 rounding-level differences from optax
     # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops). The Gram
-    # formulation keeps that property: its middle steps are a rolled loop too, on m x m matrices.
+    # formulation keeps that property: its steps and its restart's blocks are rolled loops too.
     x = newton_schulz_iterations(x, steps, tuple(coeffs), impl=impl, formulation=formulation)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
@@ -234,7 +244,7 @@ def scale_by_muon(
     the parameters' NamedShardings (a tree like ``groups_tree``); when given, Newton-Schulz runs
     per device on gathered matrices (:func:`orthogonalize_sharded`). ``kernels``: ``custom`` runs
     the iterations as the zaya_newton_schulz custom call where registered. ``ns_formulation``:
-    ``auto`` (Gram iteration for leaves whose long side is > 1.5x the short one), ``standard`` or
+    ``auto`` (Gram iteration for leaves whose long side is >= 4x the short one), ``standard`` or
     ``gram`` (:func:`newton_schulz`).
     """
     _check_settings(beta, ns_coeffs, ns_steps)
