@@ -6,10 +6,12 @@ leaf's stack axes flattened into a batch).
 Per leaf: each formulation jitted alone and timed interleaved with the other (median of
 ``--repeats`` rounds, each round runs both), FLOPs of one call, and the largest absolute and the
 relative Frobenius difference of the outputs. ``total``: all leaves in one jitted function (as in
-the train step), timed the same way. Inputs are Gaussian momenta of the leaves' shapes. Prints one
-JSON object.
+the train step), timed the same way. Inputs are Gaussian momenta of the leaves' shapes. Also the
+temporaries XLA plans (``memory_analysis``) per leaf and for all leaves, and with ``--memory-preset``
+(e.g. ``configs/zaya1-8b.yaml``) those of another preset's leaves, compiled from shapes only
+(nothing allocated, nothing run). Prints one JSON object.
 
-    taskset -c 1 python bench/newton_schulz.py [--preset tiny] [--repeats 21]
+    taskset -c 1 python bench/newton_schulz.py [--preset tiny] [--repeats 21] [--memory-preset P]
 """
 
 from __future__ import annotations
@@ -54,6 +56,32 @@ def leaf_flops(shape, matrix_axes, formulation: str) -> tuple[str, int]:
     return chosen, batch * flops
 
 
+def temp_mib(fn, *args) -> float:
+    """Temporaries of ``fn`` compiled for ``args`` (arrays or ShapeDtypeStructs), MiB."""
+    return round(fn.lower(*args).compile().memory_analysis().temp_size_in_bytes / 2**20, 3)
+
+
+def memory_only(preset: str) -> dict:
+    """Per-leaf and all-leaves temporaries of both formulations for ``preset``'s Muon leaves."""
+    leaves = muon_leaves(preset)
+    specs = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, (shape, _) in leaves.items()}
+    out = {"preset": preset, "leaves": {}}
+    for name, (shape, matrix_axes) in leaves.items():
+        row = {"shape": list(shape), "new_formulation": leaf_flops(shape, matrix_axes, "auto")[0]}
+        for f, key in zip(FORMULATIONS, ("old", "new"), strict=True):
+            fn = jax.jit(lambda x, f=f, ax=matrix_axes: orthogonalize(x, ax, NS_COEFFS, STEPS, formulation=f))
+            row[f"{key}_temp_mib"] = temp_mib(fn, specs[name])
+        out["leaves"][name] = row
+    for f, key in zip(FORMULATIONS, ("old", "new"), strict=True):
+        fn = jax.jit(
+            lambda xs, f=f: {
+                n: orthogonalize(x, leaves[n][1], NS_COEFFS, STEPS, formulation=f) for n, x in xs.items()
+            }
+        )
+        out[f"all_leaves_{key}_temp_mib"] = temp_mib(fn, specs)
+    return out
+
+
 def interleaved(fns: dict, args, repeats: int) -> dict[str, float]:
     for fn in fns.values():
         jax.block_until_ready(fn(*args))  # compile
@@ -70,6 +98,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--memory-preset", default=None, help="also planned temporaries of this preset")
     args = parser.parse_args()
     leaves = muon_leaves(args.preset)
     rng = np.random.default_rng(0)
@@ -104,6 +133,8 @@ def main() -> None:
             "new_gflop": round(new_flops / 1e9, 4),
             "max_abs_diff": float(np.abs(diff).max()),
             "rel_fro_diff": float(np.linalg.norm(diff) / np.linalg.norm(outs["standard"])),
+            "old_temp_mib": temp_mib(fns["standard"], inputs[name]),
+            "new_temp_mib": temp_mib(fns["auto"], inputs[name]),
         }
     result["leaves"] = per_leaf
 
@@ -125,7 +156,11 @@ def main() -> None:
         "flop_ratio": round(new / old, 3),
         "max_abs_diff": max(v["max_abs_diff"] for v in per_leaf.values()),
         "max_rel_fro_diff": max(v["rel_fro_diff"] for v in per_leaf.values()),
+        "old_temp_mib": temp_mib(fns["standard"], inputs),
+        "new_temp_mib": temp_mib(fns["auto"], inputs),
     }
+    if args.memory_preset:
+        result["memory"] = memory_only(args.memory_preset)
     print(json.dumps(result))
 
 
