@@ -27,7 +27,13 @@ import numpy as np
 
 from zaya_jax import load_config
 from zaya_jax.config import NS_COEFFS
-from zaya_jax.ops.newton_schulz import GRAM_RESTART, gram_flops, resolve_formulation, standard_flops
+from zaya_jax.ops.newton_schulz import (
+    GRAM_RESTART,
+    full_float32_matmuls,
+    gram_flops,
+    resolve_formulation,
+    standard_flops,
+)
 from zaya_jax.optim import orthogonalize
 from zaya_jax.optim.groups import describe_groups
 
@@ -51,7 +57,7 @@ def leaf_flops(shape, matrix_axes, formulation: str) -> tuple[str, int]:
     fan_in, fan_out = shape[matrix_axes[0]], shape[matrix_axes[1]]
     m, n = min(fan_in, fan_out), max(fan_in, fan_out)
     batch = int(np.prod(shape)) // (m * n)
-    chosen = resolve_formulation("standard" if formulation == "standard" else "auto", m, n)
+    chosen = resolve_formulation(formulation, m, n, full_float32_matmuls())
     flops = gram_flops(m, n, STEPS, GRAM_RESTART) if chosen == "gram" else standard_flops(m, n, STEPS)
     return chosen, batch * flops
 

@@ -155,12 +155,24 @@ def standard_flops(m: int, n: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m**3)
 
 
-def resolve_formulation(formulation: str, m: int, n: int) -> str:
-    """``standard`` or ``gram`` for a (m, n) matrix (m <= n); ``auto``: gram iff n >= 4m."""
+def full_float32_matmuls() -> bool:
+    """Whether float32 matmuls traced now run at full float32 precision: on CPU, or under
+    ``jax_default_matmul_precision`` ``highest``/``float32`` (NVIDIA GPUs default to TF32)."""
+    precision = jax.config.jax_default_matmul_precision
+    if precision is not None and str(precision).lower() in ("highest", "float32", "f32_f32_f32"):
+        return True
+    return jax.default_backend() == "cpu"
+
+
+def resolve_formulation(formulation: str, m: int, n: int, full_precision: bool = True) -> str:
+    """``standard`` or ``gram`` for a (m, n) matrix (m <= n); ``auto``: gram iff n >= 4m and
+    ``full_precision`` (float32 matmuls at full precision: with TF32 matmuls the Gram form drifts to
+    ~1-2% off float64 on low-rank or ill-conditioned input where the standard one stays < 0.1%,
+    in a CPU emulation of TF32; not measured on a GPU)."""
     if formulation not in FORMULATIONS:
         raise ValueError(f"unknown Newton-Schulz formulation {formulation!r}; use one of {FORMULATIONS}")
     if formulation == "auto":
-        return "gram" if n >= GRAM_MIN_ASPECT * m else "standard"
+        return "gram" if full_precision and n >= GRAM_MIN_ASPECT * m else "standard"
     return formulation
 
 
@@ -208,7 +220,7 @@ def newton_schulz_iterations(
     """``steps`` iterations on float32 (..., m, n) matrices with m <= n (wide: transpose tall ones).
 
     ``impl="reference"``: pure JAX, ``formulation`` ``standard``, ``gram`` or ``auto`` (gram when
-    n >= 4m, see the module docstring). ``impl="custom"``: the custom call, which runs the
+    n >= 4m and float32 matmuls run at full precision, see the module docstring). ``impl="custom"``: the custom call, which runs the
     standard iteration (``auto`` means standard there; ``gram`` is not ported to it).
     """
     if x.ndim < 2 or x.shape[-2] > x.shape[-1]:
@@ -217,7 +229,7 @@ def newton_schulz_iterations(
         raise ValueError(f"restart={restart} must be >= 1")
     a, b, c = (float(v) for v in coeffs)
     x = x.astype(jnp.float32)
-    chosen = resolve_formulation(formulation, x.shape[-2], x.shape[-1])
+    chosen = resolve_formulation(formulation, x.shape[-2], x.shape[-1], full_float32_matmuls())
     if impl == "reference":
         if chosen == "gram":
             return newton_schulz_gram_reference(x, steps, a, b, c, restart)

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.config import NS_COEFFS
 from zaya_jax.ops.newton_schulz import (
+    full_float32_matmuls,
     newton_schulz_gram_reference,
     newton_schulz_iterations,
     resolve_formulation,
@@ -61,7 +62,8 @@ def newton_schulz(
 
     ``formulation`` (``impl="reference"``): ``standard`` iterates on X; ``gram`` on the Gram matrix,
     X read twice per 3-step segment (fewer FLOPs when the long side is > 5/3 of the short one);
-    ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``).
+    ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``): gram when the long side
+    is >= 4x the short one and float32 matmuls run at full precision (CPU, or ``highest``).
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs (..., A, B) matrices, got shape {x.shape}")
@@ -71,7 +73,10 @@ def newton_schulz(
     # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
     short, long = sorted(x.shape[-2:])
-    if impl == "reference" and resolve_formulation(formulation, short, long) == "gram":
+    if (
+        impl == "reference"
+        and resolve_formulation(formulation, short, long, full_float32_matmuls()) == "gram"
+    ):
         # Either orientation, the normalisation folded into G and Q: no X-sized temporary.
         a, b, c = (float(v) for v in coeffs)
         return newton_schulz_gram_reference(x, steps, a, b, c, norm=norm)
