@@ -58,6 +58,8 @@ def leaf_flops(shape, matrix_axes, formulation: str) -> tuple[str, int]:
     m, n = min(fan_in, fan_out), max(fan_in, fan_out)
     batch = int(np.prod(shape)) // (m * n)
     chosen = resolve_formulation(formulation, m, n, full_float32_matmuls())
+    if formulation == "auto" and fan_in > fan_out:  # newton_schulz: auto keeps tall ones standard
+        chosen = "standard"
     flops = gram_flops(m, n, STEPS, GRAM_RESTART) if chosen == "gram" else standard_flops(m, n, STEPS)
     return chosen, batch * flops
 

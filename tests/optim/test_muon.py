@@ -260,12 +260,13 @@ def test_auto_formulation_is_gram_where_it_saves_flops_and_memory():
     # The FLOP crossover is n = 5m/3 (213.3 for m = 128).
     assert gram_flops(128, 214, 5) < standard_flops(128, 214, 5)
     assert gram_flops(128, 213, 5) > standard_flops(128, 213, 5)
-    # Leaf by leaf, either orientation: aspect >= 4 is Gram (bit for bit), the rest standard.
-    for shape in [(3, 24, 96), (3, 96, 24), (3, 32, 64), (3, 64, 32)]:
+    # Leaf by leaf: wide with aspect >= 4 is Gram (bit for bit); tall ones (see newton_schulz) and
+    # the rest standard. Asked for, tall ones run Gram too.
+    for shape, auto in [((3, 24, 96), "gram"), ((3, 96, 24), "standard"), ((3, 32, 64), "standard")]:
         x = jax.random.normal(jax.random.key(6), shape)
-        m, n = sorted(shape[1:])
-        expected = newton_schulz(x, formulation=resolve_formulation("auto", m, n))
-        np.testing.assert_array_equal(orthogonalize(x, (1, 2)), expected)
+        np.testing.assert_array_equal(orthogonalize(x, (1, 2)), newton_schulz(x, formulation=auto))
+    tall = jax.random.normal(jax.random.key(7), (3, 96, 24))
+    assert not np.array_equal(newton_schulz(tall, formulation="gram"), newton_schulz(tall))
     with pytest.raises(ValueError, match="formulation"):
         newton_schulz(x, formulation="fast")
 

@@ -53,7 +53,7 @@ class OptimConfig:
     kernels: Literal["reference", "custom"] = "reference"
     # Newton-Schulz with kernels=reference: "gram" iterates on the m x m Gram matrix (fewer FLOPs when
     # the long side is > 5/3 of the short one), "standard" on X; "auto": gram when it is >= 4x
-    # and float32 matmuls run at full precision (CPU; GPUs default to TF32, where it drifts ~1%).
+    # on a wide matrix and float32 matmuls run at full precision (CPU; GPUs default to TF32: ~1% off).
     ns_formulation: Literal["auto", "standard", "gram"] = "auto"
 
     def validate(self) -> None:

@@ -18,7 +18,7 @@ The pure-JAX path has two formulations of the same iteration:
 FLOPs for s steps in j segments: 4jm²n + (8s - 4j - 2)m³ against
 s(4m²n + 2m³): the Gram form is cheaper when n > m(6s - 4j - 2)/(4(s - j)), 5m/3 for s=5, j=2
 (1.5m without a restart). ``formulation="auto"`` picks per (m, n) statically, and waits until
-n >= 4m, where the Gram form's temporaries (about 5 m x m per matrix) are no more than the
+n >= 4m (and, in :func:`zaya_jax.optim.muon.newton_schulz`, a wide stored matrix), where the Gram form's temporaries (about 5 m x m per matrix) are no more than the
 standard loop's (X + one m x m); see :data:`GRAM_MIN_ASPECT`.
 """
 
