@@ -51,6 +51,10 @@ class OptimConfig:
     # Newton-Schulz: "reference" (XLA matmuls) or "custom" (the zaya_newton_schulz custom call
     # where its library is registered for the platform, else the reference).
     kernels: Literal["reference", "custom"] = "reference"
+    # Newton-Schulz with kernels=reference: "gram" iterates on the m x m Gram matrix (fewer FLOPs when
+    # the long side is > 5/3 of the short one), "standard" on X; "auto": gram when it is >= 4x
+    # on a wide matrix and float32 matmuls run at full precision (CPU; GPUs default to TF32: ~1% off).
+    ns_formulation: Literal["auto", "standard", "gram"] = "auto"
 
     def validate(self) -> None:
         for name in ("muon_lr", "adam_lr"):
@@ -60,6 +64,8 @@ class OptimConfig:
             raise ConfigError(f"optim.ns_coeffs must hold 3 numbers (a, b, c), got {list(self.ns_coeffs)}")
         if self.ns_steps < 1:
             raise ConfigError(f"optim.ns_steps={self.ns_steps} must be >= 1")
+        if self.kernels == "custom" and self.ns_formulation == "gram":
+            raise ConfigError("optim.ns_formulation=gram runs in JAX: use optim.kernels=reference (or auto)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         if not 0.0 <= self.decay_fraction <= 1.0:

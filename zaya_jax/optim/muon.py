@@ -30,7 +30,12 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.config import NS_COEFFS
-from zaya_jax.ops.newton_schulz import newton_schulz_iterations
+from zaya_jax.ops.newton_schulz import (
+    full_float32_matmuls,
+    newton_schulz_gram_reference,
+    newton_schulz_iterations,
+    resolve_formulation,
+)
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
 DEFAULT_NS_COEFFS = NS_COEFFS  # Keller Jordan's quintic (a, b, c), zaya_jax.config.NS_COEFFS
@@ -45,6 +50,7 @@ def newton_schulz(
     steps: int = 5,
     eps: float = NS_EPS,
     impl: str = "reference",
+    formulation: str = "auto",
 ) -> jax.Array:
     """Approximate the orthogonal polar factor U V^T of each matrix of ``x`` (quintic Newton-Schulz).
 
@@ -53,22 +59,41 @@ def newton_schulz(
     below the largest (< ~1e-3 of the Frobenius norm) which 5 steps cannot lift: the coefficients
     trade exact convergence for a steep slope (3.4) at zero. Tall matrices (A > B) iterate on their
     transpose so the Gram matrix is the smaller B x B, as optax does.
+
+    ``formulation`` (``impl="reference"``): ``standard`` iterates on X; ``gram`` on the Gram matrix,
+    X read twice per 3-step segment (fewer FLOPs when the long side is > 5/3 of the short one);
+    ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``): gram when a wide matrix's
+    long side is >= 4x the short one and float32 matmuls run at full precision (CPU, ``highest``).
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs (..., A, B) matrices, got shape {x.shape}")
     if len(coeffs) != 3:
         raise ValueError(f"Newton-Schulz coefficients must be 3 numbers (a, b, c), got {list(coeffs)}")
     x = x.astype(jnp.float32)
+    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = jnp.swapaxes(x, -1, -2)
-    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
-    x = x / (jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps)
+    norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
+    chosen = resolve_formulation(formulation, *x.shape[-2:], full_float32_matmuls())
+    if impl == "reference" and chosen == "gram" and not (tall and formulation == "auto"):
+        # The normalisation folded into G and Q. ``auto`` leaves tall matrices to the standard
+        # loop: their Gram updates differed by ~1e-9 between the per-device (shard_map) and the
+        # single-device optimizer under the tests' XLA:CPU flags (tests/parallel), which must be
+        # bit-identical; the barrier keeps a transposed X from being folded into the matmuls.
+        a, b, c = (float(v) for v in coeffs)
+        if tall:
+            x = jax.lax.optimization_barrier(x)
+        x = newton_schulz_gram_reference(x, steps, a, b, c, norm=norm)
+        return jnp.swapaxes(x, -1, -2) if tall else x
+    x = x / norm
     # The reference is a rolled loop: unlike optax 0.2.8's unrolled one, it keeps XLA from
     # scheduling many leaves' iterations side by side: the ZAYA1-8B update's temporaries drop from
     # 42.7 to 30.0 GiB on an H200. The price is float32 rounding-level differences from optax
-    # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops).
-    x = newton_schulz_iterations(x, steps, tuple(coeffs), impl=impl)
+    # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops). The Gram
+    # formulation keeps that property: its steps and its restart's blocks are rolled loops too.
+    standard = "standard" if impl == "reference" else formulation  # custom: the call rejects "gram"
+    x = newton_schulz_iterations(x, steps, tuple(coeffs), impl=impl, formulation=standard)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -79,6 +104,7 @@ def orthogonalize(
     steps: int = 5,
     eps: float = NS_EPS,
     impl: str = "reference",
+    formulation: str = "auto",
 ) -> jax.Array:
     """Newton-Schulz over the (input, output) ``matrix_axes`` of ``x``, every other axis a batch axis.
 
@@ -95,7 +121,7 @@ def orthogonalize(
     perm = (*batch_axes, fan_in_axis, fan_out_axis)
     moved = jnp.transpose(x, perm)
     stacked = moved.reshape(-1, *moved.shape[-2:])
-    ortho = newton_schulz(stacked, coeffs, steps, eps, impl).reshape(moved.shape)
+    ortho = newton_schulz(stacked, coeffs, steps, eps, impl, formulation).reshape(moved.shape)
     return jnp.transpose(ortho, tuple(np.argsort(perm)))
 
 
@@ -107,6 +133,7 @@ def orthogonalize_sharded(
     steps: int = 5,
     eps: float = NS_EPS,
     impl: str = "reference",
+    formulation: str = "auto",
 ) -> jax.Array:
     """:func:`orthogonalize` of a leaf laid out as ``sharding``, with no collective inside the
     Newton-Schulz iteration: each device iterates on whole matrices, its own share of the stack.
@@ -140,7 +167,13 @@ def orthogonalize_sharded(
     local = PartitionSpec(*spec)
     fn = jax.shard_map(
         functools.partial(
-            orthogonalize, matrix_axes=matrix_axes, coeffs=coeffs, steps=steps, eps=eps, impl=impl
+            orthogonalize,
+            matrix_axes=matrix_axes,
+            coeffs=coeffs,
+            steps=steps,
+            eps=eps,
+            impl=impl,
+            formulation=formulation,
         ),
         mesh=sharding.mesh,
         in_specs=local,
@@ -209,6 +242,7 @@ def scale_by_muon(
     mu_dtype: jnp.dtype | None = None,
     shardings: dict[str, Any] | None = None,
     kernels: str = "reference",
+    ns_formulation: str = "auto",
 ) -> optax.GradientTransformation:
     """Muon's direction: momentum -> Newton-Schulz over each leaf's matrix axes -> shape scaling.
 
@@ -218,7 +252,9 @@ def scale_by_muon(
     (``build_optimizer``). ``mu_dtype``: momentum dtype, default the parameter's. ``shardings``:
     the parameters' NamedShardings (a tree like ``groups_tree``); when given, Newton-Schulz runs
     per device on gathered matrices (:func:`orthogonalize_sharded`). ``kernels``: ``custom`` runs
-    the iterations as the zaya_newton_schulz custom call where registered.
+    the iterations as the zaya_newton_schulz custom call where registered. ``ns_formulation``:
+    ``auto`` (Gram iteration for leaves whose long side is >= 4x the short one), ``standard`` or
+    ``gram`` (:func:`newton_schulz`).
     """
     _check_settings(beta, ns_coeffs, ns_steps)
 
@@ -237,10 +273,12 @@ def scale_by_muon(
             return update
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
             ortho = orthogonalize_sharded(
-                mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps, kernels
+                mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps, kernels, ns_formulation
             )
         else:
-            ortho = orthogonalize(mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps, kernels)
+            ortho = orthogonalize(
+                mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps, kernels, ns_formulation
+            )
         return (shape_scale(update.shape, group.matrix_axes, consistent_rms) * ortho).astype(update.dtype)
 
     def update_fn(

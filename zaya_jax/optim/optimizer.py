@@ -141,6 +141,7 @@ def build_optimizer(
             consistent_rms=optim_cfg.consistent_rms,
             shardings=shardings,
             kernels=optim_cfg.kernels,
+            ns_formulation=optim_cfg.ns_formulation,
         ),
         optax.add_decayed_weights(optim_cfg.muon_weight_decay),
         scale_by_scheduled_lr(schedule(optim_cfg.muon_lr)),
