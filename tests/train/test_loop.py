@@ -33,7 +33,8 @@ MINI = [
 ]
 
 
-def test_train_writes_a_complete_run_directory(tmp_path, capsys):
+def test_train_writes_a_complete_run_directory(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("zaya_jax.allocator._COMMAND", [True])  # as the zaya command runs it
     run = tmp_path / "run"
     assert main(["train", *MINI, f"run.dir={run}", "train.steps=6", "--no-progress"]) == 0
     captured = capsys.readouterr()
@@ -42,7 +43,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys):
     # a few lines on stderr say what starts: the run, its size and mesh, then the compile
     assert f"zaya train: {run} (new run)" in captured.err and "parameters (" in captured.err
     assert "zaya train: compiling the train step for batches of 2 x 32 tokens" in captured.err
-    # pytest runs under the system's malloc: one line names the slow path and the fix
+    # pytest runs under the system's malloc: the zaya command says so in one line, with the fix
     slow = slow_path_warning()
     assert captured.err.count("zaya: CPU steps run under") == (1 if slow else 0)
     assert slow is None or slow in captured.err

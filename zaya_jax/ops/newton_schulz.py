@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from zaya_jax.ops.platform import planning_target
 from zaya_jax.ops.residual_norm import _dispatch
 
 
@@ -103,10 +104,12 @@ def _gram_of_product(q: jax.Array, x: jax.Array, tall: bool) -> jax.Array:
     if n % m or n == m:
         return _gram(_apply(q, x, tall), tall)
 
-    def block(i, gram):
-        return gram + _gram(_apply(q, jax.lax.dynamic_slice_in_dim(x, i * m, m, axis=long_axis), tall), tall)
+    def of_block(i):
+        return _gram(_apply(q, jax.lax.dynamic_slice_in_dim(x, i * m, m, axis=long_axis), tall), tall)
 
-    return jax.lax.fori_loop(0, n // m, block, jnp.zeros(q.shape, jnp.float32))
+    # The first block starts the sum (not zeros): inside shard_map the carry then has the
+    # device-varying type of the blocks' products (a fresh zeros array would not).
+    return jax.lax.fori_loop(1, n // m, lambda i, gram: gram + of_block(i), of_block(0))
 
 
 def newton_schulz_gram_reference(
@@ -161,11 +164,14 @@ def standard_flops(m: int, n: int, steps: int) -> int:
 
 def full_float32_matmuls() -> bool:
     """Whether float32 matmuls traced now run at full float32 precision: on CPU, or under
-    ``jax_default_matmul_precision`` ``highest``/``float32`` (NVIDIA GPUs default to TF32)."""
+    ``jax_default_matmul_precision`` ``highest``/``float32`` (NVIDIA GPUs default to TF32). A
+    program planned for another platform (:func:`~zaya_jax.ops.platform.planning_for`, e.g. the GPU
+    program compiled on a CPU by ``zaya train --compile-only``) is that platform's."""
     precision = jax.config.jax_default_matmul_precision
     if precision is not None and str(precision).lower() in ("highest", "float32", "f32_f32_f32"):
         return True
-    return jax.default_backend() == "cpu"
+    target = planning_target()
+    return target == "cpu" if target is not None else jax.default_backend() == "cpu"
 
 
 def resolve_formulation(formulation: str, m: int, n: int, full_precision: bool = True) -> str:

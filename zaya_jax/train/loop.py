@@ -23,7 +23,7 @@ from typing import Any
 
 import jax
 
-from zaya_jax.allocator import slow_path_warning
+from zaya_jax.allocator import is_command, slow_path_warning
 from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
 from zaya_jax.objectives import Evaluator, Producer, RunSetup, build_programs, spec_for
@@ -70,9 +70,10 @@ def train(
     ``hooks`` observe every step beside the built-in ones (:class:`zaya_jax.train.hooks.Hook`)."""
     start_time = time.perf_counter()
     setup_runtime(cfg.runtime, launch)
-    slow = slow_path_warning() if jax.default_backend() == "cpu" and jax.process_index() == 0 else None
-    if slow:  # the step would fault its buffers in afresh: one line, with the fix
-        print(slow, file=sys.stderr, flush=True)
+    if is_command() and jax.default_backend() == "cpu" and jax.process_index() == 0:
+        slow = slow_path_warning()
+        if slow:  # the zaya command's steps would fault their buffers in afresh: one line, with the fix
+            print(slow, file=sys.stderr, flush=True)
     run, resumed, r = _open_run(cfg, progress, hooks)
     stop = StopRequest()
     try:
