@@ -70,10 +70,10 @@ def newton_schulz(
     if len(coeffs) != 3:
         raise ValueError(f"Newton-Schulz coefficients must be 3 numbers (a, b, c), got {list(coeffs)}")
     x = x.astype(jnp.float32)
-    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = jnp.swapaxes(x, -1, -2)
+    # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
     chosen = resolve_formulation(formulation, *x.shape[-2:], full_float32_matmuls())
     if impl == "reference" and chosen == "gram" and not (tall and formulation == "auto"):
