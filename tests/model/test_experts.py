@@ -169,20 +169,3 @@ def test_blocked_grouped_matmul_equals_ragged_dot(sizes):
     assert np.all(np.asarray(forward)[int(sum(sizes)) :] == 0)  # rows past the groups
     for a, b in zip(grads, ref_grads, strict=True):
         np.testing.assert_allclose(a, b, atol=1e-4 * float(jnp.max(jnp.abs(b)) + 1), rtol=0)
-
-
-def test_sorted_path_on_cpu_uses_the_blocked_matmul_not_the_dense_ragged_dot():
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.normal(size=(256, 32)), jnp.float32)
-    choice = jnp.asarray(rng.integers(0, E + 1, size=256), jnp.int32)  # E: the skip class
-    wi = jnp.asarray(rng.normal(size=(E, 32, 8)) / 6, jnp.float32)
-    wo = jnp.asarray(rng.normal(size=(E, 4, 32)) / 2, jnp.float32)
-    args = (x, choice, jnp.ones(256), wi, wo, "silu")
-    # jax expands ragged_dot for XLA:CPU into a masked matmul over every expert; the CPU branch is
-    # the blocked one instead: one batched matmul over row blocks for each of wi and wo.
-    lowered = jax.jit(sorted_experts, static_argnums=5).lower(*args)
-    assert "ragged_dot" not in lowered.as_text()
-    assert lowered.as_text(debug_info=True).count('"blocked_grouped_matmul') > 0
-    np.testing.assert_allclose(
-        jax.jit(sorted_experts, static_argnums=5)(*args), dense_experts(*args), atol=1e-4, rtol=1e-4
-    )

@@ -54,13 +54,13 @@ def test_gemm_tile_warnings_name_the_unfriendly_dimensions():
 def test_the_plan_is_the_gpu_program_not_the_cpu_one():
     """Planning on fake CPU devices traces the GPU branch of every platform-dependent op (the
     grouped GEMM and the ragged expert exchange, through their memory twins), never the CPU-only
-    blocked grouped matmul or padded exchange, unless the CPU program is asked for."""
+    grouped GEMM custom call or padded exchange, unless the CPU program is asked for."""
     gpu, _ = _plan("mesh.data=2", "mesh.expert=4")
     assert gpu["planned_program"] == "gpu"
     assert set(gpu["platform_paths"]) == {"ragged_dot_gpu_twin", "ragged_all_to_all_gpu_twin"}
     cpu, _ = _plan("mesh.data=2", "mesh.expert=4", target="cpu")
     assert cpu["planned_program"] == "cpu"
-    assert set(cpu["platform_paths"]) == {"blocked_grouped_matmul"}
+    assert set(cpu["platform_paths"]) == {"grouped_matmul_cpu"}
 
 
 def test_the_planned_step_is_the_trained_step(tmp_path):

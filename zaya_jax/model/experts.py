@@ -1,8 +1,9 @@
 """SwiGLU experts and the three MoE compute paths (spec §2.4), all equal where nothing is dropped.
 
 * ``dense``: every expert on every token, combined with a one-hot; the reference for tests.
-* ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU a
-  blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed tokens sort after every real
+* ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU the
+  grouped-GEMM custom call, :mod:`zaya_jax.ops.grouped_matmul`, in float32 where the kernel
+  library is built; otherwise a blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed tokens sort after every real
   expert and fall outside all groups, so they cost nothing.
 * ``capacity``: per sequence, ``capacity_factor`` x tokens / E slots per expert, filled in
   arrival order; tokens gathered into an expert-major (E, C, embed) buffer and run as one batched
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 from zaya_jax.config import ModelConfig
 from zaya_jax.model.layers import param_with_axes
 from zaya_jax.model.mesh_hooks import MoeDispatch
+from zaya_jax.ops import grouped_matmul as cpu_grouped
 from zaya_jax.ops.platform import platform_branch
 
 _ACTIVATIONS = {
@@ -99,16 +101,20 @@ def ragged_dot_memory_twin(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
         return jnp.einsum("bmk,bkn->bmn", x[None], w[:1])[0]
 
 
-def _blocked_on_cpu(x, w, group_sizes):
+def _grouped_on_cpu(x, w, group_sizes):
+    if x.dtype == w.dtype == jnp.float32 and cpu_grouped.available():
+        with jax.named_scope("grouped_matmul_cpu"):
+            return cpu_grouped.cpu_grouped_matmul(x, w, group_sizes)
     with jax.named_scope("blocked_grouped_matmul"):
         return blocked_grouped_matmul(x, w, group_sizes)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs), or :func:`blocked_grouped_matmul` on CPU;
-    while planning a GPU program on CPU, :func:`ragged_dot_memory_twin`."""
+    """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs); on CPU the grouped-GEMM custom call
+    (:mod:`zaya_jax.ops.grouped_matmul`: float32 where the kernel library is built), else
+    :func:`blocked_grouped_matmul`; while planning a GPU program on CPU, :func:`ragged_dot_memory_twin`."""
     return platform_branch(
-        x, w, group_sizes, cpu=_blocked_on_cpu, gpu=jax.lax.ragged_dot, gpu_twin=ragged_dot_memory_twin
+        x, w, group_sizes, cpu=_grouped_on_cpu, gpu=jax.lax.ragged_dot, gpu_twin=ragged_dot_memory_twin
     )
 
 

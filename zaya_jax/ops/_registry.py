@@ -34,7 +34,12 @@ TARGETS = {
 }
 # targets only some platforms' libraries export: platform -> {target name -> symbol}
 PLATFORM_TARGETS = {
-    "cpu": {"zaya_attention_fwd": "ZayaAttentionFwd", "zaya_attention_bwd": "ZayaAttentionBwd"},
+    "cpu": {
+        "zaya_attention_fwd": "ZayaAttentionFwd",
+        "zaya_attention_bwd": "ZayaAttentionBwd",
+        "zaya_grouped_matmul": "ZayaGroupedMatmul",
+        "zaya_grouped_matmul_dw": "ZayaGroupedMatmulDw",
+    },
 }
 
 _lock = threading.Lock()

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.ops._registry import PLATFORMS, registered
+from zaya_jax.ops.manual_axes import typed_like_reference
 
 
 def residual_rms_norm_reference(f: jax.Array, h: jax.Array, params: jax.Array, eps: float):
@@ -64,35 +65,9 @@ def _reference_backward(f, h, params, dh_out, dy, eps):
     return vjp((dh_out, dy))
 
 
-def _vma(x) -> frozenset:
-    return frozenset(jax.typeof(x).mat.varying)
-
-
-def _typed_like_reference(kernel, like=None):
-    """Give the custom call's results the varying-axes types the reference's results have inside
-    ``shard_map`` (a custom call's results carry none): varying over every axis its inputs vary
-    over; where ``like`` names the primal input a result is the cotangent of, summed (``psum``) over
-    the axes that input is invariant on (a replicated parameter's gradient is the sum of the
-    devices' parts, as autodiff of the reference gives)."""
-
-    def call(*args):
-        axes = frozenset().union(*(_vma(a) for a in args))
-        outs = kernel(*args)
-        targets = [axes] * len(outs) if like is None else [_vma(args[i]) for i in like]
-        typed = []
-        for x, target in zip(outs, targets, strict=True):
-            missing = tuple(sorted(axes - _vma(x)))
-            x = jax.lax.pcast(x, missing, to="varying") if missing else x
-            extra = tuple(sorted(axes - target))
-            typed.append(jax.lax.psum(x, extra) if extra else x)
-        return tuple(typed)
-
-    return call
-
-
 def _dispatch(kernel, reference, *args, like=None):
     """The custom call on each platform where it is registered, the reference elsewhere."""
-    kernel = _typed_like_reference(kernel, like)
+    kernel = typed_like_reference(kernel, like)
     branches = {p: kernel for p in PLATFORMS if registered(p)}
     if not branches:
         return reference(*args)

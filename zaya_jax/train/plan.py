@@ -54,6 +54,7 @@ def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> lis
 PLATFORM_PATHS = {
     "ragged_dot_gpu_twin": "gpu: grouped GEMM (ragged_dot), planned with its memory twin",
     "ragged_all_to_all_gpu_twin": "gpu: ragged expert exchange, planned with its memory twin",
+    "grouped_matmul_cpu": "cpu: grouped GEMM custom call",
     "blocked_grouped_matmul": "cpu: blocked grouped matmul",
 }
 

@@ -1,0 +1,287 @@
+// Grouped matrix products for XLA:CPU: the dropless MoE's expert GEMMs over rows sorted by expert,
+// each group's rows against its own weight matrix (jax.lax.ragged_dot's contract), forward and both
+// gradients, with no padding rows and no per-block copy of the weights.
+//
+//   zaya_grouped_matmul     y[r] = x[r] @ w[g(r)]     (w: G x K x N; transpose_w: w[g]^T, G x N x K)
+//                           rows past sum(group_sizes) get zeros
+//   zaya_grouped_matmul_dw  dw[g] = x[rows of g]^T @ dy[rows of g]   (G x K x N; 0 for an empty group)
+//
+// Why a kernel: XLA:CPU has no grouped GEMM. Its ragged_dot is a dense product per group (G times the
+// work), and the blocked form (a batched matmul over 128-row blocks, each with its group's weights)
+// runs its 128 x 128 x 512 products at ~75 GFLOP/s on a 2-core AVX-512 machine where one
+// 2048 x 128 x 512 product runs at ~190 (bench/RESULTS.md). Here every group is one GEMM over
+// its own rows.
+//
+// The GEMM: B is packed once per group into 32-column panels (k-major, zero-padded), A into 8-row
+// micro-panels per tile; an 8 x 32 register tile (16 accumulators of 16 floats) runs over the whole
+// contraction, in blocks of kKc. Work items are (group, 32-row tile); they are spread over XLA's
+// intra-op pool and the calling thread. Vectors are GCC vector extensions (AVX-512 in one register,
+// split by the compiler for AVX2, SSE or NEON), the hot loop compiled for x86-64-v4 and v3 besides
+// the baseline (target_clones, x86-64 with GCC only). float32 only; the Python side runs the blocked
+// form for other dtypes.
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define ZAYA_GEMM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define ZAYA_GEMM_CLONES
+#endif
+
+namespace {
+
+constexpr int64_t kMr = 8;    // rows of the register tile
+constexpr int64_t kNr = 32;   // columns of the register tile (two vectors of 16)
+constexpr int64_t kTile = 32; // rows per work item (kTile / kMr register tiles)
+constexpr int64_t kKc = 512;  // contraction block: a packed B panel block is kKc x 32 floats (64 KiB)
+
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+
+// A strided matrix view: element (i, j) at p[i * rs + j * cs].
+struct View {
+  const float* p;
+  int64_t rs, cs;
+  float at(int64_t i, int64_t j) const { return p[i * rs + j * cs]; }
+};
+
+// acc (8 x 32) = sum over k < kc of a[k][0..8) outer b[k][0..32): a and b packed, k-major.
+ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(const float* __restrict a,
+                                                                                const float* __restrict b,
+                                                                                int64_t kc, float* __restrict acc) {
+  v16 c[kMr][2];
+  for (int i = 0; i < kMr; ++i) c[i][0] = c[i][1] = v16{};
+  for (int64_t k = 0; k < kc; ++k) {
+    const v16 b0 = load16(b + k * kNr), b1 = load16(b + k * kNr + 16);
+    for (int i = 0; i < kMr; ++i) {
+      const float s = a[k * kMr + i];
+      c[i][0] += s * b0;
+      c[i][1] += s * b1;
+    }
+  }
+  for (int i = 0; i < kMr; ++i) {
+    store16(acc + i * kNr, c[i][0]);
+    store16(acc + i * kNr + 16, c[i][1]);
+  }
+}
+
+// Panel p of B (K x N): K x 32 floats, k-major, columns past N zero.
+void pack_panel(View b, int64_t k, int64_t n, int64_t p, float* panel) {
+  const int64_t cols = std::min(kNr, n - p * kNr);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    float* row = panel + kk * kNr;
+    for (int64_t j = 0; j < cols; ++j) row[j] = b.at(kk, p * kNr + j);
+    for (int64_t j = cols; j < kNr; ++j) row[j] = 0.f;
+  }
+}
+
+// One GEMM of a grouped call: C (m x n, leading dimension ldc) = A (m x k) @ B (k x n), A and B
+// read through their views; B is packed into `packed` (ceil(n / 32) panels) before the products.
+struct Problem {
+  View a, b;
+  int64_t m, k, n;
+  float* c;
+  int64_t ldc;
+  float* packed;
+  int64_t panels() const { return (n + kNr - 1) / kNr; }
+};
+
+// Rows [r0, r0 + rows) (rows <= kTile) and panels [p0, p1) of a problem's C.
+void tile_product(const Problem& q, int64_t r0, int64_t rows, int64_t p0, int64_t p1) {
+  const int64_t micro = (rows + kMr - 1) / kMr, k = q.k;
+  float ap[kTile * kKc];
+  float acc[kMr * kNr];
+  for (int64_t k0 = 0; k0 < k; k0 += kKc) {
+    const int64_t kc = std::min(kKc, k - k0);
+    for (int64_t t = 0; t < micro; ++t) {  // A's micro-panels for this block, rows past `rows` zero
+      float* dst = ap + t * kMr * kc;
+      for (int64_t kk = 0; kk < kc; ++kk)
+        for (int64_t i = 0; i < kMr; ++i) {
+          const int64_t row = t * kMr + i;
+          dst[kk * kMr + i] = row < rows ? q.a.at(r0 + row, k0 + kk) : 0.f;
+        }
+    }
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = q.packed + p * k * kNr + k0 * kNr;
+      const int64_t cols = std::min(kNr, q.n - p * kNr);
+      for (int64_t t = 0; t < micro; ++t) {
+        micro_tile(ap + t * kMr * kc, panel, kc, acc);
+        const int64_t valid = std::min(kMr, rows - t * kMr);
+        for (int64_t i = 0; i < valid; ++i) {
+          float* out = q.c + (r0 + t * kMr + i) * q.ldc + p * kNr;
+          const float* src = acc + i * kNr;
+          if (k0 == 0)
+            std::memcpy(out, src, sizeof(float) * cols);
+          else
+            for (int64_t j = 0; j < cols; ++j) out[j] += src[j];
+        }
+      }
+    }
+  }
+}
+
+// Runs work(item) for every item on up to pool.num_threads() workers (the caller one of them).
+template <typename Work>
+void parallel_items(ffi::ThreadPool& pool, int64_t items, Work work) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::mutex mu;
+    std::condition_variable cv;
+    int active = 0;
+    bool closed = false;
+  };
+  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, pool.num_threads())));
+  auto shared = std::make_shared<Shared>();
+  auto run = [shared, items, &work] {
+    {
+      std::lock_guard<std::mutex> lock(shared->mu);
+      if (shared->closed) return;  // started after the work ran out: touch nothing
+      ++shared->active;
+    }
+    for (int64_t i = shared->next++; i < items; i = shared->next++) work(i);
+    std::lock_guard<std::mutex> lock(shared->mu);
+    --shared->active;
+    shared->cv.notify_all();
+  };
+  for (int w = 0; w + 1 < workers; ++w) pool.Schedule([run] { run(); });
+  run();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->closed = true;
+  shared->cv.wait(lock, [&] { return shared->active == 0; });
+}
+
+// Packs every problem's B (one item per panel), then runs every (problem, kTile rows, panels)
+// tile: all of a row's panels per item (A packed once per tile), or 4 (128 columns) where there are
+// too few row tiles to keep every worker busy to the end.
+void run_problems(ffi::ThreadPool& pool, std::vector<Problem>& problems) {
+  struct Ref {
+    int64_t problem, a, b;
+  };
+  int64_t row_tiles = 0, widest = 0;
+  for (const Problem& q : problems) {
+    row_tiles += (q.m + kTile - 1) / kTile;
+    widest = std::max(widest, q.panels());
+  }
+  const int64_t per_item = row_tiles >= 8 * (pool.num_threads() + 1) ? widest : 4;
+  std::vector<Ref> packs, tiles;
+  for (int64_t i = 0; i < static_cast<int64_t>(problems.size()); ++i) {
+    const Problem& q = problems[i];
+    for (int64_t p = 0; p < q.panels(); ++p) packs.push_back({i, p, 0});
+    for (int64_t r = 0; r < q.m; r += kTile)
+      for (int64_t p = 0; p < q.panels(); p += per_item) tiles.push_back({i, r, p});
+  }
+  parallel_items(pool, static_cast<int64_t>(packs.size()), [&](int64_t i) {
+    const Problem& q = problems[packs[i].problem];
+    pack_panel(q.b, q.k, q.n, packs[i].a, q.packed + packs[i].a * q.k * kNr);
+  });
+  parallel_items(pool, static_cast<int64_t>(tiles.size()), [&](int64_t i) {
+    const Problem& q = problems[tiles[i].problem];
+    const int64_t r0 = tiles[i].a, p0 = tiles[i].b;
+    tile_product(q, r0, std::min(kTile, q.m - r0), p0, std::min(q.panels(), p0 + per_item));
+  });
+}
+
+// Row offsets of the groups: starts[g], ends[g] (sizes below 0 count as 0; rows past `rows` are cut).
+void group_bounds(const int32_t* sizes, int64_t groups, int64_t rows, std::vector<int64_t>& starts,
+                  std::vector<int64_t>& ends) {
+  starts.resize(groups);
+  ends.resize(groups);
+  int64_t at = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    starts[g] = at;
+    at = std::min(rows, at + std::max<int64_t>(0, sizes[g]));
+    ends[g] = at;
+  }
+}
+
+ffi::Error GroupedMatmulImpl(ffi::ThreadPool pool, bool transpose_w, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> group_sizes,
+                             ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || group_sizes.dimensions().size() != 1)
+    return ffi::Error::InvalidArgument("zaya_grouped_matmul: x (rows, K), w (G, K, N), group_sizes (G,)");
+  const int64_t rows = xd[0], k = xd[1], groups = wd[0];
+  const int64_t n = transpose_w ? wd[1] : wd[2];
+  if ((transpose_w ? wd[2] : wd[1]) != k || group_sizes.dimensions()[0] != groups)
+    return ffi::Error::InvalidArgument("zaya_grouped_matmul: w's contraction size or group count does not match");
+  std::vector<int64_t> starts, ends;
+  group_bounds(group_sizes.typed_data(), groups, rows, starts, ends);
+  float* out = y->typed_data();
+  const int64_t covered = groups ? ends.back() : 0;
+  std::memset(out + covered * n, 0, sizeof(float) * (rows - covered) * n);
+  const int64_t panel_floats = (n + kNr - 1) / kNr * kNr * k;
+  std::vector<float> packed(static_cast<size_t>(groups * panel_floats));
+  std::vector<Problem> problems;
+  for (int64_t g = 0; g < groups; ++g) {
+    if (ends[g] == starts[g]) continue;
+    const float* wg = w.typed_data() + g * k * n;
+    problems.push_back({View{x.typed_data() + starts[g] * k, k, 1}, transpose_w ? View{wg, 1, k} : View{wg, n, 1},
+                        ends[g] - starts[g], k, n, out + starts[g] * n, n, packed.data() + g * panel_floats});
+  }
+  run_problems(pool, problems);
+  return ffi::Error::Success();
+}
+
+ffi::Error GroupedMatmulDwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> dy,
+                               ffi::Buffer<ffi::S32> group_sizes, ffi::ResultBuffer<ffi::F32> dw) {
+  auto xd = x.dimensions(), yd = dy.dimensions(), wd = dw->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || wd.size() != 3 || xd[0] != yd[0] || wd[1] != xd[1] || wd[2] != yd[1] ||
+      group_sizes.dimensions().size() != 1 || group_sizes.dimensions()[0] != wd[0])
+    return ffi::Error::InvalidArgument("zaya_grouped_matmul_dw: x (rows, K), dy (rows, N), dw (G, K, N)");
+  const int64_t rows = xd[0], k = xd[1], n = yd[1], groups = wd[0];
+  std::vector<int64_t> starts, ends;
+  group_bounds(group_sizes.typed_data(), groups, rows, starts, ends);
+  float* out = dw->typed_data();
+  // dw[g] (K x N) = x_g^T (K x rows_g) @ dy_g (rows_g x N), contracted over the group's rows; a group
+  // without rows gets zeros.
+  const int64_t panels = (n + kNr - 1) / kNr;
+  std::vector<float> packed(static_cast<size_t>(panels * kNr * rows));
+  std::vector<Problem> problems;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t depth = ends[g] - starts[g];
+    if (depth == 0) {
+      std::memset(out + g * k * n, 0, sizeof(float) * k * n);
+      continue;
+    }
+    problems.push_back({View{x.typed_data() + starts[g] * k, 1, k}, View{dy.typed_data() + starts[g] * n, n, 1}, k,
+                        depth, n, out + g * k * n, n, packed.data() + panels * kNr * starts[g]});
+  }
+  run_problems(pool, problems);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaGroupedMatmul, GroupedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Attr<bool>("transpose_w")
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaGroupedMatmulDw, GroupedMatmulDwImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
