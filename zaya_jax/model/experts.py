@@ -3,8 +3,8 @@
 * ``dense``: every expert on every token, combined with a one-hot; the reference for tests.
 * ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU the
   grouped-GEMM custom call, :mod:`zaya_jax.ops.grouped_matmul`, in float32 where the kernel
-  library is built; otherwise a blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed tokens sort after every real
-  expert and fall outside all groups, so they cost nothing.
+  library is built; otherwise a blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed
+  tokens sort after every real expert and fall outside all groups, so they cost nothing.
 * ``capacity``: per sequence, ``capacity_factor`` x tokens / E slots per expert, filled in
   arrival order; tokens gathered into an expert-major (E, C, embed) buffer and run as one batched
   GEMM per projection (no one-hot dispatch tensor); tokens past an expert's capacity get no expert
