@@ -27,6 +27,16 @@ def test_the_custom_call_is_built_and_in_the_program():
     assert FORWARD in text and "zaya_attention_bwd" in text
 
 
+@pytest.mark.parametrize(("seq", "fused"), [(64, False), (65, True), (128, True)])
+def test_one_kernel_block_runs_the_dense_definition_two_run_the_kernel(seq, fused):
+    """Within one of the kernel's 64-key blocks the dense definition is as fast (dispatch.py's
+    measurements); from two on, the custom call runs, also for the default one-block ``block``."""
+    q, k, v, w = _inputs(2, seq, 4, 2)
+    loss = lambda q: jnp.sum(w * attention(q, k, v, self_attention_mask(seq), impl="cpu", block=128))  # noqa: E731
+    text = jax.jit(jax.grad(loss)).lower(q).as_text()
+    assert (FORWARD in text) is fused and ("zaya_attention_bwd" in text) is fused
+
+
 def _compare(q, k, v, w, mask):
     def fused(q, k, v):
         return cpu_attention(q, k, v, mask)[0].reshape(*q.shape[:2], -1)

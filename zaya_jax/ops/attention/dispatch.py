@@ -20,6 +20,10 @@ from zaya_jax.ops.platform import planning_gpu_on_cpu
 
 Impl = Literal["auto", "blocked", "dense", "pallas", "cudnn", "cpu"]
 
+CPU_DENSE_MAX = 64
+"""The longest self-attending sequence that ``impl="cpu"`` runs as the dense definition: one key
+block of the custom call (``kBlockK`` in ``custom_calls/cpu/attention_cpu.cc``)."""
+
 
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: AttentionMask, *, impl: Impl = "blocked", block: int = 128
@@ -35,7 +39,10 @@ def attention(
     loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
     probabilities for the backward pass instead of recomputing it (the same memory as the kernel's
     one block; 0.7x the CCA layer's time at 16 x 128 on CPU, where the kernel's layout changes
-    around its custom_vjp do not fuse with their neighbours). A mask with per-row query slots (a
+    around its custom_vjp do not fuse with their neighbours). "cpu" does the same within one of its
+    own 64-key blocks (:data:`CPU_DENSE_MAX`), where the custom call's forward and backward of the
+    ``tiny`` model take 1.07x (16 x 32) and 1.01x (4 x 64) the dense definition's time; from two
+    blocks on it skips the masked half (16 x 128: 0.93x). A mask with per-row query slots (a
     slot cache, :attr:`AttentionMask.per_row`: a few new tokens per row against the cache) also
     runs the dense definition, whatever ``impl`` (as products and sums for up to 8 query rows per
     KV head, :func:`~zaya_jax.ops.attention.dense.few_query_attention`)."""
@@ -48,7 +55,8 @@ def attention(
         return out.reshape(batch, seq, nq * d)
     if impl == "cudnn":
         return cudnn_attention(q, k, v, mask).reshape(batch, seq, nq * d)
-    if impl == "dense" or (mask.aligned and seq <= block):
+    one_block = CPU_DENSE_MAX if impl == "cpu" else block
+    if impl == "dense" or (mask.aligned and seq <= one_block):
         return dot_product_attention(q, k, v, mask.dense())
     if impl == "cpu":
         return cpu_attention(q, k, v, mask, block=block)[0].reshape(batch, seq, nq * d)
