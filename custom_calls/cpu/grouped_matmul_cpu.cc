@@ -44,7 +44,7 @@ namespace {
 constexpr int64_t kMr = 8;    // rows of the register tile
 constexpr int64_t kNr = 32;   // columns of the register tile (two vectors of 16)
 constexpr int64_t kTile = 32; // rows per work item (kTile / kMr register tiles)
-constexpr int64_t kKc = 512;  // contraction block: a packed B panel block is kKc x 32 floats (64 KiB)
+constexpr int64_t kKc = 256;  // contraction block: a B panel block is kKc x 32 floats (32 KiB)
 
 typedef float v16 __attribute__((vector_size(64)));
 
@@ -62,14 +62,16 @@ struct View {
   float at(int64_t i, int64_t j) const { return p[i * rs + j * cs]; }
 };
 
-// acc (8 x 32) = sum over k < kc of a[k][0..8) outer b[k][0..32): a and b packed, k-major.
+// acc (8 x 32) = sum over k < kc of a[k][0..8) outer b[k * ldb][0..32): a packed k-major, b rows
+// ldb floats apart (32 for a packed panel, B's row stride where B is read in place).
 ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(const float* __restrict a,
                                                                                 const float* __restrict b,
-                                                                                int64_t kc, float* __restrict acc) {
+                                                                                int64_t ldb, int64_t kc,
+                                                                                float* __restrict acc) {
   v16 c[kMr][2];
   for (int i = 0; i < kMr; ++i) c[i][0] = c[i][1] = v16{};
   for (int64_t k = 0; k < kc; ++k) {
-    const v16 b0 = load16(b + k * kNr), b1 = load16(b + k * kNr + 16);
+    const v16 b0 = load16(b + k * ldb), b1 = load16(b + k * ldb + 16);
     for (int i = 0; i < kMr; ++i) {
       const float s = a[k * kMr + i];
       c[i][0] += s * b0;
@@ -93,7 +95,9 @@ void pack_panel(View b, int64_t k, int64_t n, int64_t p, float* panel) {
 }
 
 // One GEMM of a grouped call: C (m x n, leading dimension ldc) = A (m x k) @ B (k x n), A and B
-// read through their views; B is packed into `packed` (ceil(n / 32) panels) before the products.
+// read through their views. A panel of B whose 32 columns are contiguous in memory (a row-major B)
+// is read in place; the others (a transposed B, the last partial panel) are packed into `packed`
+// (room for ceil(n / 32) panels) before the products.
 struct Problem {
   View a, b;
   int64_t m, k, n;
@@ -101,6 +105,9 @@ struct Problem {
   int64_t ldc;
   float* packed;
   int64_t panels() const { return (n + kNr - 1) / kNr; }
+  bool in_place(int64_t p) const { return b.cs == 1 && (p + 1) * kNr <= n; }
+  const float* panel(int64_t p) const { return in_place(p) ? b.p + p * kNr : packed + p * k * kNr; }
+  int64_t panel_stride(int64_t p) const { return in_place(p) ? b.rs : kNr; }
 };
 
 // Rows [r0, r0 + rows) (rows <= kTile) and panels [p0, p1) of a problem's C.
@@ -119,10 +126,11 @@ void tile_product(const Problem& q, int64_t r0, int64_t rows, int64_t p0, int64_
         }
     }
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = q.packed + p * k * kNr + k0 * kNr;
+      const int64_t ldb = q.panel_stride(p);
+      const float* panel = q.panel(p) + k0 * ldb;
       const int64_t cols = std::min(kNr, q.n - p * kNr);
       for (int64_t t = 0; t < micro; ++t) {
-        micro_tile(ap + t * kMr * kc, panel, kc, acc);
+        micro_tile(ap + t * kMr * kc, panel, ldb, kc, acc);
         const int64_t valid = std::min(kMr, rows - t * kMr);
         for (int64_t i = 0; i < valid; ++i) {
           float* out = q.c + (r0 + t * kMr + i) * q.ldc + p * kNr;
@@ -183,7 +191,8 @@ void run_problems(ffi::ThreadPool& pool, std::vector<Problem>& problems) {
   std::vector<Ref> packs, tiles;
   for (int64_t i = 0; i < static_cast<int64_t>(problems.size()); ++i) {
     const Problem& q = problems[i];
-    for (int64_t p = 0; p < q.panels(); ++p) packs.push_back({i, p, 0});
+    for (int64_t p = 0; p < q.panels(); ++p)
+      if (!q.in_place(p)) packs.push_back({i, p, 0});
     for (int64_t r = 0; r < q.m; r += kTile)
       for (int64_t p = 0; p < q.panels(); p += per_item) tiles.push_back({i, r, p});
   }
