@@ -39,6 +39,7 @@ PLATFORM_TARGETS = {
         "zaya_attention_bwd": "ZayaAttentionBwd",
         "zaya_grouped_matmul": "ZayaGroupedMatmul",
         "zaya_grouped_matmul_dw": "ZayaGroupedMatmulDw",
+        "zaya_batched_matmul": "ZayaBatchedMatmul",
     },
 }
 
