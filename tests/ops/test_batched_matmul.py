@@ -32,8 +32,8 @@ def _reference(a, b, transpose_b):
     ("batch", "m", "k", "n"),
     [
         ((16,), 128, 128, 512),  # Newton-Schulz's (bG + cG²)X at tiny's experts
-        ((3,), 70, 600, 45),  # rows off the 8-row tile, 3 contraction blocks, a partial panel
-        ((2, 5), 40, 130, 96),  # two batch axes
+        ((12,), 70, 600, 45),  # rows off the 8-row tile, 3 contraction blocks, a partial panel
+        ((4, 5), 72, 130, 96),  # two batch axes
     ],
 )
 def test_it_equals_jnp_matmul(batch, m, k, n, transpose_b):
