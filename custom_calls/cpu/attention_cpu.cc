@@ -9,8 +9,9 @@
 // Forward: FlashAttention-2 over key blocks (online max / denominator), returning the output and the
 // natural-log log-sum-exp per row (-inf and a zero output for a row that sees no key). Backward: one
 // pass per (batch, KV head, key block) recomputing the probabilities from the log-sum-exp; dK and dV
-// are that item's own, dQ is accumulated in one buffer per worker and summed at the end. Key blocks
-// (forward) and query blocks (backward) that hold no visible pair are skipped from the slot ranges.
+// are that item's own, dQ is accumulated in one buffer per lane (a fixed share of the items) and
+// summed at the end, in the same order on every call. Key blocks (forward) and query blocks
+// (backward) that hold no visible pair are skipped from the slot ranges.
 //
 // Work items are spread over XLA's intra-op thread pool (ffi::ThreadPool); the calling thread works
 // too, so the kernel never waits on a pool that is busy elsewhere. Inner loops are written for the
@@ -376,7 +377,7 @@ struct Backward {
   Dims d;
   T *dk, *dv;
   float* delta;     // (batch, seq_q, heads): rowsum(d_out * out) - d_lse
-  float* dq_parts;  // one (batch, heads, seq_q, width) float buffer per worker
+  float* dq_parts;  // one (batch, heads, seq_q, width) float buffer per lane
 
   void row_delta(int64_t row) const {
     float s = 0.f;
@@ -385,8 +386,8 @@ struct Backward {
     delta[row] = s - d_lse[row];
   }
 
-  // One (batch, KV head, key block): its dK, dV; its share of dQ into the worker's buffer.
-  void item(int64_t index, int worker) const {
+  // One (batch, KV head, key block): its dK, dV; its share of dQ into its lane's buffer.
+  void item(int64_t index, int lane) const {
     const int64_t kb = index % d.k_blocks(), kh = (index / d.k_blocks()) % d.kv_heads;
     const int64_t b = index / (d.k_blocks() * d.kv_heads);
     const int64_t c0 = kb * kBlockK, nc = std::min(kBlockK, d.seq_k - c0), w = d.width;
@@ -403,7 +404,7 @@ struct Backward {
     KeyBlock keys;
     load_key_block(mask, b, d.seq_k, c0, nc, keys);
     const Range span = key_span(mask, c0, c0 + nc);
-    float* dq = dq_parts + static_cast<int64_t>(worker) * d.batch * d.heads * d.seq_q * w;
+    float* dq = dq_parts + static_cast<int64_t>(lane) * d.batch * d.heads * d.seq_q * w;
     for (int64_t qb = 0; qb < d.q_blocks(); ++qb) {
       const int64_t r0 = qb * kBlockQ, nr = std::min(kBlockQ, d.seq_q - r0);
       if (!overlaps(query_reach(mask, r0, r0 + nr), span)) continue;
@@ -513,11 +514,17 @@ void run_backward(ffi::ThreadPool& pool, Backward<T> bw, T* dq_out) {
   parallel_items(pool, row_chunks, worker_count(pool, row_chunks), [&](int64_t i, int) {
     for (int64_t r = i * 256; r < std::min(rows, (i + 1) * 256); ++r) bw.row_delta(r);
   });
+  // dQ's partial sums go to `lanes` buffers with a fixed share of the items each (lane l: items l,
+  // l + lanes, ..., in order), whichever thread runs the lane, so that the sum below is the same
+  // on every call: the gradient does not depend on the threads' timing (a resumed run repeats the
+  // uninterrupted one bit for bit). Twice as many lanes as workers keeps a busy thread's lane short.
   const int64_t items = d.batch * d.kv_heads * d.k_blocks();
-  const int workers = worker_count(pool, items);
+  const int workers = static_cast<int>(std::min<int64_t>(items, 2 * static_cast<int64_t>(worker_count(pool, items))));
   std::vector<float> parts(static_cast<size_t>(workers) * size, 0.f);
   bw.dq_parts = parts.data();
-  parallel_items(pool, items, workers, [&](int64_t i, int worker) { bw.item(i, worker); });
+  parallel_items(pool, workers, worker_count(pool, workers), [&](int64_t lane, int) {
+    for (int64_t i = lane; i < items; i += workers) bw.item(i, static_cast<int>(lane));
+  });
   const int64_t chunks = (size + 4095) / 4096;
   parallel_items(pool, chunks, worker_count(pool, chunks), [&](int64_t i, int) {
     for (int64_t e = i * 4096; e < std::min(size, (i + 1) * 4096); ++e) {  // e indexes (b, s, h, c)

@@ -48,12 +48,12 @@ constexpr int64_t kKc = 256;  // contraction block: a B panel block is kKc x 32 
 
 typedef float v16 __attribute__((vector_size(64)));
 
-inline v16 load16(const float* p) {
+__attribute__((always_inline)) inline v16 load16(const float* p) {
   v16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
 
 // A strided matrix view: element (i, j) at p[i * rs + j * cs].
 struct View {

@@ -7,6 +7,7 @@ loss and gradients. The custom call is in the compiled program (no silent fallba
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +36,32 @@ def test_one_kernel_block_runs_the_dense_definition_two_run_the_kernel(seq, fuse
     loss = lambda q: jnp.sum(w * attention(q, k, v, self_attention_mask(seq), impl="cpu", block=128))  # noqa: E731
     text = jax.jit(jax.grad(loss)).lower(q).as_text()
     assert (FORWARD in text) is fused and ("zaya_attention_bwd" in text) is fused
+
+
+def test_the_backward_gives_the_same_bits_on_every_call():
+    """dQ's partial sums have a fixed partition over the threads' work, so repeated gradients agree
+    bit for bit, also while other work keeps XLA's threads busy (a resumed run repeats the
+    uninterrupted one)."""
+    q, k, v, w = _inputs(4, 600, 4, 2)
+    mask = self_attention_mask(600)
+    grad = jax.jit(jax.grad(lambda q: jnp.sum(w * attention(q, k, v, mask, impl="cpu")), argnums=0))
+    first = np.asarray(grad(q))
+    other = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    a = jnp.ones((768, 768), jnp.float32) / 768
+    stop = threading.Event()
+
+    def busy():
+        while not stop.is_set():
+            jax.block_until_ready(other(a))
+
+    thread = threading.Thread(target=busy)
+    thread.start()
+    try:
+        for _ in range(12):
+            np.testing.assert_array_equal(np.asarray(grad(q)), first)
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _compare(q, k, v, w, mask):
