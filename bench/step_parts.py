@@ -1,6 +1,7 @@
 """Where a train step's time goes: the forward pass alone, forward and backward, and the whole
 train step as ``zaya train`` runs it (clipping, Muon/AdamW, the balancing controller and the loss
-guard added), in one process, interleaved, for the ``--config`` preset at ``--batch`` × ``--seq``.
+guard added), in one process, interleaved, for the ``--config`` preset at ``--batch`` × ``--seq``
+(``--set``: config overrides). All three run the paths the train step resolves ``auto`` to.
 
 Run it under the allocator the ``zaya`` command uses: ``env $(python -m zaya_jax.allocator --env)
 python bench/step_parts.py``. Prints one JSON object of median milliseconds.
@@ -32,9 +33,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="config overrides, e.g. model.attention_impl=dense"
+    )
     args = parser.parse_args()
-    cfg = zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}"])
-    model = cfg.model
+    cfg = zaya_jax.load_config(args.config, overrides=[f"train.batch_size={args.batch}", *args.set])
+    programs = build_programs(
+        cfg, devices=jax.devices()[:1], groups=model_param_groups(cfg.model, cfg.optim.router_group)
+    )
+    model = programs.cfg.model  # "auto" paths resolved as the train step runs them
     variables = zaya_jax.model.init_variables(model, 0)
     # the train step donates its state: the forward and backward get their own copies
     params = jax.tree.map(jnp.copy, variables["params"])
@@ -47,9 +54,6 @@ def main() -> None:
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
     forward, backward = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
-    programs = build_programs(
-        cfg, devices=jax.devices()[:1], groups=model_param_groups(model, cfg.optim.router_group)
-    )
     ones = np.ones(inputs.shape)
     batch = {
         "inputs": inputs,
@@ -83,7 +87,9 @@ def main() -> None:
             times[name].append(statistics.median(ts))
     ms = {name: round(statistics.median(t) * 1e3, 1) for name, t in times.items()}
     ms["optimizer_and_rest"] = round(ms["train_step"] - ms["forward_backward"], 1)
-    print(json.dumps({"config": args.config, "batch": args.batch, "seq": args.seq, "median_ms": ms}))
+    paths = {"attention_impl": model.attention_impl, "moe_impl": model.moe_impl}
+    print(json.dumps({"config": args.config, "batch": args.batch, "seq": args.seq, "set": args.set, **paths,
+                      "median_ms": ms}))  # fmt: skip
 
 
 if __name__ == "__main__":
