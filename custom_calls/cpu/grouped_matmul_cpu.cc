@@ -1,24 +1,28 @@
-// Grouped matrix products for XLA:CPU: the dropless MoE's expert GEMMs over rows sorted by expert,
-// each group's rows against its own weight matrix (jax.lax.ragged_dot's contract), forward and both
-// gradients, with no padding rows and no per-block copy of the weights.
+// Grouped and batched matrix products for XLA:CPU, on one register-tiled GEMM core:
 //
-//   zaya_grouped_matmul     y[r] = x[r] @ w[g(r)]     (w: G x K x N; transpose_w: w[g]^T, G x N x K)
-//                           rows past sum(group_sizes) get zeros
-//   zaya_grouped_matmul_dw  dw[g] = x[rows of g]^T @ dy[rows of g]   (G x K x N; 0 for an empty group)
+//   zaya_grouped_matmul     the dropless MoE's expert GEMMs over rows sorted by expert (jax.lax.ragged_dot's
+//                           contract): y[r] = x[r] @ w[g(r)] (w: G x K x N; transpose_w: w[g]^T, w G x N x K),
+//                           rows past sum(group_sizes) zero; no padding rows, no per-block copy of the weights
+//   zaya_grouped_matmul_dw  its weight gradient: dw[g] = x[rows of g]^T @ dy[rows of g] (0 for an empty group)
+//   zaya_batched_matmul     c[i] = a[i] @ b[i] or a[i] @ b[i]^T over a batch (Muon's Newton-Schulz products)
 //
 // Why a kernel: XLA:CPU has no grouped GEMM. Its ragged_dot is a dense product per group (G times the
 // work), and the blocked form (a batched matmul over 128-row blocks, each with its group's weights)
-// runs its 128 x 128 x 512 products at ~75 GFLOP/s on a 2-core AVX-512 machine where one
-// 2048 x 128 x 512 product runs at ~190 (bench/RESULTS.md). Here every group is one GEMM over
-// its own rows.
+// runs its 128 x 128 x 512 products at 46-79 GFLOP/s on a 2-core AVX-512 machine where one
+// 2048 x 128 x 512 product runs at ~190: XLA:CPU runs a batch of small products at about one core's
+// peak (bench/RESULTS.md, issue 41). Here every group is one GEMM over its own rows.
 //
-// The GEMM: B is packed once per group into 32-column panels (k-major, zero-padded), A into 8-row
-// micro-panels per tile; an 8 x 32 register tile (16 accumulators of 16 floats) runs over the whole
-// contraction, in blocks of kKc. Work items are (group, 32-row tile); they are spread over XLA's
-// intra-op pool and the calling thread. Vectors are GCC vector extensions (AVX-512 in one register,
-// split by the compiler for AVX2, SSE or NEON), the hot loop compiled for x86-64-v4 and v3 besides
-// the baseline (target_clones, x86-64 with GCC only). float32 only; the Python side runs the blocked
-// form for other dtypes.
+// The GEMM: C = A @ B with A and B read through strided views. A panel of 32 columns of B is read in
+// place where those columns are contiguous (a row-major B); otherwise (a transposed B, the last
+// partial panel) it is packed first (k-major, zero-padded). A is packed into 8-row micro-panels per
+// tile, and an 8 x 32 register tile (16 accumulators of 16 floats) runs over the contraction in
+// blocks of kKc, the products summed in order (as XLA:CPU's dot does). Work items are (problem,
+// 32-row tile, panels): all of a row's panels, or 4 where there are too few row tiles to keep every
+// thread busy; they are spread over XLA's intra-op pool and the calling thread, and each output
+// element is one item's, so the results do not depend on the threads' timing. Vectors are GCC
+// vector extensions (AVX-512 in one register, split by the compiler for AVX2, SSE or NEON), the hot
+// loop compiled for x86-64-v4 and v3 besides the baseline (target_clones, x86-64 with GCC only).
+// float32 only; the Python side keeps XLA's products for other dtypes.
 
 #include <algorithm>
 #include <atomic>
