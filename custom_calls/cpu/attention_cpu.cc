@@ -21,18 +21,15 @@
 // Registered from Python as zaya_attention_fwd / zaya_attention_bwd on "cpu" (zaya_jax/ops/attention/cpu.py).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
 #include "zaya_math.h"
+#include "zaya_parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -123,38 +120,10 @@ bool all_visible(const Mask& m, int64_t b, int64_t seq_q, int64_t seq_k, int64_t
   return true;
 }
 
-// Runs work(item, worker) for every item on up to pool.num_threads() + 1 workers; returns after all.
-template <typename Work>
-void parallel_items(ffi::ThreadPool& pool, int64_t items, int workers, Work work) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int active = 0;
-    bool closed = false;
-  };
-  auto shared = std::make_shared<Shared>();
-  auto run = [shared, items, &work](int worker) {
-    {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (shared->closed) return;  // started after the work ran out: touch nothing
-      ++shared->active;
-    }
-    for (int64_t i = shared->next++; i < items; i = shared->next++) work(i, worker);
-    std::lock_guard<std::mutex> lock(shared->mu);
-    --shared->active;
-    shared->cv.notify_all();
-  };
-  for (int w = 0; w + 1 < workers; ++w) pool.Schedule([run, w] { run(w); });
-  run(workers - 1);
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->closed = true;
-  shared->cv.wait(lock, [&] { return shared->active == 0; });
-}
+using zaya::parallel_items;
 
-int worker_count(ffi::ThreadPool& pool, int64_t items) {
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, pool.num_threads() + 1)));
-}
+// The pool's threads and the caller.
+int worker_count(ffi::ThreadPool& pool, int64_t items) { return zaya::worker_count(pool, items, 1); }
 
 // rows [r0, r0 + rows) of query head h of a (batch, seq_q, heads, width) array, times `scale`, as float
 template <typename T>

@@ -25,15 +25,12 @@
 // float32 only; the Python side keeps XLA's products for other dtypes.
 
 #include <algorithm>
-#include <atomic>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <mutex>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
+#include "zaya_parallel.h"
 
 namespace ffi = xla::ffi;
 
@@ -149,34 +146,11 @@ void tile_product(const Problem& q, int64_t r0, int64_t rows, int64_t p0, int64_
   }
 }
 
-// Runs work(item) for every item on up to pool.num_threads() workers (the caller one of them).
+// Runs work(item) for every item on the pool's threads, the caller one of them (measured faster than
+// the threads and the caller besides at these items' sizes on 2 cores).
 template <typename Work>
 void parallel_items(ffi::ThreadPool& pool, int64_t items, Work work) {
-  struct Shared {
-    std::atomic<int64_t> next{0};
-    std::mutex mu;
-    std::condition_variable cv;
-    int active = 0;
-    bool closed = false;
-  };
-  const int workers = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, pool.num_threads())));
-  auto shared = std::make_shared<Shared>();
-  auto run = [shared, items, &work] {
-    {
-      std::lock_guard<std::mutex> lock(shared->mu);
-      if (shared->closed) return;  // started after the work ran out: touch nothing
-      ++shared->active;
-    }
-    for (int64_t i = shared->next++; i < items; i = shared->next++) work(i);
-    std::lock_guard<std::mutex> lock(shared->mu);
-    --shared->active;
-    shared->cv.notify_all();
-  };
-  for (int w = 0; w + 1 < workers; ++w) pool.Schedule([run] { run(); });
-  run();
-  std::unique_lock<std::mutex> lock(shared->mu);
-  shared->closed = true;
-  shared->cv.wait(lock, [&] { return shared->active == 0; });
+  zaya::parallel_items(pool, items, zaya::worker_count(pool, items, 0), [&](int64_t i, int) { work(i); });
 }
 
 // Packs every problem's B (one item per panel), then runs every (problem, kTile rows, panels)
