@@ -9,9 +9,11 @@
 // Forward: FlashAttention-2 over key blocks (online max / denominator), returning the output and the
 // natural-log log-sum-exp per row (-inf and a zero output for a row that sees no key). Backward: one
 // pass per (batch, KV head, key block) recomputing the probabilities from the log-sum-exp; dK and dV
-// are that item's own, dQ is accumulated in one buffer per lane (a fixed share of the items) and
-// summed at the end, in the same order on every call. Key blocks (forward) and query blocks
-// (backward) that hold no visible pair are skipped from the slot ranges.
+// are that key block's own. dQ: where there are at least 4 (batch, KV head) pairs per worker, one
+// item is a pair, which walks its key blocks in order and owns its dQ (no partial sums); otherwise
+// one item is a key block and dQ is accumulated in one buffer per lane (a fixed share of the items),
+// summed at the end. Either way in the same order on every call. Key blocks (forward) and query
+// blocks (backward) that hold no visible pair are skipped from the slot ranges.
 //
 // Work items are spread over XLA's intra-op thread pool (ffi::ThreadPool); the calling thread works
 // too, so the kernel never waits on a pool that is busy elsewhere. Inner loops are written for the
@@ -345,8 +347,7 @@ struct Backward {
   Mask mask;
   Dims d;
   T *dk, *dv;
-  float* delta;     // (batch, seq_q, heads): rowsum(d_out * out) - d_lse
-  float* dq_parts;  // one (batch, heads, seq_q, width) float buffer per lane
+  float* delta;  // (batch, seq_q, heads): rowsum(d_out * out) - d_lse
 
   void row_delta(int64_t row) const {
     float s = 0.f;
@@ -355,10 +356,9 @@ struct Backward {
     delta[row] = s - d_lse[row];
   }
 
-  // One (batch, KV head, key block): its dK, dV; its share of dQ into its lane's buffer.
-  void item(int64_t index, int lane) const {
-    const int64_t kb = index % d.k_blocks(), kh = (index / d.k_blocks()) % d.kv_heads;
-    const int64_t b = index / (d.k_blocks() * d.kv_heads);
+  // Key block kb of (batch b, KV head kh): its dK and dV, written out; its share of dQ added to
+  // dq_heads, the (groups, seq_q, width) float dQ of that KV head's query heads (unscaled).
+  void key_block(int64_t b, int64_t kh, int64_t kb, float* dq_heads) const {
     const int64_t c0 = kb * kBlockK, nc = std::min(kBlockK, d.seq_k - c0), w = d.width;
     std::vector<float> kt(w * kBlockK), vt(w * kBlockK), krows(kBlockK * w), dkb(kBlockK * w, 0.f),
         dvb(kBlockK * w, 0.f), qt(kBlockQ * w), dout(kBlockQ * w), p(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
@@ -373,15 +373,16 @@ struct Backward {
     KeyBlock keys;
     load_key_block(mask, b, d.seq_k, c0, nc, keys);
     const Range span = key_span(mask, c0, c0 + nc);
-    float* dq = dq_parts + static_cast<int64_t>(lane) * d.batch * d.heads * d.seq_q * w;
     for (int64_t qb = 0; qb < d.q_blocks(); ++qb) {
       const int64_t r0 = qb * kBlockQ, nr = std::min(kBlockQ, d.seq_q - r0);
       if (!overlaps(query_reach(mask, r0, r0 + nr), span)) continue;
       const bool full = nc == kBlockK && all_visible(mask, b, d.seq_q, d.seq_k, r0, r0 + nr, c0, c0 + nc);
       for (int64_t g = 0; g < d.groups; ++g) {
         const int64_t h = kh * d.groups + g;
-        std::fill(qt.begin(), qt.end(), 0.f);
-        std::fill(dout.begin(), dout.end(), 0.f);
+        if (nr < kBlockQ) {
+          std::fill(qt.begin(), qt.end(), 0.f);
+          std::fill(dout.begin(), dout.end(), 0.f);
+        }
         load_rows(q, d, b, h, r0, nr, d.scale, qt.data());
         load_rows(d_out, d, b, h, r0, nr, 1.f, dout.data());
         scores(qt.data(), kt.data(), kBlockQ, w, p.data());
@@ -403,8 +404,8 @@ struct Backward {
         }
         accumulate(dvb.data(), p.data(), 1, kBlockK, dout.data(), kBlockK, kBlockQ, w);  // dV += P^T dO
         accumulate(dkb.data(), dp.data(), 1, kBlockK, qt.data(), kBlockK, kBlockQ, w);   // dK += dS^T (q scale)
-        accumulate(dq + ((b * d.heads + h) * d.seq_q + r0) * w, dp.data(), kBlockK, 1, krows.data(), nr, kBlockK,
-                   w);  // dQ += dS K (scaled at the end)
+        accumulate(dq_heads + (g * d.seq_q + r0) * w, dp.data(), kBlockK, 1, krows.data(), nr, kBlockK,
+                   w);  // dQ += dS K (scaled when written)
       }
     }
     for (int64_t j = 0; j < nc; ++j)
@@ -473,37 +474,65 @@ ffi::Error AttentionFwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
   }
 }
 
+// dq (batch, seq_q, heads, width) rows of query heads [h0, h0 + n) of batch b from sum (n, seq_q,
+// width) floats, times scale.
+template <typename T>
+void store_dq(T* dq, const Dims& d, int64_t b, int64_t h0, int64_t n, const float* sum, float scale) {
+  for (int64_t g = 0; g < n; ++g)
+    for (int64_t s = 0; s < d.seq_q; ++s) {
+      const float* from = sum + (g * d.seq_q + s) * d.width;
+      const int64_t to = ((b * d.seq_q + s) * d.heads + h0 + g) * d.width;
+      for (int64_t c = 0; c < d.width; ++c) zaya::Elem<T>::store(dq, to + c, from[c] * scale);
+    }
+}
+
 template <typename T>
 void run_backward(ffi::ThreadPool& pool, Backward<T> bw, T* dq_out) {
   const Dims& d = bw.d;
-  const int64_t rows = d.batch * d.seq_q * d.heads, size = rows * d.width;
+  const int64_t rows = d.batch * d.seq_q * d.heads;
   std::vector<float> delta(rows);
   bw.delta = delta.data();
   const int64_t row_chunks = (rows + 255) / 256;
   parallel_items(pool, row_chunks, worker_count(pool, row_chunks), [&](int64_t i, int) {
     for (int64_t r = i * 256; r < std::min(rows, (i + 1) * 256); ++r) bw.row_delta(r);
   });
-  // dQ's partial sums go to `lanes` buffers with a fixed share of the items each (lane l: items l,
-  // l + lanes, ..., in order), whichever thread runs the lane, so that the sum below is the same
-  // on every call: the gradient does not depend on the threads' timing (a resumed run repeats the
-  // uninterrupted one bit for bit). Twice as many lanes as workers keeps a busy thread's lane short.
-  const int64_t items = d.batch * d.kv_heads * d.k_blocks();
-  const int workers = static_cast<int>(std::min<int64_t>(items, 2 * static_cast<int64_t>(worker_count(pool, items))));
-  std::vector<float> parts(static_cast<size_t>(workers) * size, 0.f);
-  bw.dq_parts = parts.data();
-  parallel_items(pool, workers, worker_count(pool, workers), [&](int64_t lane, int) {
-    for (int64_t i = lane; i < items; i += workers) bw.item(i, static_cast<int>(lane));
-  });
-  const int64_t chunks = (size + 4095) / 4096;
-  parallel_items(pool, chunks, worker_count(pool, chunks), [&](int64_t i, int) {
-    for (int64_t e = i * 4096; e < std::min(size, (i + 1) * 4096); ++e) {  // e indexes (b, s, h, c)
-      const int64_t c = e % d.width, h = (e / d.width) % d.heads, s_ = (e / (d.width * d.heads)) % d.seq_q;
-      const int64_t b = e / (d.width * d.heads * d.seq_q);
-      const int64_t from = ((b * d.heads + h) * d.seq_q + s_) * d.width + c;
-      float s = 0.f;
-      for (int w = 0; w < workers; ++w) s += parts[static_cast<size_t>(w) * size + from];
-      zaya::Elem<T>::store(dq_out, e, s * d.scale);
+  // Every sum below runs in a fixed order whichever thread runs it, so the gradient does not depend
+  // on the threads' timing (a resumed run repeats the uninterrupted one bit for bit).
+  const int64_t heads = d.batch * d.kv_heads, head_size = d.groups * d.seq_q * d.width;
+  const int pool_workers = worker_count(pool, std::numeric_limits<int64_t>::max());
+  if (heads >= 4 * static_cast<int64_t>(pool_workers)) {
+    // Enough (batch, KV head) pairs to share out: each is one item that walks all its key blocks in
+    // order and owns its query heads' dQ, summed in a local buffer and written once.
+    parallel_items(pool, heads, worker_count(pool, heads), [&](int64_t i, int) {
+      const int64_t b = i / d.kv_heads, kh = i % d.kv_heads;
+      std::vector<float> dq(head_size, 0.f);
+      for (int64_t kb = 0; kb < d.k_blocks(); ++kb) bw.key_block(b, kh, kb, dq.data());
+      store_dq(dq_out, d, b, kh * d.groups, d.groups, dq.data(), d.scale);
+    });
+    return;
+  }
+  // Few pairs (long sequences, small batches): one item per key block. dQ's partial sums go to
+  // `lanes` buffers with a fixed share of the items each (lane l: items l, l + lanes, ..., in
+  // order), summed in lane order at the end. Twice as many lanes as workers keeps a busy thread's
+  // lane short.
+  const int64_t items = heads * d.k_blocks();
+  const int lanes = static_cast<int>(std::min<int64_t>(items, 2 * static_cast<int64_t>(worker_count(pool, items))));
+  const int64_t size = heads * head_size;  // (batch, KV head, group, seq_q, width) per lane
+  std::vector<float> parts(static_cast<size_t>(lanes) * size, 0.f);
+  parallel_items(pool, lanes, worker_count(pool, lanes), [&](int64_t lane, int) {
+    for (int64_t i = lane; i < items; i += lanes) {
+      const int64_t pair = i / d.k_blocks();
+      bw.key_block(pair / d.kv_heads, pair % d.kv_heads, i % d.k_blocks(), parts.data() + lane * size + pair * head_size);
     }
+  });
+  parallel_items(pool, heads, worker_count(pool, heads), [&](int64_t pair, int) {
+    float* sum = parts.data() + pair * head_size;  // lane 0's share, the others added in lane order
+    for (int lane = 1; lane < lanes; ++lane) {
+      const float* part = parts.data() + lane * size + pair * head_size;
+#pragma omp simd
+      for (int64_t e = 0; e < head_size; ++e) sum[e] += part[e];
+    }
+    store_dq(dq_out, d, pair / d.kv_heads, (pair % d.kv_heads) * d.groups, d.groups, sum, d.scale);
   });
 }
 
@@ -524,7 +553,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
                    Backward<float>{q.typed_data<float>(), k.typed_data<float>(), v.typed_data<float>(),
                                    out.typed_data<float>(), d_out.typed_data<float>(), lse.typed_data(),
                                    d_lse.typed_data(), m, d, dk->typed_data<float>(), dv->typed_data<float>(),
-                                   nullptr, nullptr},
+                                   nullptr},
                    dq->typed_data<float>());
       return ffi::Error::Success();
     case ffi::BF16:
@@ -532,8 +561,7 @@ ffi::Error AttentionBwdImpl(ffi::ThreadPool pool, float scale, ffi::AnyBuffer q,
                    Backward<uint16_t>{q.reinterpret_data<uint16_t>(), k.reinterpret_data<uint16_t>(),
                                       v.reinterpret_data<uint16_t>(), out.reinterpret_data<uint16_t>(),
                                       d_out.reinterpret_data<uint16_t>(), lse.typed_data(), d_lse.typed_data(), m, d,
-                                      dk->reinterpret_data<uint16_t>(), dv->reinterpret_data<uint16_t>(), nullptr,
-                                      nullptr},
+                                      dk->reinterpret_data<uint16_t>(), dv->reinterpret_data<uint16_t>(), nullptr},
                    dq->reinterpret_data<uint16_t>());
       return ffi::Error::Success();
     default:

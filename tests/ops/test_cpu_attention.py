@@ -38,12 +38,18 @@ def test_one_kernel_block_runs_the_dense_definition_two_run_the_kernel(seq, fuse
     assert (FORWARD in text) is fused and ("zaya_attention_bwd" in text) is fused
 
 
-def test_the_backward_gives_the_same_bits_on_every_call():
+# (batch, seq): few (batch, KV head) pairs, one work item per key block and dQ summed over lanes;
+# many pairs (>= 4 per worker on up to 15 threads), one item per pair owning its dQ.
+SPLITS = [(4, 600), (32, 130)]
+
+
+@pytest.mark.parametrize(("batch", "seq"), SPLITS)
+def test_the_backward_gives_the_same_bits_on_every_call(batch, seq):
     """dQ's partial sums have a fixed partition over the threads' work, so repeated gradients agree
     bit for bit, also while other work keeps XLA's threads busy (a resumed run repeats the
     uninterrupted one)."""
-    q, k, v, w = _inputs(4, 600, 4, 2)
-    mask = self_attention_mask(600)
+    q, k, v, w = _inputs(batch, seq, 4, 2)
+    mask = self_attention_mask(seq)
     grad = jax.jit(jax.grad(lambda q: jnp.sum(w * attention(q, k, v, mask, impl="cpu")), argnums=0))
     first = np.asarray(grad(q))
     other = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
@@ -87,6 +93,12 @@ def _compare(q, k, v, w, mask):
 def test_every_mask_kind_equals_the_blocked_kernel(kind, seq):
     q, k, v, w = _inputs(2, seq, 4, 2, d=16)
     _compare(q, k, v, w, _mask(kind, 2, seq))
+
+
+@pytest.mark.parametrize(("batch", "seq"), SPLITS)
+def test_both_splits_of_the_backward_equal_the_blocked_kernel(batch, seq):
+    q, k, v, w = _inputs(batch, seq, 4, 2, d=16)
+    _compare(q, k, v, w, _mask("all", batch, seq))
 
 
 @pytest.mark.parametrize(("nq", "nk", "d"), [(4, 4, 32), (4, 1, 8), (6, 2, 24)])
