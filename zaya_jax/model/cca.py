@@ -27,6 +27,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.rope import apply_rope, rope_tables
+from zaya_jax.ops import cca_cpu
 from zaya_jax.ops.attention import AttentionMask, attention
 
 # The decode cache's stacks carried through the blocks and written in place: every full layer's
@@ -129,13 +130,22 @@ def l2_normalize(x: jax.Array, scale: float) -> jax.Array:
     return x * (jnp.asarray(scale, x.dtype) / jnp.sqrt(jnp.maximum(sum_sq, jnp.asarray(eps * eps, x.dtype))))
 
 
+def _delayed_plain(vd, vd_at_start, segment_ids):
+    """Step 4 on a whole sequence: the delayed value half is the previous token's projection,
+    ``W_vdel . 0`` at a document start."""
+    return jnp.where(same_document(segment_ids, vd.shape[1], 1)[..., None], shift_right(vd, 1), vd_at_start)
+
+
 def _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids):
-    """Steps 3-4 on a whole sequence: the two-stage convolution, and the value shift (the delayed
-    half is the previous token's projection, ``W_vdel . 0`` at a document start)."""
-    seq = z.shape[1]
-    conv = two_stage_conv(z, *conv_weights, segment_ids)
-    vd = jnp.where(same_document(segment_ids, seq, 1)[..., None], shift_right(vd, 1), vd_at_start)
-    return conv, vd
+    """Steps 3-4 on a whole sequence: the two-stage convolution, and the value shift."""
+    return two_stage_conv(z, *conv_weights, segment_ids), _delayed_plain(vd, vd_at_start, segment_ids)
+
+
+def _fused_qk(cfg: ModelConfig, dtype: jnp.dtype) -> bool:
+    """Whether the plain mode runs steps 2-6 as the CPU custom call (:mod:`zaya_jax.ops.cca_cpu`):
+    with the CPU attention custom call (``attention_impl: cpu``, which ``auto`` resolves to for a
+    one-device CPU program), in float32, where the library is built."""
+    return cfg.attention_impl == "cpu" and dtype == jnp.float32 and cca_cpu.available()
 
 
 def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int, token_mask=None):
@@ -336,25 +346,40 @@ class CCAAttention(nn.Module):
         vd = v_delayed_proj(a)
         vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
         segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
+        temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype).astype(dtype)
+        tables = rope_tables(positions, inv_freq, dtype)
         new_cache = None
-        if mode == "plain":
-            conv, vd = _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids)
-        elif mode == "context":
-            conv, vd = self.hooks.context.temporal(
-                z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
-            )
-        else:
-            conv, vd, new_cache = _temporal_decode(
-                z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask
-            )
-        conv = conv.reshape(batch, seq, nq + nk, d)
-        q = conv[:, :, :nq] + q_res
-        k = conv[:, :, nq:] + k_res
-        v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
+        fused = mode == "plain" and _fused_qk(cfg, dtype)
 
-        # Steps 5-6: QK L2-norm to sqrt(d), keys scaled by the raw per-KV-head temperature; partial NeoX RoPE.
-        temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype)
-        q, k = _normalized_rotated(q, k, temp.astype(dtype), rope_tables(positions, inv_freq, dtype))
+        def steps_3_to_6(conv):
+            """The convolution's output plus the residuals, L2-normalised (to sqrt(d), keys times
+            the raw per-KV-head temperature), partial NeoX RoPE."""
+            conv = conv.reshape(batch, seq, nq + nk, d)
+            return _normalized_rotated(conv[:, :, :nq] + q_res, conv[:, :, nq:] + k_res, temp, tables)
+
+        if fused:  # steps 2-6 in one CPU custom call; the JAX steps on other devices
+            vd = _delayed_plain(vd, vd_at_start, segment_ids)
+
+            def on_cpu(z, segments):
+                return cca_cpu.cpu_cca_qk(z, *conv_weights, temp, *tables, segments, nq=nq, nk=nk)
+
+            def elsewhere(z, segments):
+                return steps_3_to_6(two_stage_conv(z, *conv_weights, segment_ids))
+
+            q, k = jax.lax.platform_dependent(z, segments, cpu=on_cpu, default=elsewhere)
+        else:
+            if mode == "plain":
+                conv, vd = _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids)
+            elif mode == "context":
+                conv, vd = self.hooks.context.temporal(
+                    z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
+                )
+            else:
+                conv, vd, new_cache = _temporal_decode(
+                    z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask
+                )
+            q, k = steps_3_to_6(conv)
+        v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
         # Steps 7-8: causal GQA attention (sliding-window layers add their window), then o_proj.
         if cfg.has_sliding_layers:

@@ -40,6 +40,8 @@ PLATFORM_TARGETS = {
         "zaya_grouped_matmul": "ZayaGroupedMatmul",
         "zaya_grouped_matmul_dw": "ZayaGroupedMatmulDw",
         "zaya_batched_matmul": "ZayaBatchedMatmul",
+        "zaya_cca_qk_fwd": "ZayaCcaQkFwd",
+        "zaya_cca_qk_bwd": "ZayaCcaQkBwd",
     },
 }
 
