@@ -136,6 +136,7 @@ ZAYA_INLINE bool keep(const int32_t* seg, int64_t t, int64_t shift) {
 // y = x * scale / sqrt(max(|x|^2, eps^2)) over n floats; returns the factor.
 ZAYA_INLINE float l2_factor(const float* x, int64_t n, float scale) {
   float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
   for (int64_t i = 0; i < n; ++i) ss += x[i] * x[i];
   return scale / std::sqrt(std::max(ss, kEps2));
 }
@@ -168,7 +169,7 @@ struct Kernel {
   int64_t groups() const { return d.nq / d.nk; }
 
   // Stage 1 of batch row b at positions [from, to) into out ((to - from) x c).
-  void stage1(int64_t b, int64_t from, int64_t to, float* out) const {
+  ZAYA_INLINE void stage1(int64_t b, int64_t from, int64_t to, float* out) const {
     const int32_t* seg = in.seg + b * d.seq;
     for (int64_t t = from; t < to; ++t) {
       float* row = out + (t - from) * d.c;
@@ -186,7 +187,7 @@ struct Kernel {
 
   // The stage-2 inputs P_j of positions [t0, t1) (rows of (t1 - t0) x c per tap, taps after each
   // other in p) from stage 1 of positions [s0, ...) in s1.
-  void taps(int64_t b, int64_t t0, int64_t t1, const float* s1, int64_t s0, float* p) const {
+  ZAYA_INLINE void taps(int64_t b, int64_t t0, int64_t t1, const float* s1, int64_t s0, float* p) const {
     const int32_t* seg = in.seg + b * d.seq;
     const int64_t n = t1 - t0;
     for (int64_t j = 0; j < d.k1; ++j) {
@@ -199,7 +200,7 @@ struct Kernel {
   }
 
   // Stage 2 of n positions from their taps p: s2 (n x c).
-  void stage2(const float* p, int64_t n, float* s2) const {
+  ZAYA_INLINE void stage2(const float* p, int64_t n, float* s2) const {
     for (int64_t r = 0; r < n; ++r) std::memcpy(s2 + r * d.c, in.g_bias, d.c * sizeof(float));
     for (int64_t j = 0; j < d.k1; ++j)
       for (int64_t g = 0; g < d.heads; ++g)
@@ -209,7 +210,7 @@ struct Kernel {
 
   // The pre-normalisation q and k heads of one position (pre: c floats, q heads then k heads)
   // from its stage-2 row and raw projections.
-  void pre_norm(const float* s2, const float* z, float* pre) const {
+  ZAYA_INLINE void pre_norm(const float* s2, const float* z, float* pre) const {
     const int64_t g = groups(), w = d.d;
     for (int64_t h = 0; h < d.nq; ++h)
       for (int64_t i = 0; i < w; ++i)
@@ -222,147 +223,157 @@ struct Kernel {
       }
   }
 
-  void forward_item(int64_t index, float* q, float* k) const {
-    const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
-    const int64_t s0 = std::max<int64_t>(0, t0 - (d.k1 - 1)), n = t1 - t0, w = d.d;
-    const float scale = std::sqrt(static_cast<float>(w));
-    std::vector<float> s1((t1 - s0) * d.c), p(d.k1 * n * d.c), s2(n * d.c), pre(d.c), y(w);
-    stage1(b, s0, t1, s1.data());
-    taps(b, t0, t1, s1.data(), s0, p.data());
-    stage2(p.data(), n, s2.data());
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = b * d.seq + t;
-      pre_norm(s2.data() + (t - t0) * d.c, in.z + row * d.c, pre.data());
-      const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
-      for (int64_t h = 0; h < d.heads; ++h) {
-        const float* x = pre.data() + h * w;
-        const float f = l2_factor(x, w, scale);
-        const bool key = h >= d.nq;
-        for (int64_t i = 0; i < w; ++i) y[i] = key ? (x[i] * f) * in.temp[h - d.nq] : x[i] * f;
-        rope(y.data(), cs, sn, d.rd, w, key ? k + (row * d.nk + h - d.nq) * w : q + (row * d.nq + h) * w);
-      }
-    }
-  }
-
-  // One item's backward: dz of its positions written; its parameter gradients added to params
-  // (dw_kernel, dw_bias, g_kernel, g_bias, temp; Dims::param_size floats).
-  void backward_item(int64_t index, const float* dq, const float* dk, float* dz, float* params) const {
-    const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
-    const int64_t p0 = d.k0 - 1, p1 = d.k1 - 1, w = d.d, c = d.c, g = groups();
-    const int64_t e1 = std::min(d.seq, t1 + p0 + p1);  // stage-2 rows whose gradients reach the chunk
-    const int64_t f1 = std::min(d.seq, t1 + p0);       // stage-1 rows whose gradients reach it
-    const int64_t s0 = std::max<int64_t>(0, t0 - p1), n = e1 - t0, own = t1 - t0;
-    const float scale = std::sqrt(static_cast<float>(w));
-    const int32_t* seg = in.seg + b * d.seq;
-    float* d_dw_kernel = params;
-    float* d_dw_bias = d_dw_kernel + d.k0 * c;
-    float* d_g_kernel = d_dw_bias + c;
-    float* d_g_bias = d_g_kernel + d.k1 * d.heads * w * w;
-    float* d_temp = d_g_bias + c;
-
-    std::vector<float> s1((e1 - s0) * c), p(d.k1 * n * c), s2(n * c), pre(c), ds2(n * c), dp(d.k1 * n * c, 0.f),
-        ds1((f1 - t0) * c, 0.f), gy(w), dy(w), dres(d.heads * w);
-    stage1(b, s0, e1, s1.data());
-    taps(b, t0, e1, s1.data(), s0, p.data());
-    stage2(p.data(), n, s2.data());
-
-    // Normalisation, temperature and RoPE backward: ds2 for rows [t0, e1), the residual part of dz
-    // and the temperature's gradient for the chunk's own rows.
-    for (int64_t t = t0; t < e1; ++t) {
-      const int64_t row = b * d.seq + t, r = t - t0;
-      const float* z = in.z + row * c;
-      pre_norm(s2.data() + r * c, z, pre.data());
-      const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
-      float* out = ds2.data() + r * c;
-      for (int64_t h = 0; h < d.heads; ++h) {
-        const float* x = pre.data() + h * w;
-        const bool key = h >= d.nq;
-        const float* grad = key ? dk + (row * d.nk + h - d.nq) * w : dq + (row * d.nq + h) * w;
-        rope_transpose(grad, cs, sn, d.rd, w, gy.data());
-        float ss = 0.f;
-        for (int64_t i = 0; i < w; ++i) ss += x[i] * x[i];
-        const float f = scale / std::sqrt(std::max(ss, kEps2));
-        if (key) {
-          const float temp = in.temp[h - d.nq];
-          if (t < t1) {
-            float s = 0.f;
-            for (int64_t i = 0; i < w; ++i) s += gy[i] * (x[i] * f);
-            d_temp[h - d.nq] += s;
-          }
-          for (int64_t i = 0; i < w; ++i) gy[i] *= temp;
-        }
-        // y = x f with f = scale / |x| (above eps): dx = f (gy - x <x, gy> / |x|^2)
-        float dot = 0.f;
-        for (int64_t i = 0; i < w; ++i) dot += x[i] * gy[i];
-        const float k_ = ss > kEps2 ? dot / ss : 0.f;
-        for (int64_t i = 0; i < w; ++i) out[h * w + i] = f * (gy[i] - x[i] * k_);
-      }
-      if (t >= t1) continue;
-      // the mean residuals: q_res[h] feeds pre_q[h] and (1/g of) pre_k[h / g]
-      float* dzr = dz + row * c;
-      for (int64_t h = 0; h < d.nq; ++h)
-        for (int64_t i = 0; i < w; ++i)
-          dres[h * w + i] = out[h * w + i] + out[(d.nq + h / g) * w + i] / static_cast<float>(g);
-      for (int64_t h = 0; h < d.nq; ++h)
-        for (int64_t i = 0; i < w; ++i) dzr[h * w + i] = dres[h * w + i] * 0.5f;
-      for (int64_t kh = 0; kh < d.nk; ++kh)
-        for (int64_t i = 0; i < w; ++i) {
-          float s = 0.f;
-          for (int64_t m = 0; m < g; ++m) s += dres[(kh * g + m) * w + i];
-          dzr[(d.nq + kh) * w + i] = s * 0.5f;
-        }
-    }
-
-    // Stage 2 backward: its bias and kernel (own rows), and the taps' gradients (all n rows).
-    for (int64_t r = 0; r < own; ++r)
-      for (int64_t i = 0; i < c; ++i) d_g_bias[i] += ds2[r * c + i];
-    for (int64_t j = 0; j < d.k1; ++j)
-      for (int64_t h = 0; h < d.heads; ++h) {
-        mac(d_g_kernel + (j * d.heads + h) * w * w, w, p.data() + j * n * c + h * w, 1, c, ds2.data() + h * w, c, w,
-            own, w);
-        mac(dp.data() + j * n * c + h * w, c, ds2.data() + h * w, c, 1, g_kernel_t.data() + (j * d.heads + h) * w * w,
-            w, n, w, w);
-      }
-    // ... into stage 1's rows [t0, f1) (a tap that read the bias before a document start: the bias).
-    for (int64_t j = 0; j < d.k1; ++j) {
-      const int64_t shift = d.k1 - 1 - j;
-      for (int64_t t = t0; t < e1; ++t) {
-        const float* from = dp.data() + (j * n + t - t0) * c;
-        if (keep(seg, t, shift)) {
-          if (t - shift >= t0 && t - shift < f1) {  // earlier rows are the previous chunk's
-            float* to = ds1.data() + (t - shift - t0) * c;
-#pragma omp simd
-            for (int64_t i = 0; i < c; ++i) to[i] += from[i];
-          }
-        } else if (t < t1) {
-          for (int64_t i = 0; i < c; ++i) d_dw_bias[i] += from[i];
-        }
-      }
-    }
-    // Stage 1 backward: its bias and kernel (own rows), and z.
-    for (int64_t t = t0; t < t1; ++t) {
-      const float* g1 = ds1.data() + (t - t0) * c;
-      for (int64_t i = 0; i < c; ++i) d_dw_bias[i] += g1[i];
-      for (int64_t j = 0; j < d.k0; ++j) {
-        const int64_t shift = d.k0 - 1 - j;
-        if (!keep(seg, t, shift)) continue;
-        const float* x = in.z + (b * d.seq + t - shift) * c;
-        float* dw = d_dw_kernel + j * c;
-#pragma omp simd
-        for (int64_t i = 0; i < c; ++i) dw[i] += g1[i] * x[i];
-      }
-      float* dzr = dz + (b * d.seq + t) * c;
-      for (int64_t j = 0; j < d.k0; ++j) {
-        const int64_t shift = d.k0 - 1 - j;
-        if (t + shift >= d.seq || !keep(seg, t + shift, shift)) continue;
-        const float* g1s = ds1.data() + (t + shift - t0) * c;
-        const float* wj = in.dw_kernel + j * c;
-#pragma omp simd
-        for (int64_t i = 0; i < c; ++i) dzr[i] += g1s[i] * wj[i];
-      }
-    }
-  }
 };
+
+// One item's forward: q and k of its positions written.
+ZAYA_CLONES void forward_item(const Kernel& kern, int64_t index, float* q, float* k) {
+  const Dims& d = kern.d;
+  const Inputs& in = kern.in;
+  const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
+  const int64_t s0 = std::max<int64_t>(0, t0 - (d.k1 - 1)), n = t1 - t0, w = d.d;
+  const float scale = std::sqrt(static_cast<float>(w));
+  std::vector<float> s1((t1 - s0) * d.c), p(d.k1 * n * d.c), s2(n * d.c), pre(d.c), y(w);
+  kern.stage1(b, s0, t1, s1.data());
+  kern.taps(b, t0, t1, s1.data(), s0, p.data());
+  kern.stage2(p.data(), n, s2.data());
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t row = b * d.seq + t;
+    kern.pre_norm(s2.data() + (t - t0) * d.c, in.z + row * d.c, pre.data());
+    const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
+    for (int64_t h = 0; h < d.heads; ++h) {
+      const float* x = pre.data() + h * w;
+      const float f = l2_factor(x, w, scale);
+      const bool key = h >= d.nq;
+      for (int64_t i = 0; i < w; ++i) y[i] = key ? (x[i] * f) * in.temp[h - d.nq] : x[i] * f;
+      rope(y.data(), cs, sn, d.rd, w, key ? k + (row * d.nk + h - d.nq) * w : q + (row * d.nq + h) * w);
+    }
+  }
+}
+
+// One item's backward: dz of its positions written; its parameter gradients added to params
+// (dw_kernel, dw_bias, g_kernel, g_bias, temp; Dims::param_size floats).
+ZAYA_CLONES void backward_item(const Kernel& kern, int64_t index, const float* dq, const float* dk, float* dz,
+                             float* params) {
+  const Dims& d = kern.d;
+  const Inputs& in = kern.in;
+  const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
+  const int64_t p0 = d.k0 - 1, p1 = d.k1 - 1, w = d.d, c = d.c, g = kern.groups();
+  const int64_t e1 = std::min(d.seq, t1 + p0 + p1);  // stage-2 rows whose gradients reach the chunk
+  const int64_t f1 = std::min(d.seq, t1 + p0);       // stage-1 rows whose gradients reach it
+  const int64_t s0 = std::max<int64_t>(0, t0 - p1), n = e1 - t0, own = t1 - t0;
+  const float scale = std::sqrt(static_cast<float>(w));
+  const int32_t* seg = in.seg + b * d.seq;
+  float* d_dw_kernel = params;
+  float* d_dw_bias = d_dw_kernel + d.k0 * c;
+  float* d_g_kernel = d_dw_bias + c;
+  float* d_g_bias = d_g_kernel + d.k1 * d.heads * w * w;
+  float* d_temp = d_g_bias + c;
+
+  std::vector<float> s1((e1 - s0) * c), p(d.k1 * n * c), s2(n * c), pre(c), ds2(n * c), dp(d.k1 * n * c, 0.f),
+      ds1((f1 - t0) * c, 0.f), gy(w), dres(d.heads * w);
+  kern.stage1(b, s0, e1, s1.data());
+  kern.taps(b, t0, e1, s1.data(), s0, p.data());
+  kern.stage2(p.data(), n, s2.data());
+
+  // Normalisation, temperature and RoPE backward: ds2 for rows [t0, e1), the residual part of dz
+  // and the temperature's gradient for the chunk's own rows.
+  for (int64_t t = t0; t < e1; ++t) {
+    const int64_t row = b * d.seq + t, r = t - t0;
+    const float* z = in.z + row * c;
+    kern.pre_norm(s2.data() + r * c, z, pre.data());
+    const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
+    float* out = ds2.data() + r * c;
+    for (int64_t h = 0; h < d.heads; ++h) {
+      const float* x = pre.data() + h * w;
+      const bool key = h >= d.nq;
+      const float* grad = key ? dk + (row * d.nk + h - d.nq) * w : dq + (row * d.nq + h) * w;
+      rope_transpose(grad, cs, sn, d.rd, w, gy.data());
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < w; ++i) ss += x[i] * x[i];
+      const float f = scale / std::sqrt(std::max(ss, kEps2));
+      if (key) {
+        const float temp = in.temp[h - d.nq];
+        if (t < t1) {
+          float s = 0.f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < w; ++i) s += gy[i] * (x[i] * f);
+          d_temp[h - d.nq] += s;
+        }
+        for (int64_t i = 0; i < w; ++i) gy[i] *= temp;
+      }
+      // y = x f with f = scale / |x| (above eps): dx = f (gy - x <x, gy> / |x|^2)
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < w; ++i) dot += x[i] * gy[i];
+      const float k_ = ss > kEps2 ? dot / ss : 0.f;
+      for (int64_t i = 0; i < w; ++i) out[h * w + i] = f * (gy[i] - x[i] * k_);
+    }
+    if (t >= t1) continue;
+    // the mean residuals: q_res[h] feeds pre_q[h] and (1/g of) pre_k[h / g]
+    float* dzr = dz + row * c;
+    for (int64_t h = 0; h < d.nq; ++h)
+      for (int64_t i = 0; i < w; ++i)
+        dres[h * w + i] = out[h * w + i] + out[(d.nq + h / g) * w + i] / static_cast<float>(g);
+    for (int64_t h = 0; h < d.nq; ++h)
+      for (int64_t i = 0; i < w; ++i) dzr[h * w + i] = dres[h * w + i] * 0.5f;
+    for (int64_t kh = 0; kh < d.nk; ++kh)
+      for (int64_t i = 0; i < w; ++i) {
+        float s = 0.f;
+        for (int64_t m = 0; m < g; ++m) s += dres[(kh * g + m) * w + i];
+        dzr[(d.nq + kh) * w + i] = s * 0.5f;
+      }
+  }
+
+  // Stage 2 backward: its bias and kernel (own rows), and the taps' gradients (all n rows).
+  for (int64_t r = 0; r < own; ++r)
+    for (int64_t i = 0; i < c; ++i) d_g_bias[i] += ds2[r * c + i];
+  for (int64_t j = 0; j < d.k1; ++j)
+    for (int64_t h = 0; h < d.heads; ++h) {
+      mac(d_g_kernel + (j * d.heads + h) * w * w, w, p.data() + j * n * c + h * w, 1, c, ds2.data() + h * w, c, w,
+          own, w);
+      mac(dp.data() + j * n * c + h * w, c, ds2.data() + h * w, c, 1, kern.g_kernel_t.data() + (j * d.heads + h) * w * w,
+          w, n, w, w);
+    }
+  // ... into stage 1's rows [t0, f1) (a tap that read the bias before a document start: the bias).
+  for (int64_t j = 0; j < d.k1; ++j) {
+    const int64_t shift = d.k1 - 1 - j;
+    for (int64_t t = t0; t < e1; ++t) {
+      const float* from = dp.data() + (j * n + t - t0) * c;
+      if (keep(seg, t, shift)) {
+        if (t - shift >= t0 && t - shift < f1) {  // earlier rows are the previous chunk's
+          float* to = ds1.data() + (t - shift - t0) * c;
+#pragma omp simd
+          for (int64_t i = 0; i < c; ++i) to[i] += from[i];
+        }
+      } else if (t < t1) {
+        for (int64_t i = 0; i < c; ++i) d_dw_bias[i] += from[i];
+      }
+    }
+  }
+  // Stage 1 backward: its bias and kernel (own rows), and z.
+  for (int64_t t = t0; t < t1; ++t) {
+    const float* g1 = ds1.data() + (t - t0) * c;
+    for (int64_t i = 0; i < c; ++i) d_dw_bias[i] += g1[i];
+    for (int64_t j = 0; j < d.k0; ++j) {
+      const int64_t shift = d.k0 - 1 - j;
+      if (!keep(seg, t, shift)) continue;
+      const float* x = in.z + (b * d.seq + t - shift) * c;
+      float* dw = d_dw_kernel + j * c;
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) dw[i] += g1[i] * x[i];
+    }
+    float* dzr = dz + (b * d.seq + t) * c;
+    for (int64_t j = 0; j < d.k0; ++j) {
+      const int64_t shift = d.k0 - 1 - j;
+      if (t + shift >= d.seq || !keep(seg, t + shift, shift)) continue;
+      const float* g1s = ds1.data() + (t + shift - t0) * c;
+      const float* wj = in.dw_kernel + j * c;
+#pragma omp simd
+      for (int64_t i = 0; i < c; ++i) dzr[i] += g1s[i] * wj[i];
+    }
+  }
+}
 
 ffi::Error dims_of(const ffi::Buffer<ffi::F32>& z, const ffi::Buffer<ffi::F32>& dw_kernel,
                    const ffi::Buffer<ffi::F32>& dw_bias, const ffi::Buffer<ffi::F32>& g_kernel,
@@ -408,7 +419,7 @@ ffi::Error CcaQkFwdImpl(ffi::ThreadPool pool, int64_t nq, int64_t nk, F32 z, F32
   const int64_t items = kern.d.batch * kern.d.chunks();
   float *qo = q->typed_data(), *ko = k->typed_data();
   zaya::parallel_items(pool, items, zaya::worker_count(pool, items, 1),
-                       [&](int64_t i, int) { kern.forward_item(i, qo, ko); });
+                       [&](int64_t i, int) { forward_item(kern, i, qo, ko); });
   return ffi::Error::Success();
 }
 
@@ -436,7 +447,7 @@ ffi::Error CcaQkBwdImpl(ffi::ThreadPool pool, int64_t nq, int64_t nk, F32 z, F32
   const float *dqp = dq.typed_data(), *dkp = dk.typed_data();
   float* dzp = dz->typed_data();
   zaya::parallel_items(pool, lanes, zaya::worker_count(pool, lanes, 1), [&](int64_t lane, int) {
-    for (int64_t i = lane; i < items; i += lanes) kern.backward_item(i, dqp, dkp, dzp, parts.data() + lane * size);
+    for (int64_t i = lane; i < items; i += lanes) backward_item(kern, i, dqp, dkp, dzp, parts.data() + lane * size);
   });
   for (int lane = 1; lane < lanes; ++lane)
     for (int64_t e = 0; e < size; ++e) parts[e] += parts[static_cast<size_t>(lane) * size + e];
