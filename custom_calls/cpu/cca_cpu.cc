@@ -16,7 +16,8 @@
 //
 // Work items are (batch row, chunk of kChunk positions); a chunk recomputes the few positions before
 // it that its convolution reads (and, in the backward, the few after it whose gradients reach it).
-// The backward recomputes the forward from the inputs (nothing is saved between the two calls).
+// The forward also returns the heads before normalisation (batch, seq, C), which the backward reads;
+// it recomputes the rest it needs (stage 1 and the taps) from the inputs.
 // Parameter gradients are summed per lane (a fixed share of the items, in order) and the lanes in
 // order, so a gradient does not depend on the threads' timing. float32 only.
 //
@@ -226,22 +227,23 @@ struct Kernel {
 };
 
 // One item's forward: q and k of its positions written.
-ZAYA_CLONES void forward_item(const Kernel& kern, int64_t index, float* q, float* k) {
+ZAYA_CLONES void forward_item(const Kernel& kern, int64_t index, float* q, float* k, float* pre_out) {
   const Dims& d = kern.d;
   const Inputs& in = kern.in;
   const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
   const int64_t s0 = std::max<int64_t>(0, t0 - (d.k1 - 1)), n = t1 - t0, w = d.d;
   const float scale = std::sqrt(static_cast<float>(w));
-  std::vector<float> s1((t1 - s0) * d.c), p(d.k1 * n * d.c), s2(n * d.c), pre(d.c), y(w);
+  std::vector<float> s1((t1 - s0) * d.c), p(d.k1 * n * d.c), s2(n * d.c), y(w);
   kern.stage1(b, s0, t1, s1.data());
   kern.taps(b, t0, t1, s1.data(), s0, p.data());
   kern.stage2(p.data(), n, s2.data());
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t row = b * d.seq + t;
-    kern.pre_norm(s2.data() + (t - t0) * d.c, in.z + row * d.c, pre.data());
+    float* pre = pre_out + row * d.c;
+    kern.pre_norm(s2.data() + (t - t0) * d.c, in.z + row * d.c, pre);
     const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
     for (int64_t h = 0; h < d.heads; ++h) {
-      const float* x = pre.data() + h * w;
+      const float* x = pre + h * w;
       const float f = l2_factor(x, w, scale);
       const bool key = h >= d.nq;
       for (int64_t i = 0; i < w; ++i) y[i] = key ? (x[i] * f) * in.temp[h - d.nq] : x[i] * f;
@@ -252,8 +254,8 @@ ZAYA_CLONES void forward_item(const Kernel& kern, int64_t index, float* q, float
 
 // One item's backward: dz of its positions written; its parameter gradients added to params
 // (dw_kernel, dw_bias, g_kernel, g_bias, temp; Dims::param_size floats).
-ZAYA_CLONES void backward_item(const Kernel& kern, int64_t index, const float* dq, const float* dk, float* dz,
-                             float* params) {
+ZAYA_CLONES void backward_item(const Kernel& kern, int64_t index, const float* pre_in, const float* dq,
+                               const float* dk, float* dz, float* params) {
   const Dims& d = kern.d;
   const Inputs& in = kern.in;
   const int64_t b = index / d.chunks(), t0 = (index % d.chunks()) * kChunk, t1 = std::min(d.seq, t0 + kChunk);
@@ -269,22 +271,20 @@ ZAYA_CLONES void backward_item(const Kernel& kern, int64_t index, const float* d
   float* d_g_bias = d_g_kernel + d.k1 * d.heads * w * w;
   float* d_temp = d_g_bias + c;
 
-  std::vector<float> s1((e1 - s0) * c), p(d.k1 * n * c), s2(n * c), pre(c), ds2(n * c), dp(d.k1 * n * c, 0.f),
+  std::vector<float> s1((e1 - s0) * c), p(d.k1 * n * c), ds2(n * c), dp(d.k1 * n * c, 0.f),
       ds1((f1 - t0) * c, 0.f), gy(w), dres(d.heads * w);
   kern.stage1(b, s0, e1, s1.data());
   kern.taps(b, t0, e1, s1.data(), s0, p.data());
-  kern.stage2(p.data(), n, s2.data());
 
   // Normalisation, temperature and RoPE backward: ds2 for rows [t0, e1), the residual part of dz
   // and the temperature's gradient for the chunk's own rows.
   for (int64_t t = t0; t < e1; ++t) {
     const int64_t row = b * d.seq + t, r = t - t0;
-    const float* z = in.z + row * c;
-    kern.pre_norm(s2.data() + r * c, z, pre.data());
+    const float* pre = pre_in + row * c;  // the forward's pre-normalisation heads
     const float *cs = in.cos + row * d.rd, *sn = in.sin + row * d.rd;
     float* out = ds2.data() + r * c;
     for (int64_t h = 0; h < d.heads; ++h) {
-      const float* x = pre.data() + h * w;
+      const float* x = pre + h * w;
       const bool key = h >= d.nq;
       const float* grad = key ? dk + (row * d.nk + h - d.nq) * w : dq + (row * d.nq + h) * w;
       rope_transpose(grad, cs, sn, d.rd, w, gy.data());
@@ -411,29 +411,30 @@ using F32 = ffi::Buffer<ffi::F32>;
 
 ffi::Error CcaQkFwdImpl(ffi::ThreadPool pool, int64_t nq, int64_t nk, F32 z, F32 dw_kernel, F32 dw_bias, F32 g_kernel,
                         F32 g_bias, F32 temp, F32 cos, F32 sin, ffi::Buffer<ffi::S32> seg, ffi::Result<F32> q,
-                        ffi::Result<F32> k) {
+                        ffi::Result<F32> k, ffi::Result<F32> pre) {
   Kernel kern;
   if (auto err = dims_of(z, dw_kernel, dw_bias, g_kernel, g_bias, temp, cos, sin, seg, nq, nk, kern.d); err.failure())
     return err;
   kern.in = inputs_of(z, dw_kernel, dw_bias, g_kernel, g_bias, temp, cos, sin, seg);
   const int64_t items = kern.d.batch * kern.d.chunks();
-  float *qo = q->typed_data(), *ko = k->typed_data();
+  float *qo = q->typed_data(), *ko = k->typed_data(), *po = pre->typed_data();
   zaya::parallel_items(pool, items, zaya::worker_count(pool, items, 1),
-                       [&](int64_t i, int) { forward_item(kern, i, qo, ko); });
+                       [&](int64_t i, int) { forward_item(kern, i, qo, ko, po); });
   return ffi::Error::Success();
 }
 
 ffi::Error CcaQkBwdImpl(ffi::ThreadPool pool, int64_t nq, int64_t nk, F32 z, F32 dw_kernel, F32 dw_bias, F32 g_kernel,
-                        F32 g_bias, F32 temp, F32 cos, F32 sin, ffi::Buffer<ffi::S32> seg, F32 dq, F32 dk,
+                        F32 g_bias, F32 temp, F32 cos, F32 sin, ffi::Buffer<ffi::S32> seg, F32 pre, F32 dq, F32 dk,
                         ffi::Result<F32> dz, ffi::Result<F32> d_dw_kernel, ffi::Result<F32> d_dw_bias,
                         ffi::Result<F32> d_g_kernel, ffi::Result<F32> d_g_bias, ffi::Result<F32> d_temp) {
   Kernel kern;
   if (auto err = dims_of(z, dw_kernel, dw_bias, g_kernel, g_bias, temp, cos, sin, seg, nq, nk, kern.d); err.failure())
     return err;
   const Dims& d = kern.d;
-  if (dq.element_count() != static_cast<size_t>(d.batch * d.seq * nq * d.d) ||
+  if (pre.element_count() != static_cast<size_t>(d.batch * d.seq * d.c) ||
+      dq.element_count() != static_cast<size_t>(d.batch * d.seq * nq * d.d) ||
       dk.element_count() != static_cast<size_t>(d.batch * d.seq * nk * d.d))
-    return ffi::Error::InvalidArgument("zaya_cca_qk_bwd: dq and dk must be shaped like q and k");
+    return ffi::Error::InvalidArgument("zaya_cca_qk_bwd: pre must be shaped like z, dq and dk like q and k");
   kern.in = inputs_of(z, dw_kernel, dw_bias, g_kernel, g_bias, temp, cos, sin, seg);
   const int64_t w = d.d;
   kern.g_kernel_t.resize(d.k1 * d.heads * w * w);
@@ -444,10 +445,10 @@ ffi::Error CcaQkBwdImpl(ffi::ThreadPool pool, int64_t nq, int64_t nk, F32 z, F32
   const int64_t items = d.batch * d.chunks(), size = d.param_size();
   const int lanes = static_cast<int>(std::min<int64_t>(items, 2 * zaya::worker_count(pool, items, 1)));
   std::vector<float> parts(static_cast<size_t>(lanes) * size, 0.f);
-  const float *dqp = dq.typed_data(), *dkp = dk.typed_data();
+  const float *dqp = dq.typed_data(), *dkp = dk.typed_data(), *prep = pre.typed_data();
   float* dzp = dz->typed_data();
   zaya::parallel_items(pool, lanes, zaya::worker_count(pool, lanes, 1), [&](int64_t lane, int) {
-    for (int64_t i = lane; i < items; i += lanes) backward_item(kern, i, dqp, dkp, dzp, parts.data() + lane * size);
+    for (int64_t i = lane; i < items; i += lanes) backward_item(kern, i, prep, dqp, dkp, dzp, parts.data() + lane * size);
   });
   for (int lane = 1; lane < lanes; ++lane)
     for (int64_t e = 0; e < size; ++e) parts[e] += parts[static_cast<size_t>(lane) * size + e];
@@ -480,12 +481,13 @@ static auto bind_inputs() {
       .Arg<ffi::Buffer<ffi::S32>>();  // segment ids
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaCcaQkFwd, CcaQkFwdImpl, bind_inputs().Ret<F32>().Ret<F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaCcaQkFwd, CcaQkFwdImpl, bind_inputs().Ret<F32>().Ret<F32>().Ret<F32>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaCcaQkBwd, CcaQkBwdImpl,
                               bind_inputs()
-                                  .Arg<F32>()
-                                  .Arg<F32>()
+                                  .Arg<F32>()  // the forward's pre-normalisation heads (batch, seq, C)
+                                  .Arg<F32>()  // dq
+                                  .Arg<F32>()  // dk
                                   .Ret<F32>()
                                   .Ret<F32>()
                                   .Ret<F32>()

@@ -3,7 +3,8 @@ from the raw projections ``z = [q0 || k0]`` to the attention's q and k: the two-
 convolution (restarting at document boundaries), the "mean" residuals, the L2 normalisation to
 sqrt(d), the keys' temperature and the partial NeoX RoPE (spec §2.3 steps 2-6), threaded over
 (batch row, 64-position chunk) on XLA's intra-op pool. The backward recomputes the forward from the
-inputs and sums the parameter gradients in a fixed order (the same bits on every call).
+inputs (all but the heads before normalisation, which the forward saves) and sums the parameter
+gradients in a fixed order (the same bits on every call).
 
 Why a custom call: written in JAX (:mod:`zaya_jax.model.cca`, the reference, which every other
 path runs), these steps are some forty small operations per layer that XLA:CPU runs one after
@@ -43,6 +44,7 @@ def _forward(inputs, nq, nk):
         (
             jax.ShapeDtypeStruct((batch, seq, nq, d), jnp.float32),
             jax.ShapeDtypeStruct((batch, seq, nk, d), jnp.float32),
+            jax.ShapeDtypeStruct(z.shape, jnp.float32),  # the heads before normalisation
         ),
     )
     return call(*inputs, **_attrs(nq, nk))
@@ -50,18 +52,20 @@ def _forward(inputs, nq, nk):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
 def _fused(inputs, nq, nk):
-    return _forward(inputs, nq, nk)
+    return _forward(inputs, nq, nk)[:2]
 
 
 def _fused_forward(inputs, nq, nk):
-    return _forward(inputs, nq, nk), inputs
+    q, k, pre = _forward(inputs, nq, nk)
+    return (q, k), (inputs, pre)
 
 
-def _fused_backward(nq, nk, inputs, cotangents):
+def _fused_backward(nq, nk, residuals, cotangents):
+    inputs, pre = residuals
     cos, sin, segments = inputs[6:]
     dq, dk = cotangents
     call = jax.ffi.ffi_call(BACKWARD, tuple(jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in inputs[:6]))
-    grads = call(*inputs, dq.astype(jnp.float32), dk.astype(jnp.float32), **_attrs(nq, nk))
+    grads = call(*inputs, pre, dq.astype(jnp.float32), dk.astype(jnp.float32), **_attrs(nq, nk))
     # the RoPE tables come from integer positions and fixed frequencies: no gradient
     return ((*grads, jnp.zeros_like(cos), jnp.zeros_like(sin), np.zeros(segments.shape, jax.dtypes.float0)),)
 
