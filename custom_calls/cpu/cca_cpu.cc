@@ -223,10 +223,9 @@ struct Kernel {
         pre[(d.nq + kh) * w + i] = s2[(d.nq + kh) * w + i] + sum / static_cast<float>(g);
       }
   }
-
 };
 
-// One item's forward: q and k of its positions written.
+// One item's forward: q, k and the heads before normalisation (pre_out, batch x seq x c) of its positions.
 ZAYA_CLONES void forward_item(const Kernel& kern, int64_t index, float* q, float* k, float* pre_out) {
   const Dims& d = kern.d;
   const Inputs& in = kern.in;

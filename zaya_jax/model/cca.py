@@ -351,9 +351,9 @@ class CCAAttention(nn.Module):
         new_cache = None
         fused = mode == "plain" and _fused_qk(cfg, dtype)
 
-        def steps_3_to_6(conv):
-            """The convolution's output plus the residuals, L2-normalised (to sqrt(d), keys times
-            the raw per-KV-head temperature), partial NeoX RoPE."""
+        def queries_keys(conv):
+            """Steps 5-6 from the convolution's output plus the step-2 residuals: L2-normalised (to
+            sqrt(d), keys times the raw per-KV-head temperature), partial NeoX RoPE."""
             conv = conv.reshape(batch, seq, nq + nk, d)
             return _normalized_rotated(conv[:, :, :nq] + q_res, conv[:, :, nq:] + k_res, temp, tables)
 
@@ -364,7 +364,7 @@ class CCAAttention(nn.Module):
                 return cca_cpu.cpu_cca_qk(z, *conv_weights, temp, *tables, segments, nq=nq, nk=nk)
 
             def elsewhere(z, segments):
-                return steps_3_to_6(two_stage_conv(z, *conv_weights, segment_ids))
+                return queries_keys(two_stage_conv(z, *conv_weights, segment_ids))
 
             q, k = jax.lax.platform_dependent(z, segments, cpu=on_cpu, default=elsewhere)
         else:
@@ -378,7 +378,7 @@ class CCAAttention(nn.Module):
                 conv, vd, new_cache = _temporal_decode(
                     z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask
                 )
-            q, k = steps_3_to_6(conv)
+            q, k = queries_keys(conv)
         v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
         # Steps 7-8: causal GQA attention (sliding-window layers add their window), then o_proj.
