@@ -32,16 +32,9 @@
 #include "xla/ffi/api/ffi.h"
 #include "zaya_math.h"
 #include "zaya_parallel.h"
+#include "zaya_simd.h"
 
 namespace ffi = xla::ffi;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZAYA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ZAYA_CLONES
-#endif
-// Helpers of the cloned functions: inlined into each clone, so compiled for its instruction set.
-#define ZAYA_INLINE inline __attribute__((always_inline))
 
 namespace {
 
@@ -136,18 +129,10 @@ void load_rows(const T* x, const Dims& d, int64_t b, int64_t h, int64_t r0, int6
   }
 }
 
-// 16 floats as one value: GCC lowers its arithmetic to the clone's widest vectors (one zmm with
-// AVX-512, two ymm with AVX2, four xmm otherwise), so accumulators stay in registers by construction.
-typedef float vf __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-ZAYA_INLINE vf load_vf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-ZAYA_INLINE void store_vf(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
+using zaya::kLanes;
+using zaya::load_vf;
+using zaya::store_vf;
+using zaya::vf;
 
 // s (rows x kBlockK) = a (rows x width) . bt (width x kBlockK): four rows at a time, their score
 // rows (4 x 4 vectors) held in registers while the width is walked.
@@ -174,63 +159,10 @@ ZAYA_CLONES void scores(const float* __restrict a, const float* __restrict bt, i
   for (; i < rows; ++i) score_rows<1>(a + i * width, bt, width, s + i * kBlockK);
 }
 
-// acc[i][:] += sum_j coef[i * si + j * sj] * rows[j][:] for i < m, j < n; rows (n x W). R accumulator
-// rows of W floats stay in registers while j is walked.
-template <int W, int R>
-ZAYA_INLINE void accumulate_rows(float* __restrict acc, const float* __restrict coef, int64_t si, int64_t sj,
-                            const float* __restrict rows, int64_t n) {
-  constexpr int V = W / kLanes;
-  vf a[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) a[r][t] = load_vf(acc + r * W + t * kLanes);
-  for (int64_t j = 0; j < n; ++j) {
-    vf x[V];
-    for (int t = 0; t < V; ++t) x[t] = load_vf(rows + j * W + t * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const float c = coef[r * si + j * sj];
-      for (int t = 0; t < V; ++t) a[r][t] += c * x[t];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) store_vf(acc + r * W + t * kLanes, a[r][t]);
-}
-
-template <int W>
-ZAYA_CLONES void accumulate_fixed(float* __restrict acc, const float* __restrict coef, int64_t si, int64_t sj,
-                                  const float* __restrict rows, int64_t m, int64_t n) {
-  constexpr int R = W <= 32 ? 4 : (W == 64 ? 2 : 1);
-  int64_t i = 0;
-  for (; i + R <= m; i += R) accumulate_rows<W, R>(acc + i * W, coef + i * si, si, sj, rows, n);
-  for (; i < m; ++i) accumulate_rows<W, 1>(acc + i * W, coef + i * si, si, sj, rows, n);
-}
-
-ZAYA_CLONES void accumulate_any(float* __restrict acc, const float* __restrict coef, int64_t si, int64_t sj,
-                                const float* __restrict rows, int64_t m, int64_t n, int64_t w) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* __restrict a = acc + i * w;
-    for (int64_t j = 0; j < n; ++j) {
-      const float x = coef[i * si + j * sj];
-      const float* __restrict r = rows + j * w;
-#pragma omp simd
-      for (int64_t c = 0; c < w; ++c) a[c] += x * r[c];
-    }
-  }
-}
-
+// acc (m x w, contiguous rows) += coef (m x n, strides si, sj) . rows (n x w, contiguous rows).
 void accumulate(float* acc, const float* coef, int64_t si, int64_t sj, const float* rows, int64_t m, int64_t n,
                 int64_t w) {
-  switch (w) {
-    case 16:
-      return accumulate_fixed<16>(acc, coef, si, sj, rows, m, n);
-    case 32:
-      return accumulate_fixed<32>(acc, coef, si, sj, rows, m, n);
-    case 64:
-      return accumulate_fixed<64>(acc, coef, si, sj, rows, m, n);
-    case 128:
-      return accumulate_fixed<128>(acc, coef, si, sj, rows, m, n);
-    default:
-      return accumulate_any(acc, coef, si, sj, rows, m, n, w);
-  }
+  zaya::mac(acc, w, coef, si, sj, rows, w, m, n, w);
 }
 
 // One key block's slots and segments (keys past the sequence's end get a slot no query reaches).

@@ -32,91 +32,16 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "zaya_parallel.h"
+#include "zaya_simd.h"
 
 namespace ffi = xla::ffi;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZAYA_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ZAYA_CLONES
-#endif
-#define ZAYA_INLINE inline __attribute__((always_inline))
 
 namespace {
 
 constexpr int64_t kChunk = 64;
 constexpr float kEps2 = std::numeric_limits<float>::epsilon() * std::numeric_limits<float>::epsilon();
 
-typedef float vf __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-ZAYA_INLINE vf load_vf(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-
-ZAYA_INLINE void store_vf(float* p, vf v) { std::memcpy(p, &v, sizeof(v)); }
-
-// acc[i * as + (0 .. W)] += sum_j coef[i * si + j * sj] * rows[j * rs + (0 .. W)] for i < R, j < n:
-// R accumulator rows of W floats stay in registers while j is walked.
-template <int W, int R>
-ZAYA_INLINE void mac_rows(float* __restrict acc, int64_t as, const float* __restrict coef, int64_t si, int64_t sj,
-                          const float* __restrict rows, int64_t rs, int64_t n) {
-  constexpr int V = W / kLanes;
-  vf a[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) a[r][t] = load_vf(acc + r * as + t * kLanes);
-  for (int64_t j = 0; j < n; ++j) {
-    vf x[V];
-    for (int t = 0; t < V; ++t) x[t] = load_vf(rows + j * rs + t * kLanes);
-    for (int r = 0; r < R; ++r) {
-      const float c = coef[r * si + j * sj];
-      for (int t = 0; t < V; ++t) a[r][t] += c * x[t];
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < V; ++t) store_vf(acc + r * as + t * kLanes, a[r][t]);
-}
-
-template <int W>
-ZAYA_CLONES void mac_fixed(float* acc, int64_t as, const float* coef, int64_t si, int64_t sj, const float* rows,
-                           int64_t rs, int64_t m, int64_t n) {
-  constexpr int R = W <= 32 ? 4 : (W == 64 ? 2 : 1);
-  int64_t i = 0;
-  for (; i + R <= m; i += R) mac_rows<W, R>(acc + i * as, as, coef + i * si, si, sj, rows, rs, n);
-  for (; i < m; ++i) mac_rows<W, 1>(acc + i * as, as, coef + i * si, si, sj, rows, rs, n);
-}
-
-ZAYA_CLONES void mac_any(float* __restrict acc, int64_t as, const float* __restrict coef, int64_t si, int64_t sj,
-                         const float* __restrict rows, int64_t rs, int64_t m, int64_t n, int64_t w) {
-  for (int64_t i = 0; i < m; ++i) {
-    float* __restrict a = acc + i * as;
-    for (int64_t j = 0; j < n; ++j) {
-      const float x = coef[i * si + j * sj];
-      const float* __restrict r = rows + j * rs;
-#pragma omp simd
-      for (int64_t c = 0; c < w; ++c) a[c] += x * r[c];
-    }
-  }
-}
-
-// The m x w block at acc (row stride as) += coef (m x n, strides si, sj) . rows (n x w, row stride rs).
-void mac(float* acc, int64_t as, const float* coef, int64_t si, int64_t sj, const float* rows, int64_t rs, int64_t m,
-         int64_t n, int64_t w) {
-  switch (w) {
-    case 16:
-      return mac_fixed<16>(acc, as, coef, si, sj, rows, rs, m, n);
-    case 32:
-      return mac_fixed<32>(acc, as, coef, si, sj, rows, rs, m, n);
-    case 64:
-      return mac_fixed<64>(acc, as, coef, si, sj, rows, rs, m, n);
-    case 128:
-      return mac_fixed<128>(acc, as, coef, si, sj, rows, rs, m, n);
-    default:
-      return mac_any(acc, as, coef, si, sj, rows, rs, m, n, w);
-  }
-}
+using zaya::mac;
 
 struct Dims {
   int64_t batch, seq, nq, nk, d, c, heads, k0, k1, rd;  // heads = nq + nk, c = heads * d
