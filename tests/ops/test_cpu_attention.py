@@ -153,8 +153,9 @@ def test_bfloat16_inputs_follow_the_float32_definition():
 
 
 def test_a_model_trains_with_the_cpu_kernel_to_the_blocked_kernels_loss():
-    """One forward and backward of the tiny model with attention_impl cpu equals blocked, documents
-    packed, 150 tokens (three key blocks of the custom call, several of the blocked kernel)."""
+    """One forward and backward of the tiny model with attention_impl cpu (the attention and CCA
+    query/key custom calls) equals blocked (the JAX steps), documents packed, 150 tokens (three key
+    blocks of the custom call, three of the CCA kernel's chunks, several of the blocked kernel)."""
     from tests.random_model import random_variables, tiny_config
     from zaya_jax.model import Zaya
 
