@@ -148,6 +148,20 @@ def _fused_qk(cfg: ModelConfig, dtype: jnp.dtype) -> bool:
     return cfg.attention_impl == "cpu" and dtype == jnp.float32 and cca_cpu.available()
 
 
+def _fused_plain(z, conv_weights, temp, tables, segment_ids, segments, queries_keys, cfg: ModelConfig):
+    """Steps 2-6 of the plain mode from z = [q0 || k0] to (q, k): the CPU custom call on a CPU, the
+    JAX steps (the convolution, then ``queries_keys``) on other devices."""
+
+    def on_cpu(z, segments):
+        nq, nk = cfg.num_heads, cfg.num_kv_heads
+        return cca_cpu.cpu_cca_qk(z, *conv_weights, temp, *tables, segments, nq=nq, nk=nk)
+
+    def elsewhere(z, segments):
+        return queries_keys(two_stage_conv(z, *conv_weights, segment_ids))
+
+    return jax.lax.platform_dependent(z, segments, cpu=on_cpu, default=elsewhere)
+
+
 def _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, context: int, token_mask=None):
     """Steps 3-4 for T new tokens after the cached ones (spec §3): the convolution reads the cached
     last P raw columns, the value shift the cached last delayed projection. Returns (conv, vd, the
@@ -294,6 +308,21 @@ class CCAAttention(nn.Module):
             out, stacks = jax.lax.cond(window > 0, ring, full, stacks)
         return out, {**new_cache, **stacks}
 
+    def _temporal(
+        self, mode, z, vd, vd_at_start, conv_weights, segment_ids, segments, cache, index, token_mask
+    ):
+        """Steps 3-4 in the JAX steps of ``mode``: (convolution of z, delayed values, the decode
+        cache's conv state and delayed value or None)."""
+        cfg = self.cfg
+        if mode == "plain":
+            return (*_temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids), None)
+        if mode == "context":
+            return (
+                *self.hooks.context.temporal(z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context),
+                None,
+            )
+        return _temporal_decode(z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask)
+
     @nn.compact
     def __call__(
         self,
@@ -349,35 +378,17 @@ class CCAAttention(nn.Module):
         temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype).astype(dtype)
         tables = rope_tables(positions, inv_freq, dtype)
         new_cache = None
-        fused = mode == "plain" and _fused_qk(cfg, dtype)
 
-        def queries_keys(conv):
-            """Steps 5-6 from the convolution's output plus the step-2 residuals: L2-normalised (to
-            sqrt(d), keys times the raw per-KV-head temperature), partial NeoX RoPE."""
+        def queries_keys(conv):  # steps 5-6 from the convolution's output plus the step-2 residuals
             conv = conv.reshape(batch, seq, nq + nk, d)
             return _normalized_rotated(conv[:, :, :nq] + q_res, conv[:, :, nq:] + k_res, temp, tables)
 
-        if fused:  # steps 2-6 in one CPU custom call; the JAX steps on other devices
+        if mode == "plain" and _fused_qk(cfg, dtype):  # steps 2-6 in one CPU custom call
             vd = _delayed_plain(vd, vd_at_start, segment_ids)
-
-            def on_cpu(z, segments):
-                return cca_cpu.cpu_cca_qk(z, *conv_weights, temp, *tables, segments, nq=nq, nk=nk)
-
-            def elsewhere(z, segments):
-                return queries_keys(two_stage_conv(z, *conv_weights, segment_ids))
-
-            q, k = jax.lax.platform_dependent(z, segments, cpu=on_cpu, default=elsewhere)
+            q, k = _fused_plain(z, conv_weights, temp, tables, segment_ids, segments, queries_keys, cfg)
         else:
-            if mode == "plain":
-                conv, vd = _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids)
-            elif mode == "context":
-                conv, vd = self.hooks.context.temporal(
-                    z, vd, vd_at_start, segments, *conv_weights, cfg.conv_context
-                )
-            else:
-                conv, vd, new_cache = _temporal_decode(
-                    z, vd, vd_at_start, conv_weights, cache, index, cfg.conv_context, token_mask
-                )
+            temporal = (z, vd, vd_at_start, conv_weights, segment_ids, segments)
+            conv, vd, new_cache = self._temporal(mode, *temporal, cache, index, token_mask)
             q, k = queries_keys(conv)
         v = jnp.concatenate([v_current, vd], axis=-1).reshape(batch, seq, nk, d)
 
