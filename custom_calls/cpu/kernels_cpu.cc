@@ -1,6 +1,6 @@
 // CPU handlers (the "CPU twin" of the GPU kernels): fused residual scaling + RMSNorm, forward and
-// backward, and the Newton-Schulz quintic iteration over a batch of same-shape matrices.
-// Registered from Python as zaya_residual_rms_norm_fwd/_bwd and zaya_newton_schulz on "cpu".
+// backward, registered from Python as zaya_residual_rms_norm_fwd/_bwd on "cpu". The twin of the
+// GPU's zaya_newton_schulz is in newton_schulz_cpu.cc.
 
 #include <algorithm>
 #include <cmath>
@@ -143,55 +143,6 @@ ffi::Error ResidualRmsNormBwdImpl(float eps, ffi::AnyBuffer f, ffi::Buffer<ffi::
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-#pragma omp simd reduction(+ : s)
-  for (int64_t k = 0; k < n; ++k) s += a[k] * b[k];
-  return s;
-}
-
-// One matrix X (m x n, m <= n), ``steps`` quintic iterations X <- a X + (b G + c G G) X, G = X X^T.
-// G and b G + c G G are symmetric: only their upper triangles are computed (G G = G G^T, so its
-// entries are dot products of rows of G as well).
-void newton_schulz_one(float* x, int64_t m, int64_t n, int steps, float a, float b, float c, float* gram,
-                       float* poly, float* next) {
-  for (int s = 0; s < steps; ++s) {
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = i; j < m; ++j) gram[i * m + j] = gram[j * m + i] = dot(x + i * n, x + j * n, n);
-    for (int64_t i = 0; i < m; ++i)
-      for (int64_t j = i; j < m; ++j)
-        poly[i * m + j] = poly[j * m + i] = b * gram[i * m + j] + c * dot(gram + i * m, gram + j * m, m);
-    for (int64_t i = 0; i < m; ++i) {
-      float* out = next + i * n;
-#pragma omp simd
-      for (int64_t j = 0; j < n; ++j) out[j] = a * x[i * n + j];
-      for (int64_t k = 0; k < m; ++k) {
-        const float coef = poly[i * m + k];
-        const float* row = x + k * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) out[j] += coef * row[j];
-      }
-    }
-    std::copy(next, next + m * n, x);
-  }
-}
-
-ffi::Error NewtonSchulzImpl(int32_t steps, float a, float b, float c, ffi::Buffer<ffi::F32> x,
-                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto d = x.dimensions();
-  if (d.size() < 2) return ffi::Error::InvalidArgument("zaya_newton_schulz needs (..., m, n) matrices");
-  const int64_t m = d[d.size() - 2], n = d.back();
-  if (m > n) return ffi::Error::InvalidArgument("zaya_newton_schulz needs m <= n (transpose tall matrices)");
-  const int64_t count = m * n ? static_cast<int64_t>(x.element_count()) / (m * n) : 0;
-  std::vector<float> gram(m * m), poly(m * m), next(m * n);
-  const float* in = x.typed_data();
-  float* out = y->typed_data();
-  std::copy(in, in + count * m * n, out);
-  for (int64_t i = 0; i < count; ++i)
-    newton_schulz_one(out + i * m * n, m, n, steps, a, b, c, gram.data(), poly.data(), next.data());
-  return ffi::Error::Success();
-}
-
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaResidualRmsNormFwd, ResidualRmsNormFwdImpl,
@@ -213,13 +164,4 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaResidualRmsNormBwd, ResidualRmsNormBwdImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaNewtonSchulz, NewtonSchulzImpl,
-                              ffi::Ffi::Bind()
-                                  .Attr<int32_t>("steps")
-                                  .Attr<float>("a")
-                                  .Attr<float>("b")
-                                  .Attr<float>("c")
-                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

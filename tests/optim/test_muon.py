@@ -12,6 +12,7 @@ import pytest
 from optax.contrib import MuonDimensionNumbers
 
 from zaya_jax.config import NS_COEFFS, ConfigError, OptimConfig
+from zaya_jax.ops import newton_schulz_cpu
 from zaya_jax.ops.newton_schulz import (
     full_float32_matmuls,
     gram_flops,
@@ -218,11 +219,13 @@ def _matrices(kind: str, shape: tuple[int, int, int], seed: int) -> np.ndarray:
 
 
 def _gram_vs_standard(
-    x: jax.Array, restart: int | None = None
+    x: jax.Array, restart: int | None = None, impl: str = "jax"
 ) -> tuple[float, float, np.ndarray, np.ndarray]:
-    standard = np.asarray(jax.jit(lambda x: newton_schulz(x, formulation="standard"))(x), np.float64)
+    standard = np.asarray(
+        jax.jit(lambda x: newton_schulz(x, impl=impl, formulation="standard"))(x), np.float64
+    )
     if restart is None:
-        gram = np.asarray(jax.jit(lambda x: newton_schulz(x, formulation="gram"))(x), np.float64)
+        gram = np.asarray(jax.jit(lambda x: newton_schulz(x, impl=impl, formulation="gram"))(x), np.float64)
     else:
         norm = jnp.linalg.norm(x, axis=(-2, -1), keepdims=True) + 1e-8
         fn = jax.jit(lambda x: newton_schulz_gram_reference(x, 5, *NS_COEFFS, restart=restart, norm=norm))
@@ -231,11 +234,12 @@ def _gram_vs_standard(
     return float(np.linalg.norm(diff) / np.linalg.norm(standard)), float(np.abs(diff).max()), gram, standard
 
 
+@pytest.mark.parametrize("impl", ["jax", "reference"])  # the JAX loop; on this CPU the kernel
 @pytest.mark.parametrize("kind", ["gaussian", "low_rank", "ill_conditioned"])
 @pytest.mark.parametrize("shape", GRAM_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_gram_newton_schulz_matches_the_standard_iteration(kind: str, shape: tuple[int, int, int]):
+def test_gram_newton_schulz_matches_the_standard_iteration(kind: str, shape: tuple[int, int, int], impl: str):
     x = jnp.asarray(_matrices(kind, shape, seed=shape[1] + shape[2]), jnp.float32)
-    rel_fro, max_abs, gram, standard = _gram_vs_standard(x)
+    rel_fro, max_abs, gram, standard = _gram_vs_standard(x, impl=impl)
     assert rel_fro < GRAM_REL_FRO_BOUND and max_abs < GRAM_MAX_ABS_BOUND, (rel_fro, max_abs)
     # Same singular-value band: [0.68, 1.14] for well-spread spectra, the same small ones lifted.
     np.testing.assert_allclose(_singular_values(gram), _singular_values(standard), rtol=0, atol=1e-4)
@@ -260,26 +264,35 @@ def test_auto_formulation_is_gram_where_it_saves_flops_and_memory():
     # The FLOP crossover is n = 5m/3 (213.3 for m = 128).
     assert gram_flops(128, 214, 5) < standard_flops(128, 214, 5)
     assert gram_flops(128, 213, 5) > standard_flops(128, 213, 5)
-    # Leaf by leaf: wide with aspect >= 4 is Gram (bit for bit); tall ones (see newton_schulz) and
-    # the rest standard. Asked for, tall ones run Gram too.
+    # Leaf by leaf in the JAX loop: wide with aspect >= 4 is Gram (bit for bit); tall ones (see
+    # newton_schulz) and the rest standard. Asked for, tall ones run Gram too.
     for shape, auto in [((3, 24, 96), "gram"), ((3, 96, 24), "standard"), ((3, 32, 64), "standard")]:
         x = jax.random.normal(jax.random.key(6), shape)
-        np.testing.assert_array_equal(orthogonalize(x, (1, 2)), newton_schulz(x, formulation=auto))
+        np.testing.assert_array_equal(
+            orthogonalize(x, (1, 2), impl="jax"), newton_schulz(x, impl="jax", formulation=auto)
+        )
     tall = jax.random.normal(jax.random.key(7), (3, 96, 24))
-    assert not np.array_equal(newton_schulz(tall, formulation="gram"), newton_schulz(tall))
+    assert not np.array_equal(
+        newton_schulz(tall, impl="jax", formulation="gram"), newton_schulz(tall, impl="jax")
+    )
     with pytest.raises(ValueError, match="formulation"):
         newton_schulz(x, formulation="fast")
+    with pytest.raises(ValueError, match="impl"):
+        newton_schulz(x, impl="fast")
 
 
 def test_optim_ns_formulation_reaches_the_muon_leaves():
-    # Every leaf here has aspect <= 2.5, so auto is standard; "gram" changes the results, slightly.
+    # Every leaf here has aspect <= 2.5: the JAX loop's auto is standard; the CPU kernel's is the
+    # cheaper one, gram for the experts' 16 x 40. "gram" changes the results, slightly.
     groups = param_groups(AXES)
     trained = {
         f: _train(build_optimizer(dataclasses.replace(CFG, ns_formulation=f), groups, TOTAL_STEPS))
         for f in ("auto", "standard", "gram")
     }
+    kernel = newton_schulz_cpu.available()
+    auto = {"matrix": "standard", "layer_stack": "standard", "experts": "gram" if kernel else "standard"}
     for name in ("matrix", "layer_stack", "experts"):
-        np.testing.assert_array_equal(trained["auto"][name], trained["standard"][name])
+        np.testing.assert_array_equal(trained["auto"][name], trained[auto[name]][name])
         assert not np.array_equal(trained["gram"][name], trained["standard"][name])
     for name in ("matrix", "layer_stack", "experts"):
         _assert_close(trained["gram"][name], trained["standard"][name], name)

@@ -1,10 +1,13 @@
 """Run with 8 fake CPU devices: compiles the optimizer update for parameters laid out on a
-fsdp=4 x expert=2 mesh, with and without the per-device Newton-Schulz, counts the collectives
-(in total and inside while-loop bodies, where the NS iteration lives) and compares the updates with
-the single-device optimizer. Prints one JSON line."""
+fsdp=4 x expert=2 mesh, with and without the per-device Newton-Schulz, as the CPU program and as
+the GPU program, counts the collectives (in total and inside while-loop bodies, where the GPU
+program's NS iteration lives) and compares the updates with the single-device optimizer of the same
+program. Prints one JSON line."""
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import re
 
@@ -14,6 +17,7 @@ import numpy as np
 import zaya_jax
 from tests.parallel.layouts_worker import MODEL
 from zaya_jax.model import init_variables
+from zaya_jax.ops.platform import planning_for
 from zaya_jax.optim import build_optimizer, model_param_groups
 from zaya_jax.parallel import make_layout, matching_shardings
 
@@ -69,22 +73,30 @@ def main():
     state = reference_tx.init(params)
     for _ in range(3):  # move past warm-up so updates are non-zero
         _, state = reference_tx.update(grads, state, params)
-    reference, _ = jax.jit(reference_tx.update)(grads, state, params)
-
     p_sh = layout.variables["params"]
     s_sh = matching_shardings(state, params, p_sh, layout.mesh)
     out = {}
-    for name, shardings in (("per_device_ns", p_sh), ("gspmd", None)):
-        tx = build_optimizer(cfg.optim, groups, 100, shardings=shardings)
-        update = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
-        args = (jax.device_put(grads, p_sh), jax.device_put(state, s_sh), jax.device_put(params, p_sh))
-        compiled = update.lower(*args).compile()
-        updates, _ = compiled(*args)
-        error = max(
-            float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-            for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(reference), strict=True)
-        )
-        out[name] = {**count_collectives(compiled.as_text()), "max_error": error}
+    # The CPU program (Newton-Schulz as a custom call per leaf, no loop in the HLO) and the GPU
+    # program traced on these CPU devices (planning_for): the JAX loop, where GSPMD unaided would
+    # communicate in every iteration.
+    for program, context in (("", contextlib.nullcontext), ("gpu_", functools.partial(planning_for, "gpu"))):
+        with context():
+            reference, _ = jax.jit(lambda *a: reference_tx.update(*a))(grads, state, params)
+            for name, shardings in (("per_device_ns", p_sh), ("gspmd", None)):
+                tx = build_optimizer(cfg.optim, groups, 100, shardings=shardings)
+                update = jax.jit(tx.update, in_shardings=(p_sh, s_sh, p_sh), out_shardings=(p_sh, s_sh))
+                args = (
+                    jax.device_put(grads, p_sh),
+                    jax.device_put(state, s_sh),
+                    jax.device_put(params, p_sh),
+                )
+                compiled = update.lower(*args).compile()
+                updates, _ = compiled(*args)
+                error = max(
+                    float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                    for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(reference), strict=True)
+                )
+                out[program + name] = {**count_collectives(compiled.as_text()), "max_error": error}
     muon_leaves = sum(
         g.group == "muon" for g in jax.tree.leaves(groups, is_leaf=lambda x: hasattr(x, "group"))
     )

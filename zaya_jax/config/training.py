@@ -48,12 +48,14 @@ class OptimConfig:
     # "adamw": every hidden matrix trains with AdamW at adam_lr too (no Muon leaf), e.g. for RL steps,
     # whose noisy gradients Muon turns into full-size orthogonal updates.
     matrix_optimizer: Literal["muon", "adamw"] = "muon"
-    # Newton-Schulz: "reference" (XLA matmuls) or "custom" (the zaya_newton_schulz custom call
-    # where its library is registered for the platform, else the reference).
+    # Newton-Schulz: "reference" (on a CPU the zaya_newton_schulz_cpu custom call, a matrix per work
+    # item, where the kernels are built; elsewhere XLA matmuls) or "custom" (the fused
+    # zaya_newton_schulz call where its library is registered for the platform, else the reference).
     kernels: Literal["reference", "custom"] = "reference"
     # Newton-Schulz with kernels=reference: "gram" iterates on the m x m Gram matrix (fewer FLOPs when
-    # the long side is > 5/3 of the short one), "standard" on X; "auto": gram when it is >= 4x
-    # on a wide matrix and float32 matmuls run at full precision (CPU; GPUs default to TF32: ~1% off).
+    # the long side is > 5/3 of the short one), "standard" on X; "auto": on a CPU the one with fewer
+    # FLOPs (gram from a long side 2x the short one); with XLA matmuls gram when it is >= 4x on a wide
+    # matrix and float32 matmuls run at full precision (GPUs default to TF32: ~1% off).
     ns_formulation: Literal["auto", "standard", "gram"] = "auto"
 
     def validate(self) -> None:

@@ -42,6 +42,7 @@ PLATFORM_TARGETS = {
         "zaya_batched_matmul": "ZayaBatchedMatmul",
         "zaya_cca_qk_fwd": "ZayaCcaQkFwd",
         "zaya_cca_qk_bwd": "ZayaCcaQkBwd",
+        "zaya_newton_schulz_cpu": "ZayaNewtonSchulzCpu",
     },
 }
 

@@ -30,18 +30,25 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from zaya_jax.config import NS_COEFFS
+from zaya_jax.ops import newton_schulz_cpu
 from zaya_jax.ops.newton_schulz import (
     full_float32_matmuls,
     newton_schulz_gram_reference,
     newton_schulz_iterations,
     resolve_formulation,
 )
+from zaya_jax.ops.platform import platform_branch
 from zaya_jax.optim.groups import LeafGroup, is_leaf_group
 
 DEFAULT_NS_COEFFS = NS_COEFFS  # Keller Jordan's quintic (a, b, c), zaya_jax.config.NS_COEFFS
 
 NS_EPS = 1e-8
 """Added to the Frobenius norm before dividing by it (optax's default ``eps``)."""
+
+IMPLS = ("reference", "custom", "jax")
+"""``reference``: the CPU kernel on a CPU where it is built, the JAX loop elsewhere (the default);
+``custom``: the platform's fused ``zaya_newton_schulz`` (standard formulation); ``jax``: the JAX
+loop on every platform (the formulations' own reference)."""
 
 
 def newton_schulz(
@@ -60,13 +67,21 @@ def newton_schulz(
     trade exact convergence for a steep slope (3.4) at zero. Tall matrices (A > B) iterate on their
     transpose so the Gram matrix is the smaller B x B, as optax does.
 
-    ``formulation`` (``impl="reference"``): ``standard`` iterates on X; ``gram`` on the Gram matrix,
-    X read twice per 3-step segment (fewer FLOPs when the long side is > 5/3 of the short one);
-    ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``): gram when a wide matrix's
-    long side is >= 4x the short one and float32 matmuls run at full precision (CPU, ``highest``).
+    ``impl``: see :data:`IMPLS`. ``formulation`` (``reference``, ``jax``): ``standard`` iterates on
+    X; ``gram`` on the Gram matrix, X read twice per 3-step segment (fewer FLOPs when the long side
+    is > 5/3 of the short one); ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``):
+    gram when a wide matrix's long side is >= 4x the short one and float32 matmuls run at full
+    precision (CPU, ``highest``).
+
+    On a CPU with the kernel library built, ``impl="reference"`` runs the iteration as the custom
+    call of :mod:`zaya_jax.ops.newton_schulz_cpu` (the same formulations; ``auto`` there is the
+    one with fewer FLOPs, gram from a long side of 2x the short one); within float32 rounding of the
+    JAX loop (``tests/ops/test_newton_schulz_cpu.py`` states the bound).
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs (..., A, B) matrices, got shape {x.shape}")
+    if impl not in IMPLS:
+        raise ValueError(f"unknown Newton-Schulz impl {impl!r}; use one of {IMPLS}")
     if len(coeffs) != 3:
         raise ValueError(f"Newton-Schulz coefficients must be 3 numbers (a, b, c), got {list(coeffs)}")
     x = x.astype(jnp.float32)
@@ -75,6 +90,38 @@ def newton_schulz(
         x = jnp.swapaxes(x, -1, -2)
     # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
+    iterate = functools.partial(
+        _jax_iteration,
+        coeffs=tuple(coeffs),
+        steps=steps,
+        impl="reference" if impl == "jax" else impl,
+        formulation=formulation,
+        tall=tall,
+    )
+    if impl == "reference" and newton_schulz_cpu.available():
+        # On CPU the whole iteration of each matrix is one work item of a custom call (every step
+        # on data in that core's cache, the symmetric products halved): tiny's Muon leaves in
+        # 0.5x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
+        def on_cpu(x, norm):
+            return newton_schulz_cpu.cpu_newton_schulz(x / norm, steps, tuple(coeffs), formulation)
+
+        x = platform_branch(x, norm, cpu=on_cpu, gpu=iterate)
+    else:
+        x = iterate(x, norm)
+    return jnp.swapaxes(x, -1, -2) if tall else x
+
+
+def _jax_iteration(
+    x: jax.Array,
+    norm: jax.Array,
+    *,
+    coeffs: tuple[float, ...],
+    steps: int,
+    impl: str,
+    formulation: str,
+    tall: bool,
+) -> jax.Array:
+    """The iteration as JAX operations on wide float32 ``x`` (transposed when ``tall``) and its norm."""
     chosen = resolve_formulation(formulation, *x.shape[-2:], full_float32_matmuls())
     if impl == "reference" and chosen == "gram" and not (tall and formulation == "auto"):
         # The normalisation folded into G and Q. ``auto`` leaves tall matrices to the standard
@@ -84,8 +131,7 @@ def newton_schulz(
         a, b, c = (float(v) for v in coeffs)
         if tall:
             x = jax.lax.optimization_barrier(x)
-        x = newton_schulz_gram_reference(x, steps, a, b, c, norm=norm)
-        return jnp.swapaxes(x, -1, -2) if tall else x
+        return newton_schulz_gram_reference(x, steps, a, b, c, norm=norm)
     x = x / norm
     # The reference is a rolled loop: unlike optax 0.2.8's unrolled one, it keeps XLA from
     # scheduling many leaves' iterations side by side: the ZAYA1-8B update's temporaries drop from
@@ -93,8 +139,7 @@ def newton_schulz(
     # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops). The Gram
     # formulation keeps that property: its steps and its restart's blocks are rolled loops too.
     standard = "standard" if impl == "reference" else formulation  # custom: the call rejects "gram"
-    x = newton_schulz_iterations(x, steps, tuple(coeffs), impl=impl, formulation=standard)
-    return jnp.swapaxes(x, -1, -2) if tall else x
+    return newton_schulz_iterations(x, steps, coeffs, impl=impl, formulation=standard)
 
 
 def orthogonalize(
