@@ -1,15 +1,17 @@
-"""Newton-Schulz on a preset's Muon leaves: the standard iteration (``X ← aX + (bG + cG²)X``)
-against the Gram formulation that ``formulation="auto"`` picks (``zaya_jax.ops.newton_schulz``),
-through :func:`zaya_jax.optim.orthogonalize` as the train step calls it (``impl="reference"``, the
-leaf's stack axes flattened into a batch).
+"""Newton-Schulz on a preset's Muon leaves through :func:`zaya_jax.optim.orthogonalize` as the train
+step calls it (the leaf's stack axes flattened into a batch): the JAX loop's standard iteration
+(``X <- aX + (bG + cG^2)X``), the JAX loop with ``formulation="auto"`` (the Gram formulation for
+wide leaves of aspect >= 4; ``zaya_jax.ops.newton_schulz``), what the train step ran on a CPU
+before the kernel, and the CPU custom call (``zaya_jax.ops.newton_schulz_cpu``), which it runs now.
 
-Per leaf: each formulation jitted alone and timed interleaved with the other (median of
-``--repeats`` rounds, each round runs both), FLOPs of one call, and the largest absolute and the
-relative Frobenius difference of the outputs. ``total``: all leaves in one jitted function (as in
-the train step), timed the same way. Inputs are Gaussian momenta of the leaves' shapes. Also the
-temporaries XLA plans (``memory_analysis``) per leaf and for all leaves, and with ``--memory-preset``
-(e.g. ``configs/zaya1-8b.yaml``) those of another preset's leaves, compiled from shapes only
-(nothing allocated, nothing run). Prints one JSON object.
+Per leaf: each variant jitted alone and timed interleaved with the others (median of ``--repeats``
+rounds, each round runs all), the formulation, the FLOPs of one call as that variant counts them
+(the kernel computes only the upper blocks of its symmetric products), GFLOP/s, the relative
+Frobenius difference from the standard JAX loop, and the temporaries XLA plans (the kernel's
+scratch is its own, per worker). ``total``: all leaves in one jitted function (as in the train
+step), timed the same way. Inputs are Gaussian momenta of the leaves' shapes. With
+``--memory-preset`` (e.g. ``configs/zaya1-8b.yaml``) also the JAX loop's temporaries for another
+preset's leaves, compiled from shapes only (nothing allocated, nothing run). Prints one JSON object.
 
     taskset -c 1 python bench/newton_schulz.py [--preset tiny] [--repeats 21] [--memory-preset P]
 """
@@ -27,6 +29,7 @@ import numpy as np
 
 from zaya_jax import load_config
 from zaya_jax.config import NS_COEFFS
+from zaya_jax.ops import newton_schulz_cpu
 from zaya_jax.ops.newton_schulz import (
     GRAM_RESTART,
     full_float32_matmuls,
@@ -38,7 +41,10 @@ from zaya_jax.optim import orthogonalize
 from zaya_jax.optim.groups import describe_groups
 
 STEPS = 5
-FORMULATIONS = ("standard", "auto")
+# name -> (impl, formulation): the JAX loop's standard iteration, the JAX loop as the train step ran
+# it before the CPU kernel (auto: Gram for wide leaves of aspect >= 4), and the CPU kernel (auto:
+# the formulation with fewer FLOPs), which the train step runs on a CPU now.
+VARIANTS = {"jax_standard": ("jax", "standard"), "jax_auto": ("jax", "auto"), "kernel": ("reference", "auto")}
 
 
 def muon_leaves(preset: str) -> dict[str, tuple[tuple[int, ...], tuple[int, int]]]:
@@ -53,15 +59,24 @@ def muon_leaves(preset: str) -> dict[str, tuple[tuple[int, ...], tuple[int, int]
     return out
 
 
-def leaf_flops(shape, matrix_axes, formulation: str) -> tuple[str, int]:
+def leaf_flops(shape, matrix_axes, variant: str) -> tuple[str, int]:
+    impl, formulation = VARIANTS[variant]
     fan_in, fan_out = shape[matrix_axes[0]], shape[matrix_axes[1]]
     m, n = min(fan_in, fan_out), max(fan_in, fan_out)
     batch = int(np.prod(shape)) // (m * n)
+    if impl == "reference":
+        chosen = newton_schulz_cpu.resolve(formulation, m, n, STEPS)
+        return chosen, batch * newton_schulz_cpu.flops(m, n, STEPS, chosen)
     chosen = resolve_formulation(formulation, m, n, full_float32_matmuls())
     if formulation == "auto" and fan_in > fan_out:  # newton_schulz: auto keeps tall ones standard
         chosen = "standard"
     flops = gram_flops(m, n, STEPS, GRAM_RESTART) if chosen == "gram" else standard_flops(m, n, STEPS)
     return chosen, batch * flops
+
+
+def orth_fn(matrix_axes, variant: str):
+    impl, formulation = VARIANTS[variant]
+    return lambda x: orthogonalize(x, matrix_axes, NS_COEFFS, STEPS, impl=impl, formulation=formulation)
 
 
 def temp_mib(fn, *args) -> float:
@@ -70,23 +85,20 @@ def temp_mib(fn, *args) -> float:
 
 
 def memory_only(preset: str) -> dict:
-    """Per-leaf and all-leaves temporaries of both formulations for ``preset``'s Muon leaves."""
+    """Per-leaf and all-leaves temporaries of the JAX loop's formulations for ``preset``'s Muon leaves
+    (the kernel's scratch is its own, per worker, and XLA does not plan it)."""
     leaves = muon_leaves(preset)
     specs = {name: jax.ShapeDtypeStruct(shape, jnp.float32) for name, (shape, _) in leaves.items()}
     out = {"preset": preset, "leaves": {}}
+    jax_variants = ("jax_standard", "jax_auto")
     for name, (shape, matrix_axes) in leaves.items():
-        row = {"shape": list(shape), "new_formulation": leaf_flops(shape, matrix_axes, "auto")[0]}
-        for f, key in zip(FORMULATIONS, ("old", "new"), strict=True):
-            fn = jax.jit(lambda x, f=f, ax=matrix_axes: orthogonalize(x, ax, NS_COEFFS, STEPS, formulation=f))
-            row[f"{key}_temp_mib"] = temp_mib(fn, specs[name])
+        row = {"shape": list(shape), "jax_auto_formulation": leaf_flops(shape, matrix_axes, "jax_auto")[0]}
+        for v in jax_variants:
+            row[f"{v}_temp_mib"] = temp_mib(jax.jit(orth_fn(matrix_axes, v)), specs[name])
         out["leaves"][name] = row
-    for f, key in zip(FORMULATIONS, ("old", "new"), strict=True):
-        fn = jax.jit(
-            lambda xs, f=f: {
-                n: orthogonalize(x, leaves[n][1], NS_COEFFS, STEPS, formulation=f) for n, x in xs.items()
-            }
-        )
-        out[f"all_leaves_{key}_temp_mib"] = temp_mib(fn, specs)
+    for v in jax_variants:
+        fn = jax.jit(lambda xs, v=v: {n: orth_fn(leaves[n][1], v)(x) for n, x in xs.items()})
+        out[f"all_leaves_{v}_temp_mib"] = temp_mib(fn, specs)
     return out
 
 
@@ -114,59 +126,54 @@ def main() -> None:
         name: jnp.asarray(rng.standard_normal(shape), jnp.float32) for name, (shape, _) in leaves.items()
     }
 
-    def orth(name, formulation):
-        return lambda x: orthogonalize(x, leaves[name][1], NS_COEFFS, STEPS, formulation=formulation)
-
+    variants = [v for v in VARIANTS if v != "kernel" or newton_schulz_cpu.available()]
     result = {
         "preset": args.preset,
         "backend": jax.default_backend(),
         "steps": STEPS,
         "restart": GRAM_RESTART,
+        "variants": {v: VARIANTS[v] for v in variants},
     }
     per_leaf = {}
     for name, (shape, matrix_axes) in leaves.items():
-        fns = {f: jax.jit(orth(name, f)) for f in FORMULATIONS}
+        fns = {v: jax.jit(orth_fn(matrix_axes, v)) for v in variants}
         ms = interleaved(fns, (inputs[name],), args.repeats)
-        outs = {f: np.asarray(fn(inputs[name])) for f, fn in fns.items()}
-        diff = outs["auto"] - outs["standard"]
-        chosen, new_flops = leaf_flops(shape, matrix_axes, "auto")
-        _, old_flops = leaf_flops(shape, matrix_axes, "standard")
-        per_leaf[name] = {
-            "shape": list(shape),
-            "new_formulation": chosen,
-            "old_ms": round(ms["standard"], 3),
-            "new_ms": round(ms["auto"], 3),
-            "ratio": round(ms["auto"] / ms["standard"], 3),
-            "old_gflop": round(old_flops / 1e9, 4),
-            "new_gflop": round(new_flops / 1e9, 4),
-            "max_abs_diff": float(np.abs(diff).max()),
-            "rel_fro_diff": float(np.linalg.norm(diff) / np.linalg.norm(outs["standard"])),
-            "old_temp_mib": temp_mib(fns["standard"], inputs[name]),
-            "new_temp_mib": temp_mib(fns["auto"], inputs[name]),
-        }
+        outs = {v: np.asarray(fn(inputs[name]), np.float64) for v, fn in fns.items()}
+        base = outs["jax_standard"]
+        row = {"shape": list(shape)}
+        for v in variants:
+            chosen, flops = leaf_flops(shape, matrix_axes, v)
+            diff = outs[v] - base
+            row[v] = {
+                "formulation": chosen,
+                "ms": round(ms[v], 3),
+                "gflop": round(flops / 1e9, 4),
+                "gflop_per_s": round(flops / ms[v] / 1e6, 1),
+                "rel_fro_diff_vs_jax_standard": float(np.linalg.norm(diff) / np.linalg.norm(base)),
+                "temp_mib": temp_mib(fns[v], inputs[name]),
+            }
+        per_leaf[name] = row
     result["leaves"] = per_leaf
 
-    def all_leaves(formulation):
-        return jax.jit(lambda xs: {name: orth(name, formulation)(x) for name, x in xs.items()})
+    def all_leaves(v):
+        return jax.jit(lambda xs: {name: orth_fn(leaves[name][1], v)(x) for name, x in xs.items()})
 
-    fns = {f: all_leaves(f) for f in FORMULATIONS}
+    fns = {v: all_leaves(v) for v in variants}
     ms = interleaved(fns, (inputs,), args.repeats)
-    old = sum(v["old_gflop"] for v in per_leaf.values())
-    new = sum(v["new_gflop"] for v in per_leaf.values())
-    result["total"] = {
-        "old_ms": round(ms["standard"], 3),
-        "new_ms": round(ms["auto"], 3),
-        "ratio": round(ms["auto"] / ms["standard"], 3),
-        "sum_of_leaves_old_ms": round(sum(v["old_ms"] for v in per_leaf.values()), 3),
-        "sum_of_leaves_new_ms": round(sum(v["new_ms"] for v in per_leaf.values()), 3),
-        "old_gflop": round(old, 4),
-        "new_gflop": round(new, 4),
-        "flop_ratio": round(new / old, 3),
-        "max_abs_diff": max(v["max_abs_diff"] for v in per_leaf.values()),
-        "max_rel_fro_diff": max(v["rel_fro_diff"] for v in per_leaf.values()),
-        "old_temp_mib": temp_mib(fns["standard"], inputs),
-        "new_temp_mib": temp_mib(fns["auto"], inputs),
-    }
+    total = {}
+    for v in variants:
+        gflop = sum(row[v]["gflop"] for row in per_leaf.values())
+        total[v] = {
+            "ms": round(ms[v], 3),
+            "sum_of_leaves_ms": round(sum(row[v]["ms"] for row in per_leaf.values()), 3),
+            "gflop": round(gflop, 4),
+            "gflop_per_s": round(gflop / ms[v] * 1e3, 1),
+            "max_rel_fro_diff_vs_jax_standard": max(
+                row[v]["rel_fro_diff_vs_jax_standard"] for row in per_leaf.values()
+            ),
+        }
+        total[v]["time_vs_jax_auto"] = round(ms[v] / ms["jax_auto"], 3)
+    result["total"] = total
     if args.memory_preset:
         result["memory"] = memory_only(args.memory_preset)
     print(json.dumps(result))
