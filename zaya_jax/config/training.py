@@ -54,7 +54,7 @@ class OptimConfig:
     kernels: Literal["reference", "custom"] = "reference"
     # Newton-Schulz with kernels=reference: "gram" iterates on the m x m Gram matrix (fewer FLOPs when
     # the long side is > 5/3 of the short one), "standard" on X; "auto": on a CPU the one with fewer
-    # FLOPs (gram from a long side 2x the short one); with XLA matmuls gram when it is >= 4x on a wide
+    # FLOPs (gram from a long side ~1.4x the short one); with XLA matmuls gram when it is >= 4x on a wide
     # matrix and float32 matmuls run at full precision (GPUs default to TF32: ~1% off).
     ns_formulation: Literal["auto", "standard", "gram"] = "auto"
 

@@ -1,8 +1,8 @@
 """Muon's Newton–Schulz iteration on CPU as one XLA FFI custom call per leaf
 (``custom_calls/cpu/newton_schulz_cpu.cc``): each matrix of the stack is one work item on XLA's
 intra-op pool and goes through all of its steps while it stays in that core's cache, in the
-standard formulation or the Gram one (:mod:`zaya_jax.ops.newton_schulz`), every m x m product
-symmetric and computed as its upper triangle.
+standard formulation or the Gram one (:mod:`zaya_jax.ops.newton_schulz`), its symmetric m x m
+products computed as their upper triangle.
 
 Why a custom call: as JAX operations each step is five to eight passes over the whole stack (two or
 three batched products, scalings, sums, the loop), and ``tiny``'s Muon leaves were orthogonalised
@@ -10,7 +10,7 @@ at 116 GFLOP/s where the batched products alone ran at 140-150 (bench/RESULTS.md
 kernel also skips the lower half of each symmetric product, which XLA's dots cannot.
 
 ``auto`` picks per (m, n) the formulation with fewer FLOPs as the kernel counts them (:func:`flops`):
-the Gram form from n >= 2m at tiny's and ZAYA1-8B's shapes (its temporaries are per worker here, not
+the Gram form from n >= 1.36m at m = 128 (1.23m at 2048; its temporaries are per worker here, not
 per matrix, so the memory bound that keeps XLA's Gram form to n >= 4m does not apply). float32 only;
 :func:`zaya_jax.optim.muon.newton_schulz` takes it on CPU when the library is built, and runs the
 JAX iteration elsewhere.

@@ -75,7 +75,7 @@ def newton_schulz(
 
     On a CPU with the kernel library built, ``impl="reference"`` runs the iteration as the custom
     call of :mod:`zaya_jax.ops.newton_schulz_cpu` (the same formulations; ``auto`` there is the
-    one with fewer FLOPs, gram from a long side of 2x the short one); within float32 rounding of the
+    one with fewer FLOPs, gram from a long side of ~1.4x the short one at 128); within float32 rounding of the
     JAX loop (``tests/ops/test_newton_schulz_cpu.py`` states the bound).
     """
     if x.ndim < 2:
@@ -101,7 +101,7 @@ def newton_schulz(
     if impl == "reference" and newton_schulz_cpu.available():
         # On CPU the whole iteration of each matrix is one work item of a custom call (every step
         # on data in that core's cache, the symmetric products halved): tiny's Muon leaves in
-        # 0.5x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
+        # 0.40x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
         def on_cpu(x, norm):
             return newton_schulz_cpu.cpu_newton_schulz(x / norm, steps, tuple(coeffs), formulation)
 
