@@ -14,8 +14,8 @@
 //
 // The GEMM: C = A @ B with A and B read through strided views. A panel of 32 columns of B is read in
 // place where those columns are contiguous (a row-major B); otherwise (a transposed B, the last
-// partial panel) it is packed first (k-major, zero-padded). A is packed into 8-row micro-panels per
-// tile, and an 8 x 32 register tile (16 accumulators of 16 floats) runs over the contraction in
+// partial panel) it is packed first (k-major, zero-padded). A is read in place through its strides
+// (only a last partial 8-row micro-panel is packed, zero-padded), and an 8 x 32 register tile (16 accumulators of 16 floats) runs over the contraction in
 // blocks of kKc, the products summed in order (as XLA:CPU's dot does). Work items are (problem,
 // 32-row tile, panels): all of a row's panels, or 4 where there are too few row tiles to keep every
 // thread busy; they are spread over XLA's intra-op pool and the calling thread, and each output
@@ -63,9 +63,11 @@ struct View {
   float at(int64_t i, int64_t j) const { return p[i * rs + j * cs]; }
 };
 
-// acc (8 x 32) = sum over k < kc of a[k][0..8) outer b[k * ldb][0..32): a packed k-major, b rows
-// ldb floats apart (32 for a packed panel, B's row stride where B is read in place).
-ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(const float* __restrict a,
+// acc (8 x 32) = sum over k < kc of a(i, k) b[k * ldb][0..32): a(i, k) at a[i * ai + k * ak] (A read
+// in place through its strides, or a packed micro-panel: ai = 1, ak = 8), b rows ldb floats apart
+// (32 for a packed panel, B's row stride where B is read in place).
+ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(const float* __restrict a, int64_t ai,
+                                                                                int64_t ak,
                                                                                 const float* __restrict b,
                                                                                 int64_t ldb, int64_t kc,
                                                                                 float* __restrict acc) {
@@ -74,7 +76,7 @@ ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(c
   for (int64_t k = 0; k < kc; ++k) {
     const v16 b0 = load16(b + k * ldb), b1 = load16(b + k * ldb + 16);
     for (int i = 0; i < kMr; ++i) {
-      const float s = a[k * kMr + i];
+      const float s = a[i * ai + k * ak];
       c[i][0] += s * b0;
       c[i][1] += s * b1;
     }
@@ -111,27 +113,30 @@ struct Problem {
   int64_t panel_stride(int64_t p) const { return in_place(p) ? b.rs : kNr; }
 };
 
-// Rows [r0, r0 + rows) (rows <= kTile) and panels [p0, p1) of a problem's C.
+// Rows [r0, r0 + rows) (rows <= kTile) and panels [p0, p1) of a problem's C. Full 8-row micro-tiles
+// read A in place through its strides (packing it cost ~5% of the train step's kernel time in
+// scalar copies); the last, partial one is packed with zero rows.
 void tile_product(const Problem& q, int64_t r0, int64_t rows, int64_t p0, int64_t p1) {
-  const int64_t micro = (rows + kMr - 1) / kMr, k = q.k;
-  float ap[kTile * kKc];
+  const int64_t micro = (rows + kMr - 1) / kMr, full = rows / kMr, k = q.k;
+  float ap[kMr * kKc];
   float acc[kMr * kNr];
   for (int64_t k0 = 0; k0 < k; k0 += kKc) {
     const int64_t kc = std::min(kKc, k - k0);
-    for (int64_t t = 0; t < micro; ++t) {  // A's micro-panels for this block, rows past `rows` zero
-      float* dst = ap + t * kMr * kc;
+    if (full < micro)  // the partial micro-panel for this block, rows past `rows` zero
       for (int64_t kk = 0; kk < kc; ++kk)
         for (int64_t i = 0; i < kMr; ++i) {
-          const int64_t row = t * kMr + i;
-          dst[kk * kMr + i] = row < rows ? q.a.at(r0 + row, k0 + kk) : 0.f;
+          const int64_t row = full * kMr + i;
+          ap[kk * kMr + i] = row < rows ? q.a.at(r0 + row, k0 + kk) : 0.f;
         }
-    }
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t ldb = q.panel_stride(p);
       const float* panel = q.panel(p) + k0 * ldb;
       const int64_t cols = std::min(kNr, q.n - p * kNr);
       for (int64_t t = 0; t < micro; ++t) {
-        micro_tile(ap + t * kMr * kc, panel, ldb, kc, acc);
+        if (t < full)
+          micro_tile(q.a.p + (r0 + t * kMr) * q.a.rs + k0 * q.a.cs, q.a.rs, q.a.cs, panel, ldb, kc, acc);
+        else
+          micro_tile(ap, 1, kMr, panel, ldb, kc, acc);
         const int64_t valid = std::min(kMr, rows - t * kMr);
         for (int64_t i = 0; i < valid; ++i) {
           float* out = q.c + (r0 + t * kMr + i) * q.ldc + p * kNr;

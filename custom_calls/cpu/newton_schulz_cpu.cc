@@ -49,11 +49,12 @@ using zaya::vf;
 
 constexpr int64_t kMr = 8;    // rows of the register tile
 constexpr int64_t kNr = 32;   // its columns (two vectors of 16); also the symmetric block size
-constexpr int64_t kTile = 32; // rows per A packing (kTile / kMr register tiles)
+constexpr int64_t kTile = 32; // rows per block of C (kTile / kMr register tiles)
 constexpr int64_t kKc = 256;  // contraction block
 
-// c (8 x 32, row stride ldc) = (load ? c : 0) + a (k-major, 8 per k) x b (kc rows of 32, stride ldb).
-ZAYA_CLONES __attribute__((optimize("fp-contract=fast"))) void micro(const float* __restrict a,
+// c (8 x 32, row stride ldc) = (load ? c : 0) + a (8 rows, a(i, k) at a[i * lda + k]) x b (kc rows
+// of 32, stride ldb).
+ZAYA_CLONES __attribute__((optimize("fp-contract=fast"))) void micro(const float* __restrict a, int64_t lda,
                                                                       const float* __restrict b, int64_t ldb,
                                                                       int64_t kc, float* __restrict c, int64_t ldc,
                                                                       bool load) {
@@ -65,7 +66,7 @@ ZAYA_CLONES __attribute__((optimize("fp-contract=fast"))) void micro(const float
   for (int64_t k = 0; k < kc; ++k) {
     const vf b0 = load_vf(b + k * ldb), b1 = load_vf(b + k * ldb + 16);
     for (int i = 0; i < kMr; ++i) {
-      const float s = a[k * kMr + i];
+      const float s = a[i * lda + k];
       acc[i][0] += s * b0;
       acc[i][1] += s * b1;
     }
@@ -87,7 +88,7 @@ struct Mat {
 struct Work {
   std::vector<float> x, g, p, t, q, total;  // an m x n iterate, m x m matrices
   std::vector<float> bpack;                 // B's packed panels (panels x k x 32 floats)
-  float apack[kTile * kKc];
+  float apack[kMr * kKc];                   // a partial 8-row block of A, zero rows past m
   float edge[kMr * kNr];
   void size(int64_t m, int64_t n) {
     x.resize(m * n);
@@ -97,11 +98,13 @@ struct Work {
   }
 };
 
-// C (m x n, row stride ldc) = (accumulate ? C : 0) + A (m x k) B (k x n). With `upper` (m == n, the
-// product known to be symmetric) only the 32 x 32 blocks on and above the diagonal are computed and
-// C's upper triangle is copied into its lower one.
-void gemm(Mat a, Mat b, int64_t m, int64_t k, int64_t n, float* c, int64_t ldc, bool accumulate, bool upper,
-          Work& w) {
+// C (m x n, row stride ldc) = (accumulate ? C : 0) + A (m x k, row-major, row stride lda) B (k x n).
+// With `upper` (m == n, the product known to be symmetric) only the 32 x 32 blocks on and above the
+// diagonal are computed and C's upper triangle is copied into its lower one. Full 8-row blocks of A
+// are read in place (packed, they cost a third of the products' time in scalar copies); a last
+// partial one is packed with zero rows.
+void gemm(const float* a, int64_t lda, Mat b, int64_t m, int64_t k, int64_t n, float* c, int64_t ldc,
+          bool accumulate, bool upper, Work& w) {
   const int64_t panels = (n + kNr - 1) / kNr;
   auto in_place = [&](int64_t p) { return b.cs == 1 && (p + 1) * kNr <= n; };
   for (int64_t p = 0; p < panels; ++p) {
@@ -114,18 +117,16 @@ void gemm(Mat a, Mat b, int64_t m, int64_t k, int64_t n, float* c, int64_t ldc, 
     }
   }
   for (int64_t r0 = 0; r0 < m; r0 += kTile) {
-    const int64_t rows = std::min(kTile, m - r0), micros = (rows + kMr - 1) / kMr;
+    const int64_t rows = std::min(kTile, m - r0), micros = (rows + kMr - 1) / kMr, full = rows / kMr;
     const int64_t first = upper ? r0 / kNr : 0;
     for (int64_t k0 = 0; k0 < k; k0 += kKc) {
       const int64_t kc = std::min(kKc, k - k0);
-      for (int64_t t = 0; t < micros; ++t) {  // A's micro-panels, rows past `rows` zero
-        float* dst = w.apack + t * kMr * kc;
-        for (int64_t kk = 0; kk < kc; ++kk)
-          for (int64_t i = 0; i < kMr; ++i) {
-            const int64_t row = t * kMr + i;
-            dst[kk * kMr + i] = row < rows ? a.at(r0 + row, k0 + kk) : 0.f;
+      if (full < micros)  // the partial block, k-contiguous rows of kc, rows past `rows` zero
+        for (int64_t i = 0; i < kMr; ++i)
+          for (int64_t kk = 0; kk < kc; ++kk) {
+            const int64_t row = full * kMr + i;
+            w.apack[i * kc + kk] = row < rows ? a[(r0 + row) * lda + k0 + kk] : 0.f;
           }
-      }
       const bool load = accumulate || k0 > 0;
       for (int64_t p = first; p < panels; ++p) {
         const int64_t ldb = in_place(p) ? b.rs : kNr;
@@ -134,14 +135,16 @@ void gemm(Mat a, Mat b, int64_t m, int64_t k, int64_t n, float* c, int64_t ldc, 
         for (int64_t t = 0; t < micros; ++t) {
           const int64_t valid = std::min(kMr, rows - t * kMr);
           float* out = c + (r0 + t * kMr) * ldc + p * kNr;
+          const float* at = t < full ? a + (r0 + t * kMr) * lda + k0 : w.apack;
+          const int64_t ld = t < full ? lda : kc;
           if (valid == kMr && cols == kNr) {
-            micro(w.apack + t * kMr * kc, panel, ldb, kc, out, ldc, load);
+            micro(at, ld, panel, ldb, kc, out, ldc, load);
             continue;
           }
           std::fill(w.edge, w.edge + kMr * kNr, 0.f);
           if (load)
             for (int64_t i = 0; i < valid; ++i) std::memcpy(w.edge + i * kNr, out + i * ldc, sizeof(float) * cols);
-          micro(w.apack + t * kMr * kc, panel, ldb, kc, w.edge, kNr, load);
+          micro(at, ld, panel, ldb, kc, w.edge, kNr, load);
           for (int64_t i = 0; i < valid; ++i) std::memcpy(out + i * ldc, w.edge + i * kNr, sizeof(float) * cols);
         }
       }
@@ -161,12 +164,12 @@ Mat transposed(const float* p, int64_t width) { return {p, 1, width}; }
 
 // G (m x m) = Y Y^T for Y (m x n).
 void gram_of(const float* y, int64_t m, int64_t n, float* g, Work& w) {
-  gemm(rows_of(y, n), transposed(y, n), m, n, m, g, m, false, true, w);
+  gemm(y, n, transposed(y, n), m, n, m, g, m, false, true, w);
 }
 
 // P = (diag ? aI : 0) + bG + cG^2, the square through `p` itself.
 void polynomial(const float* g, int64_t m, Coeffs k, bool diag, float* p, Work& w) {
-  gemm(rows_of(g, m), rows_of(g, m), m, m, m, p, m, false, true, w);
+  gemm(g, m, rows_of(g, m), m, m, m, p, m, false, true, w);
   for (int64_t i = 0; i < m * m; ++i) p[i] = k.c * p[i] + k.b * g[i];
   if (diag)
     for (int64_t i = 0; i < m; ++i) p[i * m + i] += k.a;
@@ -180,7 +183,7 @@ void standard(const float* x0, float* out, int64_t m, int64_t n, int steps, Coef
     float* next = (steps - 1 - s) % 2 == 0 ? out : w.x.data();
     gram_of(x, m, n, w.g.data(), w);
     polynomial(w.g.data(), m, k, false, w.p.data(), w);
-    gemm(rows_of(w.p.data(), m), rows_of(x, n), m, m, n, next, n, false, false, w);
+    gemm(w.p.data(), m, rows_of(x, n), m, m, n, next, n, false, false, w);
     for (int64_t i = 0; i < m * n; ++i) next[i] += k.a * x[i];
     x = next;
   }
@@ -189,7 +192,7 @@ void standard(const float* x0, float* out, int64_t m, int64_t n, int steps, Coef
 // C = A B for m x m matrices known to commute (a symmetric result).
 void sym_product(const std::vector<float>& a, const std::vector<float>& b, int64_t m, std::vector<float>& c,
                  Work& w) {
-  gemm(rows_of(a.data(), m), rows_of(b.data(), m), m, m, m, c.data(), m, false, true, w);
+  gemm(a.data(), m, rows_of(b.data(), m), m, m, m, c.data(), m, false, true, w);
 }
 
 // The Gram formulation (newton_schulz_gram_reference): per segment of `restart` steps, Q with
@@ -202,7 +205,7 @@ void gram_form(const float* x0, float* out, int64_t m, int64_t n, int steps, int
     if (done == 0) {
       gram_of(x0, m, n, w.g.data(), w);
     } else {
-      gemm(rows_of(w.total.data(), m), rows_of(x0, n), m, m, n, w.x.data(), n, false, false, w);
+      gemm(w.total.data(), m, rows_of(x0, n), m, m, n, w.x.data(), n, false, false, w);
       gram_of(w.x.data(), m, n, w.g.data(), w);
     }
     polynomial(w.g.data(), m, k, true, w.q.data(), w);  // Q_1 = P_0
@@ -223,12 +226,12 @@ void gram_form(const float* x0, float* out, int64_t m, int64_t n, int steps, int
     if (done == 0) {
       std::swap(w.total, w.q);
     } else {  // in full: its asymmetry is float32 error that G from total X0 corrects (symmetrised: ~1e-3 off)
-      gemm(rows_of(w.q.data(), m), rows_of(w.total.data(), m), m, m, m, w.t.data(), m, false, false, w);
+      gemm(w.q.data(), m, rows_of(w.total.data(), m), m, m, m, w.t.data(), m, false, false, w);
       std::swap(w.total, w.t);
     }
     done += seg;
   }
-  gemm(rows_of(w.total.data(), m), rows_of(x0, n), m, m, n, out, n, false, false, w);
+  gemm(w.total.data(), m, rows_of(x0, n), m, m, n, out, n, false, false, w);
 }
 
 ffi::Error Orthogonalize(ffi::ThreadPool& pool, const char* name, int32_t steps, Coeffs k, bool gram, int32_t restart,
