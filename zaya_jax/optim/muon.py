@@ -101,7 +101,7 @@ def newton_schulz(
     if impl == "reference" and newton_schulz_cpu.available():
         # On CPU the whole iteration of each matrix is one work item of a custom call (every step
         # on data in that core's cache, the symmetric products halved): tiny's Muon leaves in
-        # 0.40x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
+        # 0.40-0.57x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
         def on_cpu(x, norm):
             return newton_schulz_cpu.cpu_newton_schulz(x / norm, steps, tuple(coeffs), formulation)
 
