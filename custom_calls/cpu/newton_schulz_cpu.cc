@@ -21,8 +21,9 @@
 // restart's fresh G corrects, and copied it left low-rank input ~1e-3 off the float64 iteration.
 //
 // The GEMM is the grouped matmul's register tile (8 x 32, 16 vector accumulators, k blocks of 256):
-// A packed into 8-row micro-panels, B read in place where its 32-column panel is contiguous, packed
-// otherwise (B = X^T of a Gram matrix, partial panels). aX + PX starts the accumulators from aX.
+// A read in place (a last partial 8-row block packed), B read in place where its 32-column panel is
+// contiguous, packed otherwise (B = X^T of a Gram matrix, partial panels). aX + PX adds aX to the
+// finished PX: accumulators started from aX left the result 2.5x further from the float64 iteration.
 //
 // Determinism: a matrix is one item and its products run in a fixed order, so its bits do not depend
 // on the batch size, the threads or their timing (a device's share of a stack under shard_map gives
