@@ -15,13 +15,15 @@
 // The GEMM: C = A @ B with A and B read through strided views. A panel of 32 columns of B is read in
 // place where those columns are contiguous (a row-major B); otherwise (a transposed B, the last
 // partial panel) it is packed first (k-major, zero-padded). A is read in place through its strides
-// (only a last partial 8-row micro-panel is packed, zero-padded), and an 8 x 32 register tile (16 accumulators of 16 floats) runs over the contraction in
-// blocks of kKc, the products summed in order (as XLA:CPU's dot does). Work items are (problem,
-// 32-row tile, panels): all of a row's panels, or 4 where there are too few row tiles to keep every
-// thread busy; they are spread over XLA's intra-op pool and the calling thread, and each output
-// element is one item's, so the results do not depend on the threads' timing. Vectors are GCC
-// vector extensions (AVX-512 in one register, split by the compiler for AVX2, SSE or NEON), the hot
-// loop compiled for x86-64-v4 and v3 besides the baseline (target_clones, x86-64 with GCC only).
+// (only a last partial 8-row micro-panel is packed, zero-padded), and an 8 x 32 register tile (16
+// accumulators of 16 floats; zaya::gemm_tile in zaya_simd.h, shared with the Newton-Schulz handler)
+// runs over the contraction in blocks of kKc, the products summed in order (as XLA:CPU's dot does).
+// Work items are (problem, 32-row tile, panels): all of a row's panels, or 4 where there are too few
+// row tiles to keep every thread busy; they are spread over XLA's intra-op pool and the calling
+// thread, and each output element is one item's, so the results do not depend on the threads'
+// timing. Vectors are GCC vector extensions (AVX-512 in one register, split by the compiler for
+// AVX2, SSE or NEON), the tile compiled for x86-64-v4 and v3 besides the baseline (target_clones,
+// x86-64 with GCC only).
 // float32 only; the Python side keeps XLA's products for other dtypes.
 
 #include <algorithm>
@@ -31,14 +33,9 @@
 
 #include "xla/ffi/api/ffi.h"
 #include "zaya_parallel.h"
+#include "zaya_simd.h"
 
 namespace ffi = xla::ffi;
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define ZAYA_GEMM_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define ZAYA_GEMM_CLONES
-#endif
 
 namespace {
 
@@ -47,45 +44,12 @@ constexpr int64_t kNr = 32;   // columns of the register tile (two vectors of 16
 constexpr int64_t kTile = 32; // rows per work item (kTile / kMr register tiles)
 constexpr int64_t kKc = 256;  // contraction block: a B panel block is kKc x 32 floats (32 KiB)
 
-typedef float v16 __attribute__((vector_size(64)));
-
-__attribute__((always_inline)) inline v16 load16(const float* p) {
-  v16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-__attribute__((always_inline)) inline void store16(float* p, v16 v) { std::memcpy(p, &v, sizeof v); }
-
 // A strided matrix view: element (i, j) at p[i * rs + j * cs].
 struct View {
   const float* p;
   int64_t rs, cs;
   float at(int64_t i, int64_t j) const { return p[i * rs + j * cs]; }
 };
-
-// acc (8 x 32) = sum over k < kc of a(i, k) b[k * ldb][0..32): a(i, k) at a[i * ai + k * ak] (A read
-// in place through its strides, or a packed micro-panel: ai = 1, ak = 8), b rows ldb floats apart
-// (32 for a packed panel, B's row stride where B is read in place).
-ZAYA_GEMM_CLONES __attribute__((optimize("fp-contract=fast"))) void micro_tile(const float* __restrict a, int64_t ai,
-                                                                                int64_t ak,
-                                                                                const float* __restrict b,
-                                                                                int64_t ldb, int64_t kc,
-                                                                                float* __restrict acc) {
-  v16 c[kMr][2];
-  for (int i = 0; i < kMr; ++i) c[i][0] = c[i][1] = v16{};
-  for (int64_t k = 0; k < kc; ++k) {
-    const v16 b0 = load16(b + k * ldb), b1 = load16(b + k * ldb + 16);
-    for (int i = 0; i < kMr; ++i) {
-      const float s = a[i * ai + k * ak];
-      c[i][0] += s * b0;
-      c[i][1] += s * b1;
-    }
-  }
-  for (int i = 0; i < kMr; ++i) {
-    store16(acc + i * kNr, c[i][0]);
-    store16(acc + i * kNr + 16, c[i][1]);
-  }
-}
 
 // Panel p of B (K x N): K x 32 floats, k-major, columns past N zero.
 void pack_panel(View b, int64_t k, int64_t n, int64_t p, float* panel) {
@@ -134,9 +98,10 @@ void tile_product(const Problem& q, int64_t r0, int64_t rows, int64_t p0, int64_
       const int64_t cols = std::min(kNr, q.n - p * kNr);
       for (int64_t t = 0; t < micro; ++t) {
         if (t < full)
-          micro_tile(q.a.p + (r0 + t * kMr) * q.a.rs + k0 * q.a.cs, q.a.rs, q.a.cs, panel, ldb, kc, acc);
+          zaya::gemm_tile(q.a.p + (r0 + t * kMr) * q.a.rs + k0 * q.a.cs, q.a.rs, q.a.cs, panel, ldb, kc, acc,
+                          kNr, false);
         else
-          micro_tile(ap, 1, kMr, panel, ldb, kc, acc);
+          zaya::gemm_tile(ap, 1, kMr, panel, ldb, kc, acc, kNr, false);
         const int64_t valid = std::min(kMr, rows - t * kMr);
         for (int64_t i = 0; i < valid; ++i) {
           float* out = q.c + (r0 + t * kMr + i) * q.ldc + p * kNr;

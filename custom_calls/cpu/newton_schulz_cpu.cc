@@ -20,7 +20,7 @@
 // Not the product that carries the segments' Q across a restart: its float32 asymmetry is what the
 // restart's fresh G corrects, and copied it left low-rank input ~1e-3 off the float64 iteration.
 //
-// The GEMM is the grouped matmul's register tile (8 x 32, 16 vector accumulators, k blocks of 256):
+// The GEMM is the grouped matmul's register tile (zaya::gemm_tile, 8 x 32, k blocks of 256):
 // A read in place (a last partial 8-row block packed), B read in place where its 32-column panel is
 // contiguous, packed otherwise (B = X^T of a Gram matrix, partial panels). aX + PX adds aX to the
 // finished PX: accumulators started from aX left the result 2.5x further from the float64 iteration.
@@ -44,39 +44,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using zaya::load_vf;
-using zaya::store_vf;
-using zaya::vf;
-
 constexpr int64_t kMr = 8;    // rows of the register tile
 constexpr int64_t kNr = 32;   // its columns (two vectors of 16); also the symmetric block size
 constexpr int64_t kTile = 32; // rows per block of C (kTile / kMr register tiles)
 constexpr int64_t kKc = 256;  // contraction block
-
-// c (8 x 32, row stride ldc) = (load ? c : 0) + a (8 rows, a(i, k) at a[i * lda + k]) x b (kc rows
-// of 32, stride ldb).
-ZAYA_CLONES __attribute__((optimize("fp-contract=fast"))) void micro(const float* __restrict a, int64_t lda,
-                                                                      const float* __restrict b, int64_t ldb,
-                                                                      int64_t kc, float* __restrict c, int64_t ldc,
-                                                                      bool load) {
-  vf acc[kMr][2];
-  for (int i = 0; i < kMr; ++i) {
-    acc[i][0] = load ? load_vf(c + i * ldc) : vf{};
-    acc[i][1] = load ? load_vf(c + i * ldc + 16) : vf{};
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    const vf b0 = load_vf(b + k * ldb), b1 = load_vf(b + k * ldb + 16);
-    for (int i = 0; i < kMr; ++i) {
-      const float s = a[i * lda + k];
-      acc[i][0] += s * b0;
-      acc[i][1] += s * b1;
-    }
-  }
-  for (int i = 0; i < kMr; ++i) {
-    store_vf(c + i * ldc, acc[i][0]);
-    store_vf(c + i * ldc + 16, acc[i][1]);
-  }
-}
 
 // A strided matrix: element (i, j) at p[i * rs + j * cs].
 struct Mat {
@@ -139,13 +110,13 @@ void gemm(const float* a, int64_t lda, Mat b, int64_t m, int64_t k, int64_t n, f
           const float* at = t < full ? a + (r0 + t * kMr) * lda + k0 : w.apack;
           const int64_t ld = t < full ? lda : kc;
           if (valid == kMr && cols == kNr) {
-            micro(at, ld, panel, ldb, kc, out, ldc, load);
+            zaya::gemm_tile(at, ld, 1, panel, ldb, kc, out, ldc, load);
             continue;
           }
           std::fill(w.edge, w.edge + kMr * kNr, 0.f);
           if (load)
             for (int64_t i = 0; i < valid; ++i) std::memcpy(w.edge + i * kNr, out + i * ldc, sizeof(float) * cols);
-          micro(at, ld, panel, ldb, kc, w.edge, kNr, load);
+          zaya::gemm_tile(at, ld, 1, panel, ldb, kc, w.edge, kNr, load);
           for (int64_t i = 0; i < valid; ++i) std::memcpy(out + i * ldc, w.edge + i * kNr, sizeof(float) * cols);
         }
       }

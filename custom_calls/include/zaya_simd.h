@@ -1,7 +1,8 @@
-// Vector arithmetic shared by the CPU attention and CCA handlers (attention_cpu.cc, cca_cpu.cc):
-// 16 floats as one GCC vector value, which the compiler lowers to the clone's widest registers (one
-// zmm with AVX-512, two ymm with AVX2, four xmm otherwise), and the register-tiled row product both
-// use. The hot functions are compiled for x86-64-v4 and v3 besides the baseline (target_clones,
+// Vector arithmetic shared by the CPU handlers: 16 floats as one GCC vector value, which the
+// compiler lowers to the clone's widest registers (one zmm with AVX-512, two ymm with AVX2, four xmm
+// otherwise); the register-tiled row product of the attention and CCA handlers (attention_cpu.cc,
+// cca_cpu.cc); and the 8 x 32 GEMM tile of the grouped-matmul and Newton-Schulz handlers
+// (grouped_matmul_cpu.cc, newton_schulz_cpu.cc). The hot functions are compiled for x86-64-v4 and v3 besides the baseline (target_clones,
 // x86-64 with GCC only) and chosen at load time. Everything here has internal linkage: each
 // handler's translation unit gets its own copy.
 #pragma once
@@ -89,6 +90,35 @@ void mac(float* acc, int64_t as, const float* coef, int64_t si, int64_t sj, cons
       return mac_fixed<128>(acc, as, coef, si, sj, rows, rs, m, n);
     default:
       return mac_any(acc, as, coef, si, sj, rows, rs, m, n, w);
+  }
+}
+
+// The GEMM register tile: c (8 x 32, row stride ldc) = (load ? c : 0) + sum over k < kc of
+// a(i, k) b[k * ldb][0..32), with a(i, k) at a[i * ai + k * ak] (A read in place through its strides,
+// or a packed micro-panel) and b's rows ldb floats apart; 16 vector accumulators, the products summed
+// over k in order with fused multiply-adds.
+ZAYA_CLONES __attribute__((optimize("fp-contract=fast"))) void gemm_tile(const float* __restrict a, int64_t ai,
+                                                                          int64_t ak, const float* __restrict b,
+                                                                          int64_t ldb, int64_t kc,
+                                                                          float* __restrict c, int64_t ldc,
+                                                                          bool load) {
+  constexpr int kRows = 8;
+  vf acc[kRows][2];
+  for (int i = 0; i < kRows; ++i) {
+    acc[i][0] = load ? load_vf(c + i * ldc) : vf{};
+    acc[i][1] = load ? load_vf(c + i * ldc + kLanes) : vf{};
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    const vf b0 = load_vf(b + k * ldb), b1 = load_vf(b + k * ldb + kLanes);
+    for (int i = 0; i < kRows; ++i) {
+      const float s = a[i * ai + k * ak];
+      acc[i][0] += s * b0;
+      acc[i][1] += s * b1;
+    }
+  }
+  for (int i = 0; i < kRows; ++i) {
+    store_vf(c + i * ldc, acc[i][0]);
+    store_vf(c + i * ldc + kLanes, acc[i][1]);
   }
 }
 
