@@ -190,7 +190,7 @@ def test_generation_rejects_bad_requests_with_the_fix():
 
 
 def test_lm_generate_and_zaya_generate_on_a_trained_run(tmp_path, capsys, monkeypatch):
-    from tests.train.test_loop import MINI
+    from tests.fixtures import MINI
 
     run = tmp_path / "run"
     assert main(["train", *MINI, f"run.dir={run}", "train.steps=2", "--no-progress"]) == 0

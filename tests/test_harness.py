@@ -15,7 +15,7 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 lm_eval = pytest.importorskip("lm_eval")
 
-from tests.train.test_loop import MINI  # noqa: E402
+from tests.fixtures import MINI  # noqa: E402
 from zaya_jax.cli import main  # noqa: E402
 
 

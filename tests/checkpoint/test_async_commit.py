@@ -10,7 +10,7 @@ from pathlib import Path
 import orbax.checkpoint as ocp
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.train import consensus
 from zaya_jax.train.decisions import Action
 from zaya_jax.train.hooks import Hook, RunContext, StepRecord

@@ -71,7 +71,7 @@ def test_the_pipeline_stops_with_the_error_instead_of_empty_documents(prepared, 
 def test_a_shard_truncated_during_training_stops_the_run_and_every_checkpoint_restores(
     prepared, tmp_path, capsys
 ):
-    from tests.train.test_loop import MINI
+    from tests.fixtures import MINI
     from zaya_jax.checkpoint import restore_model
     from zaya_jax.cli import main
     from zaya_jax.train.hooks import Hook

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 
 SAVE_SHARDED = textwrap.dedent(

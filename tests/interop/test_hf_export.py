@@ -67,7 +67,7 @@ def test_hf_to_zaya_to_hf_round_trip_is_exact(tmp_path):
 def test_a_model_whose_controller_moved_the_skip_bias_exports_with_the_same_logits(tmp_path):
     """transformers sets the skip class's balancing bias to -1 after loading; the export's biases
     are shifted so that it already is, so plain from_pretrained gives zaya's logits."""
-    from tests.train.test_loop import MINI
+    from tests.fixtures import MINI
 
     run = tmp_path / "run"
     # A router with clear preferences (initializer_range 0.5) and a controller fast enough (gains 5,

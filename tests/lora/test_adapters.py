@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.config import ConfigError, LoraConfig, load_config
 from zaya_jax.lora import inert, init_adapters, merge, targeted
 from zaya_jax.model import Zaya, init_variables

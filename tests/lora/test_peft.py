@@ -12,8 +12,8 @@ import numpy as np
 import peft  # not importorskip: the suite pins peft (pyproject dev extras), a missing one is a failure
 import pytest
 
+from tests.fixtures import MINI
 from tests.hf_reference import hf_logits, transformers
-from tests.train.test_loop import MINI
 from zaya_jax.config import LoraConfig as Lora
 from zaya_jax.config import load_config
 from zaya_jax.interop.hf import save_hf_directory

@@ -17,9 +17,9 @@ import peft
 import pytest
 
 import zaya_jax
+from tests.fixtures import MINI
 from tests.hf_reference import hf_logits, transformers
 from tests.resilience import faults
-from tests.train.test_loop import MINI
 from zaya_jax import checkpoint
 from zaya_jax.checkpoint.base import saved_base
 from zaya_jax.checkpoint.fingerprint import digest

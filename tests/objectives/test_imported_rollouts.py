@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from tests.train.test_rl import GRPO
 from zaya_jax import checkpoint
 from zaya_jax.cli import main

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import load_tokenizer, tokenized_documents

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.data import DataError, load_tokenizer

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax import objectives
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.data import BATCH_KEYS

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tests.ops.test_kernels import _inputs, _rel
+from tests.ops.kernel_cases import _inputs, _rel
 from tests.random_model import random_variables, tiny_config
 from zaya_jax import ops
 from zaya_jax.config import Config, MeshConfig

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

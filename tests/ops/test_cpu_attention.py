@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error, prefill_case
+from tests.ops.attention_cases import RTOL, _inputs, _mask, _max_rel_error, prefill_case
 from zaya_jax.ops.attention import attention, blocked_attention, dot_product_attention, self_attention_mask
 from zaya_jax.ops.attention.cpu import FORWARD, available, cpu_attention
 

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.ops.kernel_cases import _inputs, _rel
 from tests.random_model import random_variables, tiny_config
 from zaya_jax import ops
 from zaya_jax.config import NS_COEFFS
@@ -47,21 +48,6 @@ def test_a_rocm_library_without_the_devices_target_is_not_used(tmp_path, monkeyp
         assert _registry.registered("rocm")
     finally:
         _registry.arch_mismatch.cache_clear()
-
-
-def _inputs(shape, dtype, seed=0):
-    k = jax.random.split(jax.random.key(seed), 7)
-    width = shape[-1]
-    f = jax.random.normal(k[0], shape).astype(dtype)
-    h = 3 * jax.random.normal(k[1], shape)
-    near = [0.0, 1.0, 0.0, 1.0, 1.0]  # biases near 0, scales near 1
-    params = [near[i] + 0.2 * jax.random.normal(k[2 + i], (width,)) for i in range(5)]
-    return f, h, params
-
-
-def _rel(a, b):
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 def _uses_custom_call(fn, *args):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.ops.test_attention import RTOL, _inputs, _mask, _max_rel_error, prefill_case
+from tests.ops.attention_cases import RTOL, _inputs, _mask, _max_rel_error, prefill_case
 from zaya_jax.ops.attention import attention, dot_product_attention, self_attention_mask
 from zaya_jax.ops.attention.pallas import _key_block_range, pallas_attention
 

@@ -52,7 +52,7 @@ def test_runtime_flags_are_applied_to_xla_flags_and_recorded(tmp_path, capsys):
     import subprocess
     import sys
 
-    from tests.train.test_loop import MINI
+    from tests.fixtures import MINI
 
     run = tmp_path / "run"
     flags = [

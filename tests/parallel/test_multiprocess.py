@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 import zaya_jax
+from tests.fixtures import MINI
 from tests.resilience import faults
-from tests.train.test_loop import MINI
 from zaya_jax.checkpoint import restore_model
 
 STEPS = 6

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tests.fixtures import MINI
 from tests.resilience import faults
-from tests.train.test_loop import MINI
 
 COMMON = [
     *MINI,

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tests.train.test_step import _cfg, synthetic_batch
+from tests.fixtures import synthetic_batch, tiny_train_config
 from zaya_jax.config import ResilienceConfig
 from zaya_jax.model import init_variables
 from zaya_jax.objectives.lm import next_token
@@ -17,7 +17,7 @@ from zaya_jax.resilience import LossGuard, classify_runtime_error
 
 
 def test_guarded_step_keeps_the_previous_state_on_a_bad_step():
-    cfg = _cfg(batch_size=2)
+    cfg = tiny_train_config(batch_size=2)
     tx = build_optimizer(cfg.optim, model_param_groups(cfg.model, cfg.optim.router_group), cfg.train.steps)
     step = jax.jit(make_train_step(cfg, tx, set_lr_scale, objective=next_token(cfg)))
     state = init_train_state(init_variables(cfg.model, 0), tx)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.checkpoint import restore_model
 
 CLI = [sys.executable, "-m", "zaya_jax.cli"]

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax import checkpoint
 from zaya_jax.cli import main
 from zaya_jax.config import load_config

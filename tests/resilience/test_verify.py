@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.checkpoint import CheckpointCorruptError, restore_model
 from zaya_jax.checkpoint.fingerprint import fingerprints
 from zaya_jax.cli import main

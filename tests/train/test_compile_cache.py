@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.parallel.distributed import compilation_cache_path
 
 
@@ -35,7 +35,7 @@ import json, sys
 from pathlib import Path
 import jax, jax.numpy as jnp
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.train import train
 
 jax.jit(lambda x: x + 1)(jnp.ones(3)).block_until_ready()  # JAX used before, no cache yet

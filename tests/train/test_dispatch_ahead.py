@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
+from tests.fixtures import MINI
 from tests.resilience import faults as fault_injection
-from tests.train.test_loop import MINI
 from zaya_jax.checkpoint import restore_model
 from zaya_jax.cli import main
 from zaya_jax.train.hooks import Hook

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 from zaya_jax.config import load_config
 from zaya_jax.train.fit import DEVICE_MEMORY_GB, OutOfMemoryError

@@ -10,7 +10,7 @@ import numpy as np
 import yaml
 
 import zaya_jax
-from tests.train.test_loop import MINI
+from tests.fixtures import MINI
 from zaya_jax.cli import main
 
 # The learning rate warms up from 0 at the first step: that one step leaves the loaded parameters

@@ -10,27 +10,12 @@ import pytest
 import yaml
 
 import zaya_jax
+from tests.fixtures import MINI
 from zaya_jax.allocator import slow_path_warning
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, config_from_dict, load_config
 from zaya_jax.objectives.lm import plan_for
 from zaya_jax.train.loop import train
-
-MINI = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=2",
-    "model.moe_intermediate_size=32",
-    "model.router_hidden_size=8",
-    "train.batch_size=2",
-    "train.seq_len=32",
-    "log.every=2",
-    "eval.every=3",
-    "eval.batches=1",
-]
 
 
 def test_train_writes_a_complete_run_directory(tmp_path, capsys, monkeypatch):

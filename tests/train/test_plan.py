@@ -67,7 +67,7 @@ def test_the_planned_step_is_the_trained_step(tmp_path):
     """``--compile-only`` and ``zaya train`` build the step in one place (``build_programs``): on
     the same config and mesh the plan's fingerprint is the one the run records when it compiles.
     (That the fingerprint tells programs apart: the next test.)"""
-    from tests.train.test_loop import MINI
+    from tests.fixtures import MINI
 
     # train.steps is in the program too: the learning-rate schedule's constants
     layout = ["mesh.data=2", "mesh.fsdp=2", "mesh.expert=2", "train.batch_size=8", "train.steps=1"]

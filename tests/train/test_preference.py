@@ -12,8 +12,8 @@ import shutil
 import numpy as np
 import pytest
 
+from tests.fixtures import MINI
 from tests.hf_reference import make_hf_model, torch
-from tests.train.test_loop import MINI
 from zaya_jax import objectives
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, DataConfig, DataSource, load_config

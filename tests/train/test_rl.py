@@ -10,32 +10,13 @@ import json
 import numpy as np
 import pytest
 
-from tests.train.test_loop import MINI
+from tests.fixtures import GRPO
 from zaya_jax.cli import main
 from zaya_jax.config import load_config
 from zaya_jax.data import load_tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import init_variables
 from zaya_jax.objectives.rollouts import Completion, completion_row, group_advantages
-
-GRPO = [
-    *MINI,
-    "train.objective=grpo",
-    "train.batch_size=8",
-    "train.seq_len=64",
-    "rl.group_size=4",
-    "rl.max_new_tokens=8",
-    "rl.eval_prompts=4",
-    "rl.reward=tests.train.test_rl:ascii_reward",
-    "optim.warmup_steps=1",
-    "balancing.enabled=false",
-    "log.every=1",
-]
-
-
-def ascii_reward(record, completion: str) -> float:
-    """A reward an untrained byte model's random completions already vary in."""
-    return float(sum(c.isascii() for c in completion))
 
 
 def _records(run):

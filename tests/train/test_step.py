@@ -11,44 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.fixtures import synthetic_batch, tiny_train_config
 from tests.random_model import TINY
-from zaya_jax.config import Config, OptimConfig, RunConfig, TrainConfig
+from zaya_jax.config import Config
 from zaya_jax.loss import loss_and_stats, token_losses
 from zaya_jax.model import BALANCING, Zaya, init_variables
 from zaya_jax.objectives.lm import next_token
 from zaya_jax.optim import build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.programs import init_train_state, make_train_step
-
-
-def _cfg(**train) -> Config:
-    cfg = Config(
-        run=RunConfig(name="test"),
-        model=TINY,
-        train=TrainConfig(**{"seq_len": 16, "steps": 60, **train}),
-        optim=OptimConfig(warmup_steps=5),
-    )
-    cfg.validate()
-    return cfg
-
-
-def synthetic_batch(seed: int, batch: int, seq: int, vocab: int = TINY.vocab_size) -> dict[str, jnp.ndarray]:
-    """Rows holding two packed documents and trailing padding, in the data pipeline's format."""
-    rng = np.random.default_rng(seed)
-    tokens = rng.integers(3, vocab, size=(batch, seq + 1))
-    segment_ids = np.zeros((batch, seq), np.int32)
-    positions = np.zeros((batch, seq), np.int32)
-    for row in range(batch):
-        cut, end = rng.integers(3, seq - 4), seq - rng.integers(0, 3)
-        segment_ids[row, :cut], segment_ids[row, cut:end] = 1, 2
-        positions[row, :cut], positions[row, cut:end] = np.arange(cut), np.arange(end - cut)
-    loss_mask = (segment_ids > 0).astype(np.float32)
-    return {
-        "inputs": jnp.asarray(tokens[:, :-1], jnp.int32),
-        "targets": jnp.asarray(tokens[:, 1:], jnp.int32),
-        "segment_ids": jnp.asarray(segment_ids),
-        "positions": jnp.asarray(positions),
-        "loss_mask": jnp.asarray(loss_mask),
-    }
 
 
 @functools.lru_cache(maxsize=8)
@@ -75,15 +45,15 @@ def _losses(cfg: Config, steps: int = 3) -> list[float]:
 
 
 def test_same_config_and_data_give_bit_identical_losses():
-    cfg = _cfg(batch_size=4)
+    cfg = tiny_train_config(batch_size=4)
     first, second = _losses(cfg), _losses(cfg)
     assert first == second
     assert first[1:] != _losses(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=1)))[1:]
 
 
 def test_gradient_accumulation_equals_one_big_batch():
-    one = _cfg(batch_size=4, micro_batches=1)
-    four = _cfg(batch_size=4, micro_batches=4)
+    one = tiny_train_config(batch_size=4, micro_batches=1)
+    four = tiny_train_config(batch_size=4, micro_batches=4)
     state_one, step_one = _setup(one)
     state_four, step_four = _setup(four)
     batch = synthetic_batch(0, 4, 16)
@@ -148,7 +118,7 @@ def test_z_loss_adds_the_mean_squared_log_partition():
     expected_log_z = np.log(np.exp(np.asarray(logits)).sum(-1))
     np.testing.assert_allclose(log_z, expected_log_z, rtol=1e-6)
     np.testing.assert_allclose(ce, expected_log_z - np.array([[3.0, 0.0]]), rtol=1e-6)
-    cfg = _cfg(batch_size=2, z_loss=1e-2)
+    cfg = tiny_train_config(batch_size=2, z_loss=1e-2)
     state, step = _setup(cfg)
     _, metrics = step(state, synthetic_batch(0, 2, 16), jnp.float32(1.0))
     assert float(metrics["log_z_squared"]) > 0
@@ -156,7 +126,7 @@ def test_z_loss_adds_the_mean_squared_log_partition():
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_balancing_controller_moves_the_biases_only_when_enabled(enabled):
-    cfg = _cfg(batch_size=4)
+    cfg = tiny_train_config(batch_size=4)
     cfg = dataclasses.replace(cfg, balancing=dataclasses.replace(cfg.balancing, enabled=enabled))
     state, step = _setup(cfg)
     before = np.asarray(state.balancing["layers"]["router"]["biases"])
@@ -167,7 +137,7 @@ def test_balancing_controller_moves_the_biases_only_when_enabled(enabled):
 
 
 def test_repeated_batch_is_memorised():
-    cfg = _cfg(batch_size=4)
+    cfg = tiny_train_config(batch_size=4)
     state, step = _setup(cfg)
     batch = synthetic_batch(0, 4, 16)
     losses = []
@@ -178,7 +148,7 @@ def test_repeated_batch_is_memorised():
 
 
 def test_step_compiles_once_per_batch_shape():
-    cfg = _cfg(batch_size=4)
+    cfg = tiny_train_config(batch_size=4)
     tx, _ = _compiled(cfg)
     state = init_train_state(init_variables(cfg.model, 0), tx)
     traces = []
@@ -196,7 +166,7 @@ def test_step_compiles_once_per_batch_shape():
 
 def test_load_ratio_is_infinite_not_a_sentinel_when_an_expert_gets_no_token():
     """metrics.jsonl writes it as null; it used to read 1e9 (max / max(min, 1e-9))."""
-    cfg = _cfg(batch_size=2)
+    cfg = tiny_train_config(batch_size=2)
     state, step = _setup(cfg)
     biases = state.balancing["layers"]["router"]["biases"]
     forced = state.replace(balancing={"layers": {"router": {"biases": biases.at[:, 0].set(50.0)}}})
