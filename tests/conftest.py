@@ -7,6 +7,11 @@ the flags."""
 
 import os
 
+import pytest
+
+# Shared helper modules assert too: their failures show the values, as in a test module.
+pytest.register_assert_rewrite("tests.fixtures", "tests.data.corpora", "tests.parallel.processes")
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"

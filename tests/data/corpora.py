@@ -26,6 +26,12 @@ def write_parquet(path: Path, texts: Sequence[str | None], field: str = "text") 
     return path
 
 
+def varied_texts(n: int, seed: int = 0, alphabet: str = "abcdefghij") -> list[str]:
+    """Documents of 1 to 40 characters (many shorter and many longer than a row)."""
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list(alphabet), size=rng.integers(1, 41))) for _ in range(n)]
+
+
 def jsonl_config(*sources: tuple[str, Path, float], held_out_fraction: float = 0.1) -> DataConfig:
     """A DataConfig over JSONL files: one (name, path, weight) per source."""
     return DataConfig(
@@ -45,20 +51,54 @@ def small_corpus_override(directory: Path, documents: int = 400) -> str:
     return f"data.sources=[{{name: small, kind: jsonl, path: {path}}}]"
 
 
-def train_bpe_tokenizer(path: Path, vocab_size: int = 300) -> Path:
-    """A byte-level BPE tokenizer.json (pad/eos/bos = <pad>, </s>, <s>) trained on a few strings."""
+def _byte_bpe(vocab_size: int, special_tokens: list[str], texts: list[str]) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<pad>", "</s>", "<s>"],
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(["hello world", "héllo wörld", "the quick brown fox"] * 10, trainer)
-    tok.save(str(path))
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def train_bpe_tokenizer(path: Path, vocab_size: int = 300) -> Path:
+    """A byte-level BPE tokenizer.json (pad/eos/bos = <pad>, </s>, <s>) trained on a few strings."""
+    texts = ["hello world", "héllo wörld", "the quick brown fox"] * 10
+    _byte_bpe(vocab_size, ["<pad>", "</s>", "<s>"], texts).save(str(path))
     return path
+
+
+# ChatML with generation blocks, the shape of many published templates (tools listed in the system turn).
+CHATML = (
+    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
+    "{% endif %}{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>"
+    "{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chat_tokenizer_dir(directory: Path, template: str | None = CHATML) -> Path:
+    """A BPE tokenizer.json with ChatML's special tokens and a tokenizer_config.json (with
+    ``template`` as its chat_template) that transformers' AutoTokenizer loads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    texts = ["what is two plus two", "the answer is four", "user assistant system"] * 10
+    tok = _byte_bpe(400, ["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"], texts)
+    tok.save(str(directory / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+    }
+    if template is not None:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
 
 
 def assert_valid_row(row: dict[str, np.ndarray], seq_len: int, pad_id: int) -> None:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from tests.data.corpora import assert_valid_row, write_jsonl
+from tests.data.corpora import CHATML, assert_valid_row, chat_tokenizer_dir, write_jsonl
 from zaya_jax.config import DataConfig, DataSource
 from zaya_jax.data import DataError, load_tokenizer, open_prepared, prepare, tokenized_documents
 from zaya_jax.data.chat import ChatEncoder, ChatTemplate, find_chat_template, read_chat_documents
@@ -22,14 +20,6 @@ from zaya_jax.data.preview import TRAINED_CLOSE, TRAINED_OPEN
 from zaya_jax.data.tasks import exact_match, reverse_chats
 from zaya_jax.data.tasks import write_jsonl as write_chats
 
-# ChatML with generation blocks, the shape of many published templates (tools listed in the system turn).
-CHATML = (
-    "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n"
-    "{% endif %}{% for message in messages %}{% if message['role'] == 'assistant' %}<|im_start|>assistant\n"
-    "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}{% else %}<|im_start|>"
-    "{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 CONVERSATION = [
     {"role": "system", "content": "You are brief. {{ not a template }}"},
     {"role": "user", "content": "What is two plus two?"},
@@ -39,35 +29,6 @@ CONVERSATION = [
     {"role": "assistant", "content": "héllo wörld"},
 ]
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
-
-
-def chat_tokenizer_dir(directory: Path, template: str | None = CHATML) -> Path:
-    """A BPE tokenizer.json with ChatML's special tokens and a tokenizer_config.json (with
-    ``template`` as its chat_template) that transformers' AutoTokenizer loads."""
-    directory.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=400,
-        special_tokens=["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        ["what is two plus two", "the answer is four", "user assistant system"] * 10, trainer
-    )
-    tok.save(str(directory / "tokenizer.json"))
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": "<s>",
-        "eos_token": "</s>",
-        "pad_token": "<pad>",
-    }
-    if template is not None:
-        config["chat_template"] = template
-    (directory / "tokenizer_config.json").write_text(json.dumps(config))
-    return directory
 
 
 @pytest.fixture(scope="module")

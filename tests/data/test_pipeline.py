@@ -9,7 +9,14 @@ import threading
 import numpy as np
 import pytest
 
-from tests.data.corpora import assert_valid_row, jsonl_config, pair_stream, train_bpe_tokenizer, write_jsonl
+from tests.data.corpora import (
+    assert_valid_row,
+    jsonl_config,
+    pair_stream,
+    train_bpe_tokenizer,
+    varied_texts,
+    write_jsonl,
+)
 from zaya_jax.config import ConfigError, DataConfig, DataSource
 from zaya_jax.data import (
     ByteTokenizer,
@@ -25,12 +32,6 @@ from zaya_jax.data.prefetch import Prefetcher
 
 TOK = ByteTokenizer()
 SEQ = 16
-
-
-def varied_texts(n: int, seed: int = 0, alphabet: str = "abcdefghij") -> list[str]:
-    """Documents of 1 to 40 characters (many shorter and many longer than a row)."""
-    rng = np.random.default_rng(seed)
-    return ["".join(rng.choice(list(alphabet), size=rng.integers(1, 41))) for _ in range(n)]
 
 
 def take(rows, n: int) -> list[dict[str, np.ndarray]]:

@@ -9,8 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.data.corpora import jsonl_config, write_jsonl
-from tests.data.test_pipeline import varied_texts
+from tests.data.corpora import jsonl_config, varied_texts, write_jsonl
 from zaya_jax.config import ConfigError
 from zaya_jax.data import ByteTokenizer, DataError
 from zaya_jax.data.streams import auto_streams, make_batch_streams, stream_rows, streams_run_by

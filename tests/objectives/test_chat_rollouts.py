@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.data.test_chat import chat_tokenizer_dir
+from tests.data.corpora import chat_tokenizer_dir
 from zaya_jax.config import load_config
 from zaya_jax.data import load_tokenizer
 from zaya_jax.data.chat import BYTE_CHAT_TEMPLATE, ChatEncoder, ChatTemplate

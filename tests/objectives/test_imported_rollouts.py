@@ -11,8 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.fixtures import MINI
-from tests.train.test_rl import GRPO
+from tests.fixtures import GRPO, MINI
 from zaya_jax import checkpoint
 from zaya_jax.cli import main
 from zaya_jax.config import load_config

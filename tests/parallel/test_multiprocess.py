@@ -9,9 +9,7 @@ bit-identical to an uninterrupted run."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 from pathlib import Path
 
@@ -20,80 +18,15 @@ import numpy as np
 import pytest
 
 import zaya_jax
-from tests.fixtures import MINI
+from tests.parallel.processes import finish, start_two_processes
 from tests.resilience import faults
 from zaya_jax.checkpoint import restore_model
 
 STEPS = 6
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _distributed(port: int, process_id: int) -> list[str]:
-    return ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
-
-
-def two_process_args(run: Path, steps: int) -> list[str]:
-    """``zaya train`` arguments of the two-process runs: the miniature model on one data 2 x
-    fsdp 2 x expert 2 mesh of 8 devices, a checkpoint every 2 steps (also tests/parallel/test_slurm.py)."""
-    return [
-        *MINI,
-        f"run.dir={run}",
-        f"train.steps={steps}",
-        "train.batch_size=8",
-        "eval.every=100",
-        "log.every=1",
-        "checkpoint.every_steps=2",
-        "mesh.data=2",
-        "mesh.fsdp=2",
-        "mesh.expert=2",
-    ]
-
-
-def _start(
-    run: Path, steps: int, *extra: str, clock_skew: float = 0.0, fault: tuple[str, ...] = ()
-) -> list[subprocess.Popen]:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-    }
-    args = [*two_process_args(run, steps), *extra]
-    return [
-        subprocess.Popen(
-            [
-                *faults.command(*fault, clock_skew=clock_skew),
-                "train",
-                *args,
-                "--no-progress",
-                *_distributed(port, i),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for i in range(2)
-    ]
-
-
-def _finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
-    results = []
-    for proc in procs:
-        out, err = proc.communicate(timeout=600)
-        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
-    for result in results:
-        assert result.returncode == 0, result.stderr[-4000:]
-    return results
-
-
 def _launch(run: Path, steps: int, *extra: str) -> list[subprocess.CompletedProcess]:
-    return _finish(_start(run, steps, *extra))
+    return finish(start_two_processes(run, steps, *extra))
 
 
 def _summary(result: subprocess.CompletedProcess) -> dict:
@@ -121,12 +54,12 @@ def test_signals_to_each_process_and_one_clock_due_both_save_stop_and_resume_exa
     # step and never by process 0's; SIGINT goes to process 0 and SIGTERM to process 1 at step 3
     # (step by step: dispatched ahead, an odd step's agreed save would land on the next, even step,
     # which saves anyway; tests/train/test_resume.py covers that placement)
-    procs = _start(
+    procs = start_two_processes(
         run, STEPS, "checkpoint.every_minutes=60", "train.dispatch_ahead=false", clock_skew=100000,
         fault=("pause_at_step=3",),
     )  # fmt: skip
     faults.signal_while_paused(run, 3, procs, {0: signal.SIGINT, 1: signal.SIGTERM}, processes=2)
-    first = _finish(procs)  # both exit 0: no process waits in a barrier the other never reaches
+    first = finish(procs)  # both exit 0: no process waits in a barrier the other never reaches
     summaries = [_summary(r) for r in first]
     assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] == 4
     stopped = summaries[0]["steps"]  # the step after the signals

@@ -11,57 +11,25 @@ process."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from tests.parallel.test_multiprocess import _finish, _start, two_process_args
+from tests.parallel.processes import (
+    GRPO,
+    assert_same_training,
+    finish,
+    one_process,
+    start_two_processes,
+    train_metrics,
+)
 from tests.resilience import faults
 from zaya_jax.checkpoint import restore_model
 
 STEPS = 4
-GRPO = [
-    "train.objective=grpo",
-    "train.seq_len=64",
-    "rl.group_size=4",
-    "rl.max_new_tokens=8",
-    "rl.eval_prompts=4",
-    "rl.reward=tests.fixtures:ascii_reward",
-    "optim.warmup_steps=1",
-    "balancing.enabled=false",
-    "rl.steps_per_rollout=2",  # the second step of each rollout is off-policy: a loss that is not ~0
-    "train.dispatch_ahead=false",
-]
-
-
-def _one_process(
-    run: Path, steps: int, *extra: str, fault: tuple[str, ...] = ()
-) -> subprocess.CompletedProcess:
-    """The same run in one process on 8 CPU devices (the same mesh shape)."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
-        "JAX_PLATFORMS": "cpu",
-    }
-    result = subprocess.run(
-        [*faults.command(*fault), "train", *two_process_args(run, steps), *GRPO, *extra, "--no-progress"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
-    return result
-
-
-def _metrics(run: Path) -> dict[int, dict]:
-    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {line["step"]: line for line in lines if "loss" in line}
 
 
 def _evaluations(run: Path) -> list[dict]:
@@ -77,27 +45,8 @@ def _positions(run: Path, step: int) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     run = tmp_path_factory.mktemp("grpo_reference") / "run"
-    _one_process(run, STEPS, "eval.every=4")
+    one_process(run, STEPS, "eval.every=4")
     return run
-
-
-def _assert_same(ours: dict[int, dict], theirs: dict[int, dict], steps: list[int]) -> None:
-    """Losses and gradient norms to 1e-5 relative, the rollouts' rewards and lengths exactly. A
-    GRPO loss is a sum of O(1) terms that cancel (advantages sum to 0 in every group; on policy the
-    ratio is 1 and the loss 0 up to rounding), so where it is near 0 it is held to 1e-7 absolute."""
-    assert sorted(ours) == sorted(theirs) == steps
-    for s in steps:
-        assert (
-            ours[s]["reward"] == theirs[s]["reward"]
-            and ours[s]["completion_length"] == theirs[s]["completion_length"]
-        )
-        assert ours[s]["loss"] == pytest.approx(theirs[s]["loss"], rel=1e-5, abs=1e-7), s
-        assert ours[s]["grad_norm"] == pytest.approx(theirs[s]["grad_norm"], rel=1e-5), s
-    off_policy = [s for s in steps if abs(theirs[s]["loss"]) > 1e-5]
-    assert off_policy, "no step with a loss to compare relatively"
-    gaps = {s: abs(ours[s]["loss"] / theirs[s]["loss"] - 1) for s in off_policy}
-    worst = max(abs(ours[s]["loss"] - theirs[s]["loss"]) for s in steps)
-    print(f"relative loss gaps where the loss is not ~0: {gaps}; largest absolute gap {worst:.3g}")
 
 
 def _assert_same_weights(run: Path, reference: Path) -> None:
@@ -108,8 +57,8 @@ def _assert_same_weights(run: Path, reference: Path) -> None:
 
 def test_two_processes_train_the_one_process_run(tmp_path, reference):
     run = tmp_path / "run"
-    _finish(_start(run, STEPS, *GRPO, "eval.every=4"))
-    _assert_same(_metrics(run), _metrics(reference), list(range(1, STEPS + 1)))
+    finish(start_two_processes(run, STEPS, *GRPO, "eval.every=4"))
+    assert_same_training(train_metrics(run), train_metrics(reference), list(range(1, STEPS + 1)))
     # held-out reward: every process evaluates every held-out prompt, as one process does
     (ours,), (theirs,) = (_evaluations(r) for r in (run, reference))
     assert ours["step"] == theirs["step"] == STEPS and ours["eval_loss"] == theirs["eval_loss"]
@@ -124,15 +73,15 @@ def test_two_processes_train_the_one_process_run(tmp_path, reference):
 
 def test_two_process_run_resumed_by_one_continues_the_prompt_stream(tmp_path, reference):
     run = tmp_path / "run"
-    procs = _start(run, STEPS, *GRPO, fault=("pause_at_step=1",))
+    procs = start_two_processes(run, STEPS, *GRPO, fault=("pause_at_step=1",))
     faults.signal_while_paused(run, 1, procs, {0: signal.SIGTERM, 1: signal.SIGTERM}, processes=2)
-    summaries = [json.loads(r.stdout[r.stdout.index("{") :]) for r in _finish(procs)]
+    summaries = [json.loads(r.stdout[r.stdout.index("{") :]) for r in finish(procs)]
     assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] == 2
     assert len(_positions(run, 2)) == 2 and _positions(run, 2)[0]["consumed"] == 4
-    _one_process(run, STEPS)  # the same run directory, continued by one process
+    one_process(run, STEPS)  # the same run directory, continued by one process
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
-    _assert_same(_metrics(run), _metrics(reference), list(range(1, STEPS + 1)))
+    assert_same_training(train_metrics(run), train_metrics(reference), list(range(1, STEPS + 1)))
     assert _positions(run, STEPS) == _positions(reference, STEPS)  # one process's position now
     _assert_same_weights(run, reference)
 
@@ -150,18 +99,18 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
         f"train.init_from={reference}",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
-    _one_process(one, STEPS, *extra, fault=("nan_at_step=3",))
-    _finish(_start(two, STEPS, *GRPO, *extra, fault=("nan_at_step=3",)))
+    one_process(one, STEPS, *extra, fault=("nan_at_step=3",))
+    finish(start_two_processes(two, STEPS, *GRPO, *extra, fault=("nan_at_step=3",)))
     for run in (one, two):
         events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
         rollbacks = [e["detail"] for e in events if e["event"] == "rollback"]
         assert rollbacks == [{"reason": "nonfinite", "from_step": 3, "to_step": 2}]
-    ours, theirs = _metrics(two), _metrics(one)
+    ours, theirs = train_metrics(two), train_metrics(one)
     assert theirs[STEPS]["rollbacks"] == 1 and all(
         theirs[s]["kl"] > 0 for s in (3, 4)
     )  # moved off the reference
     for s in range(1, STEPS + 1):
         assert ours[s]["kl"] == pytest.approx(theirs[s]["kl"], rel=1e-5), s
-    _assert_same(ours, theirs, list(range(1, STEPS + 1)))
+    assert_same_training(ours, theirs, list(range(1, STEPS + 1)))
     assert _positions(two, STEPS)[0] == _positions(one, STEPS)[0]
     _assert_same_weights(two, one)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.test_multiprocess import two_process_args
+from tests.parallel.processes import two_process_args
 from tests.resilience import faults
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,7 +152,7 @@ def test_scancel_stops_both_tasks_at_the_same_step_and_one_task_resumes_on_the_s
 def test_grpo_under_srun_equals_the_one_process_run(tmp_path):
     """GRPO's two tasks (each sampling its half of every rollout, jax.distributed through Slurm
     detection) train what one process trains (tests/parallel/test_multiprocess_grpo.py)."""
-    from tests.parallel.test_multiprocess_grpo import GRPO, _assert_same, _metrics, _one_process
+    from tests.parallel.processes import GRPO, assert_same_training, one_process, train_metrics
 
     run, one = tmp_path / "run", tmp_path / "one"
     cmd = _srun(
@@ -162,8 +162,8 @@ def test_grpo_under_srun_equals_the_one_process_run(tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
     (start,) = [e["detail"] for e in _events(run) if e["event"] == "start"]
     assert start["processes"] == 2 and start["devices"] == 8
-    _one_process(one, STEPS)
-    _assert_same(_metrics(run), _metrics(one), list(range(1, STEPS + 1)))
+    one_process(one, STEPS)
+    assert_same_training(train_metrics(run), train_metrics(one), list(range(1, STEPS + 1)))
 
 
 def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_path):
