@@ -19,7 +19,8 @@ Allocators: each zaya worker runs under the allocator the ``zaya`` command would
 under the C library's malloc, as ``python`` starts PyTorch, so the ratios are given against HF
 under each. ``--allocators system tcmalloc mimalloc mimalloc-purge`` runs every zaya variant under
 each allocator instead, side by side, and reports each worker's page faults, kernel time per step
-and peak resident memory.
+and peak resident memory, and how many times fewer faults each variant took than under ``system``
+(``page_faults_vs_system``).
 
 Timing JAX and PyTorch in one process distorts both on a small machine (each framework's thread
 pools compete: PyTorch ran 4-9x and JAX 1.2-2x slower than alone), so every variant is a worker
@@ -238,6 +239,17 @@ def _expect(proc: subprocess.Popen, tag: str, variant: str):
     raise RuntimeError(f"worker {variant} exited with {proc.wait()} before {tag}")
 
 
+def faults_vs_system(faults: dict[str, int]) -> dict[str, float]:
+    """How many times fewer page faults per step each variant took than the same variant under the C
+    library's malloc (``<variant>@system``; ``hf_adamw`` for HF), where that ran too."""
+    system = {v.partition("@")[0]: f for v, f in faults.items() if v.endswith("@system") or v == "hf_adamw"}
+    return {
+        v: round(system[v.partition("@")[0]] / max(f, 1), 1)
+        for v, f in faults.items()
+        if v.partition("@")[0] in system and not v.endswith("@system") and v != "hf_adamw"
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="tiny")
@@ -312,6 +324,7 @@ def main() -> None:
     zaya = next(v for v in variants if not v.startswith("hf_adamw"))
     peak = info[zaya]["peak"]
     moe_flops = info[zaya]["flops_per_token"]
+    faults = {v: round(statistics.median(u["faults"] for u in us)) for v, us in usage.items()}
     report = {
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus; jax on "
         f"{info[zaya]['backend']}, torch {info['hf_adamw']['torch']} on {info['hf_adamw']['device']} "
@@ -322,9 +335,8 @@ def main() -> None:
         "peak_source": info[zaya]["peak_source"],
         "step_s": {v: round(t, 4) for v, t in step_s.items()},
         # per step, the median over rounds: minor page faults and kernel (system) ms, both cores
-        "page_faults_per_step": {
-            v: round(statistics.median(u["faults"] for u in us)) for v, us in usage.items()
-        },
+        "page_faults_per_step": faults,
+        "page_faults_vs_system": faults_vs_system(faults),
         "kernel_ms_per_step": {
             v: round(1e3 * statistics.median(u["kernel_s"] for u in us), 1) for v, us in usage.items()
         },
