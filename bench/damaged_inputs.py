@@ -4,8 +4,8 @@ fingerprints, HF directories with safetensors, index files and tokenizers, prepa
 configs and overrides) in many ways and runs every command that reads it; each case must end in a
 clear one-line error naming the path (exit 1 or 2), in the documented fallback (a checkpoint set
 aside, the previous one used) or unaffected, never in a traceback or a hang, and must leave the
-user's files as they were. Cases, damage and judging: tests/resilience/damage.py; running them:
-tests/resilience/damage_runner.py; the CI runs a seeded subset (tests/resilience/test_damaged_inputs.py).
+user's files as they were. Cases, damage and judging: bench/campaigns/damage.py; running them:
+bench/campaigns/damage_runner.py; the CI runs a seeded subset (tests/resilience/test_damaged_inputs.py).
 
     python bench/damaged_inputs.py --seed 0 --cases 240 [--kinds run,step,...] [--dir DIR] [--keep]
     python bench/damaged_inputs.py --post-training --seed 0 --cases 240
@@ -27,10 +27,10 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.campaigns
 
-from tests.resilience.damage import POST_TRAINING, PRETRAINING, plan
-from tests.resilience.damage_runner import failures, run_campaign, table
+from bench.campaigns.damage import POST_TRAINING, PRETRAINING, plan
+from bench.campaigns.damage_runner import failures, run_campaign, table
 
 
 def main() -> int:

@@ -1,7 +1,7 @@
 """Randomized SIGKILL fault campaign (issue 18, item 4): ``zaya train``, ``zaya data prepare`` and
 ``zaya convert`` (both directions) killed at seeded random moments, then resumed or rerun; every
 result must equal the uninterrupted one and nothing committed may be lost. The trial logic, the
-kill moments and the definition of "lost" are in tests/resilience/campaign.py (its docstring); the
+kill moments and the definition of "lost" are in bench/campaigns/sigkill.py (its docstring); the
 CI runs a short subset of it (tests/resilience/test_campaign.py). Usage:
 
     python bench/fault_campaign.py --seed 0 --kills 30 [--kills-per-trial 1] [--prepare-kills 10]
@@ -27,9 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository's tests package
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: bench.campaigns
 
-from tests.resilience.campaign import LARGER_MODEL, MINI_MODEL, run_campaign, table
+from bench.campaigns.sigkill import LARGER_MODEL, MINI_MODEL, run_campaign, table
 
 
 def main() -> int:

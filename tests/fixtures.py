@@ -29,9 +29,9 @@ MINI = [
     "eval.batches=1",
 ]
 
-# GRPO on the miniature model: 2 groups of 4 completions of up to 8 tokens, rewarded by ascii_reward.
-GRPO = [
-    *MINI,
+# GRPO: 2 groups of 4 completions of up to 8 tokens per rollout, rewarded by ascii_reward, a log line
+# every step; GRPO_SETTINGS on any model and mesh (tests/parallel/processes.py), GRPO on the miniature one.
+GRPO_SETTINGS = [
     "train.objective=grpo",
     "train.batch_size=8",
     "train.seq_len=64",
@@ -43,6 +43,7 @@ GRPO = [
     "balancing.enabled=false",
     "log.every=1",
 ]
+GRPO = [*MINI, *GRPO_SETTINGS]
 
 
 def ascii_reward(record, completion: str) -> float:

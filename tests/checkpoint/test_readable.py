@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import zaya_jax
-from tests.resilience.damage_runner import RUN
+from bench.campaigns.damage_runner import RUN
 from zaya_jax import checkpoint
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import zaya_jax
-from tests.resilience.campaign import MINI, same_files
+from bench.campaigns.sigkill import MINI, same_files
 from zaya_jax.cli import main
 from zaya_jax.config import load_config
 from zaya_jax.interop.hf import save_hf_directory

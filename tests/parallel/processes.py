@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures import MINI
+from tests.fixtures import GRPO_SETTINGS, MINI
 from tests.resilience import faults
 
 
@@ -85,19 +85,9 @@ def finish(procs: list[subprocess.Popen]) -> list[subprocess.CompletedProcess]:
     return results
 
 
-# GRPO for the runs above (2 groups of 4 completions per rollout, 2 steps per rollout).
-GRPO = [
-    "train.objective=grpo",
-    "train.seq_len=64",
-    "rl.group_size=4",
-    "rl.max_new_tokens=8",
-    "rl.eval_prompts=4",
-    "rl.reward=tests.fixtures:ascii_reward",
-    "optim.warmup_steps=1",
-    "balancing.enabled=false",
-    "rl.steps_per_rollout=2",  # the second step of each rollout is off-policy: a loss that is not ~0
-    "train.dispatch_ahead=false",
-]
+# GRPO on the runs above (whose batches of 8 rows and log lines every step it repeats), 2 steps per
+# rollout: the second is off-policy, a loss that is not ~0
+GRPO = [*GRPO_SETTINGS, "rl.steps_per_rollout=2", "train.dispatch_ahead=false"]
 
 
 def one_process(

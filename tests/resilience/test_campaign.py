@@ -1,4 +1,4 @@
-"""The CI subset of the randomized SIGKILL fault campaign (tests/resilience/campaign.py; the full
+"""The CI subset of the randomized SIGKILL fault campaign (bench/campaigns/sigkill.py; the full
 campaign is bench/fault_campaign.py): one training run killed twice at seeded moments inside
 its steps and saves, then resumed to the end, bit-identical to the uninterrupted run with no committed
 checkpoint lost; one killed ``zaya data prepare`` run and one killed ``zaya convert`` each way, each
@@ -10,7 +10,7 @@ from __future__ import annotations
 import itertools
 import shutil
 
-from tests.resilience.campaign import (
+from bench.campaigns.sigkill import (
     Tally,
     TrainReference,
     check_latest,

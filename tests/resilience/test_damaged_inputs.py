@@ -1,4 +1,4 @@
-"""The CI subset of the damaged-input campaign (tests/resilience/damage.py; the full campaign is
+"""The CI subset of the damaged-input campaign (bench/campaigns/damage.py; the full campaign is
 bench/damaged_inputs.py): three seeded cases of every pretraining input kind and two of every
 post-training one, each ending in the documented fallback, a clear one-line error naming the
 damaged path or key, or unaffected; no traceback, no hang, and nothing the user had changed. The
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.resilience.damage import (
+from bench.campaigns.damage import (
     POST_TRAINING,
     PRETRAINING,
     Case,
@@ -21,7 +21,7 @@ from tests.resilience.damage import (
     plan,
     snapshot,
 )
-from tests.resilience.damage_runner import failures, run_campaign, table
+from bench.campaigns.damage_runner import failures, run_campaign, table
 
 SEED = 1
 

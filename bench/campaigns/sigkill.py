@@ -69,15 +69,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from tests.train import test_loop
+from bench import campaigns
 
 CLI = [sys.executable, "-m", "zaya_jax.cli"]
-# tests/train/test_loop.py's miniature model, with every step logged and no periodic evaluation
-MINI = [
-    *(o for o in test_loop.MINI if not o.startswith(("log.every=", "eval.every="))),
-    "log.every=1",
-    "eval.every=100",
-]
+# the campaigns' miniature model, with every step logged and no periodic evaluation
+MINI = [*campaigns.MINI, "log.every=1", "eval.every=100"]
 POLL_S = 0.004
 CHILD_TIMEOUT_S = 600.0
 
@@ -600,7 +596,7 @@ def prepare_reference(root: Path, corpus: Path, shards: int = 4, warmup: bool = 
     return output_reference(command, root / "reference" / "prepared", same_files, open_prepared, warmup)
 
 
-MINI_MODEL = [o for o in MINI if o.startswith("model.")]
+MINI_MODEL = campaigns.MINI_MODEL
 # 26M parameters (100 MB of float32): big enough that writing it takes a while to be killed in
 LARGER_MODEL = [
     "model.hidden_size=256",

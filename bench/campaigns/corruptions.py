@@ -3,7 +3,7 @@ record of a JSONL file made wrong as a user or a broken export would write it (a
 missing or empty field, a value of an impossible type or range, a pair whose completions are the
 same, a rollout whose ids leave the vocabulary), and a reward module rewritten into one that fails
 as user code does (at import, when called, or by returning what is not a reward). Used by
-``tests/resilience/damage.py``; every damage is seeded by the case."""
+``bench/campaigns/damage.py``; every damage is seeded by the case."""
 
 from __future__ import annotations
 

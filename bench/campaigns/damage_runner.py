@@ -1,4 +1,4 @@
-"""Runs the damaged-input campaign (cases and judging: ``tests/resilience/damage.py``).
+"""Runs the damaged-input campaign (cases and judging: ``bench/campaigns/damage.py``).
 
 The fixtures are built once. A worker process runs the cases one after another in process
 (``zaya_jax.cli.main(argv)``, exactly what the ``zaya`` script runs, and the Python API), so one
@@ -8,7 +8,7 @@ outcome to ``results.jsonl``. The parent (:func:`run_campaign`) reads that file 
 with no result after ``timeout`` seconds is a hang (the worker is killed), a worker that dies is a
 crash of that case (counted as a traceback), and a new worker goes on with the next case.
 
-    python -m tests.resilience.damage_runner worker --root DIR --start K   (started by run_campaign)
+    python -m bench.campaigns.damage_runner worker --root DIR --start K   (started by run_campaign)
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tests.resilience.corruptions import GOOD_REWARD
-from tests.resilience.damage import (
+from bench import campaigns
+from bench.campaigns.corruptions import GOOD_REWARD
+from bench.campaigns.damage import (
     KINDS,
     Case,
     Outcome,
@@ -43,11 +44,10 @@ from tests.resilience.damage import (
     restore_permissions,
     snapshot,
 )
-from tests.train.test_loop import MINI as LOOP_MINI
 
 REPO = Path(__file__).resolve().parents[2]
-MINI_MODEL = [o for o in LOOP_MINI if o.startswith("model.")]
-MINI = [*LOOP_MINI, "--no-progress"]
+MINI_MODEL = campaigns.MINI_MODEL
+MINI = [*campaigns.MINI, "log.every=2", "eval.every=3", "--no-progress"]
 RUN = [*MINI, "train.steps=4", "checkpoint.every_steps=2", "eval.every=100"]
 SMALL_EVAL = ["--seq-len", "64", "--batch-size", "2", "--batches", "1"]
 # Post-training: chat and preference runs on rows of 128 byte tokens, GRPO on 2 groups of 2 completions.
@@ -121,9 +121,11 @@ def build_fixtures(fixtures: Path) -> None:
     """The pristine inputs: a 4-step run saved at steps 2 and 4, its HF export with a BPE tokenizer,
     the same weights as a sharded HF directory, a JSONL corpus and its prepared directory, a YAML
     config, and a garbage file for symlinks to point at."""
-    from tests.data.corpora import train_bpe_tokenizer, write_jsonl
+    from tokenizers import ByteLevelBPETokenizer
+
     from zaya_jax import load
     from zaya_jax.cli import main
+    from zaya_jax.data.tasks import write_jsonl
     from zaya_jax.interop.hf import save_hf_directory
 
     if (fixtures / "complete").is_file():
@@ -132,17 +134,26 @@ def build_fixtures(fixtures: Path) -> None:
     fixtures.mkdir(parents=True)
     _ok(main(["train", *RUN, f"run.dir={fixtures / 'run'}"]), "the fixture run")
     _ok(main(["convert", "zaya-to-hf", str(fixtures / "run"), str(fixtures / "hf")]), "the HF export")
-    train_bpe_tokenizer(fixtures / "hf" / "tokenizer.json", vocab_size=264)
+    # a byte-level BPE of 264 entries (<pad>, </s>, <s>, the 256 bytes, 5 merges), no post-processor
+    tokenizer, words = ByteLevelBPETokenizer(), ["hello world", "héllo wörld", "the quick brown fox"]
+    tokenizer.train_from_iterator(
+        words * 10, 264, special_tokens=["<pad>", "</s>", "<s>"], show_progress=False
+    )
+    tokenizer.post_processor = None
+    tokenizer.save(str(fixtures / "hf" / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>", "pad_token": "<pad>"}
     (fixtures / "hf" / "tokenizer_config.json").write_text(json.dumps(special, indent=2))
     lm = load(fixtures / "run")
     save_hf_directory(fixtures / "hf_sharded", lm.config, lm.variables, max_shard_bytes=40_000)
     texts = [f"document {i}: the quick brown fox jumps over " + "lorem ipsum " * (i % 5) for i in range(64)]
-    write_jsonl(fixtures / "corpus.jsonl", texts)
+    write_jsonl(fixtures / "corpus.jsonl", [{"text": text} for text in texts])
     prepared = ["data", "prepare", str(fixtures / "corpus.jsonl"), "--out", str(fixtures / "prepared")]
     _ok(main([*prepared, "--shards", "2"]), "the prepared directory")
-    model = {o.split("=")[0].split(".")[1]: int(o.split("=")[1]) for o in MINI_MODEL}
-    config = {"inherits": "tiny", "model": model, "train": {"steps": 1, "batch_size": 2, "seq_len": 32}}
+    config = {
+        "inherits": "tiny",
+        "model": campaigns.MODEL,
+        "train": {"steps": 1, "batch_size": 2, "seq_len": 32},
+    }
     (fixtures / "config.yaml").write_text(json.dumps({**config, "eval": {"batches": 1}}, indent=2))
     (fixtures / "outside").mkdir()
     (fixtures / "outside" / "garbage.bin").write_bytes(bytes(range(256)) * 64)
@@ -339,7 +350,7 @@ def run_campaign(
     keep: bool = False,
     log: Callable[[str], None] = print,
 ) -> list[Outcome]:
-    """Run ``cases`` (from :func:`~tests.resilience.damage.plan`) in worker processes; returns their
+    """Run ``cases`` (from :func:`~bench.campaigns.damage.plan`) in worker processes; returns their
     outcomes in order, hangs and crashed workers included."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "plan.json").write_text(json.dumps([dataclasses.asdict(c) for c in cases]))
@@ -371,7 +382,7 @@ def _supervise_worker(
     argv = [
         sys.executable,
         "-m",
-        "tests.resilience.damage_runner",
+        "bench.campaigns.damage_runner",
         "worker",
         "--root",
         str(root),

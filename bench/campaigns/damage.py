@@ -1,5 +1,5 @@
 """The damaged-input campaign's cases: which inputs, which damage, which command, and how an outcome
-is judged. Run by ``tests/resilience/damage_runner.py`` (the fixtures, a worker process that runs
+is judged. Run by ``bench/campaigns/damage_runner.py`` (the fixtures, a worker process that runs
 the cases, a parent that catches hangs); the CI runs a seeded subset
 (``tests/resilience/test_damaged_inputs.py``), ``bench/damaged_inputs.py`` the full campaign.
 
@@ -44,7 +44,7 @@ from typing import Any
 
 import yaml
 
-from tests.resilience.corruptions import (
+from bench.campaigns.corruptions import (
     CHAT_RECORD,
     LINE_DAMAGE,
     PAIR_RECORD,
