@@ -41,7 +41,7 @@ def main() -> None:
     programs = build_programs(
         cfg, devices=jax.devices()[:1], groups=model_param_groups(cfg.model, cfg.optim.router_group)
     )
-    model = programs.cfg.model  # "auto" paths resolved as the train step runs them
+    model = programs.cfg.model  # moe_impl "auto" resolved as the train step runs it
     variables = zaya_jax.model.init_variables(model, 0)
     # the train step donates its state: the forward and backward get their own copies
     params = jax.tree.map(jnp.copy, variables["params"])
@@ -50,7 +50,9 @@ def main() -> None:
     inputs, targets = jnp.asarray(ids[:, :-1], jnp.int32), jnp.asarray(ids[:, 1:], jnp.int32)
 
     def loss(params):
-        logits, _ = Zaya(model).apply({"params": params, **others}, inputs)
+        logits, _ = Zaya(model, programs.layout.hooks).apply(
+            {"params": params, **others}, inputs
+        )  # its kernels
         return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets).mean()
 
     forward, backward = jax.jit(loss), jax.jit(jax.value_and_grad(loss))
@@ -87,7 +89,7 @@ def main() -> None:
             times[name].append(statistics.median(ts))
     ms = {name: round(statistics.median(t) * 1e3, 1) for name, t in times.items()}
     ms["optimizer_and_rest"] = round(ms["train_step"] - ms["forward_backward"], 1)
-    paths = {"attention_impl": model.attention_impl, "moe_impl": model.moe_impl}
+    paths = {"kernels": programs.layout.kernels.describe(), "moe_impl": model.moe_impl}
     print(json.dumps({"config": args.config, "batch": args.batch, "seq": args.seq, "set": args.set, **paths,
                       "median_ms": ms}))  # fmt: skip
 

@@ -28,8 +28,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.engine import Engine, Finished, Request
 from zaya_jax.engine.sampling import filter_logits, token_logprob
 from zaya_jax.model import Zaya, init_cache
-from zaya_jax.model.mesh_hooks import ModelHooks
-from zaya_jax.parallel.tree import tree_attention
+from zaya_jax.parallel.layout import program_hooks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +117,7 @@ def _generate_fn(
     """The jitted sampler: ``(variables, ids, mask, key, temperature, top_p, vocab_limit, pad_id)
     -> {"tokens", "done", "logprobs"}`` plus ``"prompt_routes"`` and ``"routes"`` when
     ``return_routes`` (see :class:`Generation`)."""
-    model = Zaya(cfg, ModelHooks(attention=tree_attention(mesh) if mesh is not None else None))
+    model = Zaya(cfg, program_hooks(cfg, mesh))
     layers = cfg.num_layers
 
     def choose(logits, key, temperature, top_p, vocab_limit):

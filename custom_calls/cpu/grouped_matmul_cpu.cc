@@ -1,10 +1,9 @@
-// Grouped and batched matrix products for XLA:CPU, on one register-tiled GEMM core:
+// Grouped matrix products for XLA:CPU, on one register-tiled GEMM core:
 //
 //   zaya_grouped_matmul     the dropless MoE's expert GEMMs over rows sorted by expert (jax.lax.ragged_dot's
 //                           contract): y[r] = x[r] @ w[g(r)] (w: G x K x N; transpose_w: w[g]^T, w G x N x K),
 //                           rows past sum(group_sizes) zero; no padding rows, no per-block copy of the weights
 //   zaya_grouped_matmul_dw  its weight gradient: dw[g] = x[rows of g]^T @ dy[rows of g] (0 for an empty group)
-//   zaya_batched_matmul     c[i] = a[i] @ b[i] or a[i] @ b[i]^T over a batch (Muon's Newton-Schulz products)
 //
 // Why a kernel: XLA:CPU has no grouped GEMM. Its ragged_dot is a dense product per group (G times the
 // work), and the blocked form (a batched matmul over 128-row blocks, each with its group's weights)
@@ -224,49 +223,7 @@ ffi::Error GroupedMatmulDwImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ff
   return ffi::Error::Success();
 }
 
-// c[i] = a[i] @ op(b[i]) over a batch of matrices: a (..., M, K), b (..., K, N) or, transposed,
-// (..., N, K), the same leading (batch) dimensions on all three.
-ffi::Error BatchedMatmulImpl(ffi::ThreadPool pool, bool transpose_b, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
-                             ffi::ResultBuffer<ffi::F32> c) {
-  auto ad = a.dimensions(), bd = b.dimensions(), cd = c->dimensions();
-  const size_t rank = ad.size();
-  if (rank < 2 || bd.size() != rank || cd.size() != rank)
-    return ffi::Error::InvalidArgument("zaya_batched_matmul: a, b and c need the same rank >= 2");
-  int64_t batch = 1;
-  for (size_t i = 0; i + 2 < rank; ++i) {
-    if (ad[i] != bd[i] || ad[i] != cd[i])
-      return ffi::Error::InvalidArgument("zaya_batched_matmul: a, b and c need the same batch dimensions");
-    batch *= ad[i];
-  }
-  const int64_t m = ad[rank - 2], k = ad[rank - 1], n = transpose_b ? bd[rank - 2] : bd[rank - 1];
-  if ((transpose_b ? bd[rank - 1] : bd[rank - 2]) != k || cd[rank - 2] != m || cd[rank - 1] != n)
-    return ffi::Error::InvalidArgument("zaya_batched_matmul: the operands' shapes do not multiply");
-  float* out = c->typed_data();
-  if (k == 0) {
-    std::memset(out, 0, sizeof(float) * batch * m * n);
-    return ffi::Error::Success();
-  }
-  const int64_t panel_floats = (n + kNr - 1) / kNr * kNr * k;
-  std::vector<float> packed(static_cast<size_t>(batch * panel_floats));
-  std::vector<Problem> problems;
-  for (int64_t i = 0; i < batch && m * n; ++i) {
-    const float* bi = b.typed_data() + i * k * n;
-    problems.push_back({View{a.typed_data() + i * m * k, k, 1}, transpose_b ? View{bi, 1, k} : View{bi, n, 1}, m, k,
-                        n, out + i * m * n, n, packed.data() + i * panel_floats});
-  }
-  run_problems(pool, problems);
-  return ffi::Error::Success();
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaBatchedMatmul, BatchedMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Attr<bool>("transpose_b")
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(ZayaGroupedMatmul, GroupedMatmulImpl,
                               ffi::Ffi::Bind()

@@ -18,6 +18,7 @@ import zaya_jax
 from zaya_jax.model.cca import _mean_residuals, _normalized_rotated, two_stage_conv
 from zaya_jax.model.rope import inverse_frequencies, rope_tables
 from zaya_jax.ops.cca_cpu import BACKWARD, FORWARD, available, cpu_cca_qk
+from zaya_jax.parallel import program_hooks
 
 pytestmark = pytest.mark.skipif(not available(), reason="the CPU kernel library is not built")
 
@@ -132,7 +133,8 @@ def test_a_one_device_cpu_model_runs_it_and_other_attention_paths_do_not():
     def text(impl):
         import dataclasses
 
-        model = zaya_jax.model.Zaya(dataclasses.replace(cfg.model, attention_impl=impl))
+        model_cfg = dataclasses.replace(cfg.model, attention_impl=impl)
+        model = zaya_jax.model.Zaya(model_cfg, program_hooks(model_cfg))
         loss = lambda p: jnp.sum(model.apply({**variables, "params": p}, ids)[0])  # noqa: E731
         return jax.jit(jax.grad(loss)).lower(variables["params"]).as_text()
 

@@ -158,6 +158,7 @@ def test_a_model_trains_with_the_cpu_kernel_to_the_blocked_kernels_loss():
     blocks of the custom call, three of the CCA kernel's chunks, several of the blocked kernel)."""
     from tests.random_model import random_variables, tiny_config
     from zaya_jax.model import Zaya
+    from zaya_jax.parallel import program_hooks
 
     cfg = tiny_config(attention_block=32)
     variables = random_variables(cfg)
@@ -165,7 +166,8 @@ def test_a_model_trains_with_the_cpu_kernel_to_the_blocked_kernels_loss():
     segments = jnp.asarray([[1] * 70 + [2] * 80, [1] * 150], jnp.int32)
 
     def loss(impl):
-        model = Zaya(dataclasses.replace(cfg, attention_impl=impl))
+        model_cfg = dataclasses.replace(cfg, attention_impl=impl)
+        model = Zaya(model_cfg, program_hooks(model_cfg))  # cpu: the kernel plan takes CCA's call too
 
         def f(params):
             logits, _ = model.apply({**variables, "params": params}, ids, segment_ids=segments)
@@ -180,21 +182,18 @@ def test_a_model_trains_with_the_cpu_kernel_to_the_blocked_kernels_loss():
 
 
 def test_auto_takes_the_custom_call_for_a_one_device_cpu_program_only():
-    from types import SimpleNamespace
-
     from zaya_jax.config import load_config
+    from zaya_jax.ops.kernel_plan import resolve_kernel_plan
     from zaya_jax.ops.platform import planning_for
-    from zaya_jax.programs.build import resolve_attention_impl
 
     cfg = load_config("tiny", [])
     assert cfg.model.attention_impl == "auto"
-    one, two = (SimpleNamespace(mesh=SimpleNamespace(size=n)) for n in (1, 2))
-    assert resolve_attention_impl(cfg, one).model.attention_impl == "cpu"
-    assert resolve_attention_impl(cfg, two).model.attention_impl == "blocked"  # XLA cannot split it
+    assert resolve_kernel_plan(cfg.model, devices=1).attention == "cpu"
+    assert resolve_kernel_plan(cfg.model, devices=2).attention == "blocked"  # XLA cannot split it
     with planning_for("gpu"):  # a GPU program planned on this CPU
-        assert resolve_attention_impl(cfg, one).model.attention_impl == "blocked"
-    pinned = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl="blocked"))
-    assert resolve_attention_impl(pinned, one) is pinned
+        assert resolve_kernel_plan(cfg.model, devices=1).attention == "blocked"
+    pinned = dataclasses.replace(cfg.model, attention_impl="blocked")
+    assert resolve_kernel_plan(pinned, devices=1).attention == "blocked"
 
 
 def test_the_handler_names_mismatched_mask_vectors():

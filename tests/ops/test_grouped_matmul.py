@@ -95,17 +95,23 @@ def _routing(dtype, rows=256, width=32, seed=0):
 
 
 def test_the_sorted_path_runs_it_on_cpu_and_equals_the_dense_definition():
+    """With the kernel plan's ``moe_gemm: kernel``; without it the blocked form, no custom call."""
     args = _routing(jnp.float32)
-    fn = jax.jit(sorted_experts, static_argnums=5)
-    loss = lambda x, wi, wo: jnp.sum(sorted_experts(x, args[1], args[2], wi, wo, "silu") ** 2)  # noqa: E731
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(args[0], args[3], args[4]).as_text()
-    assert text.count(FORWARD) >= 2 and WEIGHT_GRAD in text and "ragged_dot" not in text
-    np.testing.assert_allclose(fn(*args), dense_experts(*args), atol=1e-5, rtol=1e-5)
+    fn = jax.jit(sorted_experts, static_argnums=(5, 6))
+
+    def text(kernel):
+        loss = lambda x, wi, wo: jnp.sum(sorted_experts(x, args[1], args[2], wi, wo, "silu", kernel) ** 2)  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(args[0], args[3], args[4]).as_text()
+
+    with_kernel = text(True)
+    assert with_kernel.count(FORWARD) >= 2 and WEIGHT_GRAD in with_kernel and "ragged_dot" not in with_kernel
+    assert FORWARD not in text(False)
+    np.testing.assert_allclose(fn(*args, True), dense_experts(*args), atol=1e-5, rtol=1e-5)
 
 
 def test_bfloat16_keeps_the_blocked_form():
     args = _routing(jnp.bfloat16)
-    lowered = jax.jit(sorted_experts, static_argnums=5).lower(*args)
+    lowered = jax.jit(sorted_experts, static_argnums=(5, 6)).lower(*args, True)
     assert FORWARD not in lowered.as_text()
     assert lowered.as_text(debug_info=True).count('"blocked_grouped_matmul') > 0
     np.testing.assert_allclose(

@@ -15,6 +15,8 @@ from tests.random_model import random_variables, tiny_config
 from zaya_jax import ops
 from zaya_jax.config import NS_COEFFS
 from zaya_jax.model import Zaya
+from zaya_jax.model.mesh_hooks import ModelHooks
+from zaya_jax.ops.kernel_plan import resolve_kernel_plan
 
 # bfloat16: the kernels round after every bf16 op, as the reference's program is written; XLA by
 # default may skip those roundings (xla_allow_excess_precision), which moves gradients by up to
@@ -142,9 +144,13 @@ def test_model_with_kernels_matches_the_reference_model():
 
         return jax.jit(jax.value_and_grad(fn))
 
-    custom = Zaya(dataclasses.replace(cfg, kernels="custom"))
+    plan = resolve_kernel_plan(dataclasses.replace(cfg, kernels="kernel"))
+    assert plan.norm == "kernel"
+    custom = Zaya(cfg, ModelHooks(kernels=plan))
+    reference = Zaya(cfg, ModelHooks(kernels=dataclasses.replace(plan, norm="jax")))  # the norm alone differs
     assert "zaya_residual_rms_norm_fwd" in loss(custom).lower(variables["params"]).as_text()
-    (l_c, g_c), (l_r, g_r) = loss(custom)(variables["params"]), loss(Zaya(cfg))(variables["params"])
+    assert "zaya_residual_rms_norm_fwd" not in loss(reference).lower(variables["params"]).as_text()
+    (l_c, g_c), (l_r, g_r) = loss(custom)(variables["params"]), loss(reference)(variables["params"])
     np.testing.assert_allclose(l_c, l_r, rtol=1e-6)
     for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_r), strict=True):
         assert _rel(a, b) <= 1e-5
@@ -154,6 +160,6 @@ def test_muon_with_kernels_matches_the_reference():
     from zaya_jax.optim.muon import orthogonalize
 
     x = jax.random.normal(jax.random.key(4), (2, 3, 40, 24))  # tall: iterates on the transpose
-    ref = orthogonalize(x, (2, 3))
-    out = jax.jit(lambda x: orthogonalize(x, (2, 3), impl="custom"))(x)
+    ref = orthogonalize(x, (2, 3), formulation="standard")
+    out = jax.jit(lambda x: orthogonalize(x, (2, 3), impl="kernel", formulation="standard"))(x)
     assert _rel(out, ref) <= 1e-5

@@ -16,6 +16,7 @@ import pytest
 
 import zaya_jax
 from zaya_jax.config import NS_COEFFS
+from zaya_jax.ops.kernel_plan import resolve_kernel_plan
 from zaya_jax.ops.newton_schulz import newton_schulz_gram_reference, newton_schulz_iterations
 from zaya_jax.ops.newton_schulz_cpu import TARGET, available, cpu_newton_schulz, flops, resolve
 from zaya_jax.ops.platform import planning_for
@@ -154,8 +155,9 @@ def test_muon_on_a_cpu_runs_it_per_leaf_and_the_gpu_program_does_not():
     params = zaya_jax.model.init_variables(cfg.model, 0)["params"]
     muon = sum(g.group == "muon" for g in jax.tree.leaves(groups, is_leaf=lambda g: hasattr(g, "group")))
 
-    def text():
-        tx = build_optimizer(cfg.optim, groups, 100)
+    def text():  # the optimizer of the kernel plan resolved for the program (auto)
+        plan = resolve_kernel_plan(cfg.model, cfg.optim.kernels)
+        tx = build_optimizer(cfg.optim, groups, 100, newton_schulz=plan.newton_schulz)
         return jax.jit(lambda g, p: tx.update(g, tx.init(p), p)).lower(params, params).as_text()
 
     assert text().count(f"@{TARGET}(") == muon
@@ -163,4 +165,5 @@ def test_muon_on_a_cpu_runs_it_per_leaf_and_the_gpu_program_does_not():
         assert TARGET not in text()
     # newton_schulz takes it for tall matrices too (on their transpose), equal to the JAX loop
     tall = jax.random.normal(jax.random.key(0), (4, 256, 128))
-    assert _rel(newton_schulz(tall), newton_schulz(tall, impl="jax", formulation="gram")) < REL_FRO_BOUND
+    kernel = newton_schulz(tall, impl="kernel")
+    assert _rel(kernel, newton_schulz(tall, impl="jax", formulation="gram")) < REL_FRO_BOUND

@@ -11,7 +11,7 @@ import optax
 import pytest
 from optax.contrib import MuonDimensionNumbers
 
-from zaya_jax.config import NS_COEFFS, ConfigError, OptimConfig
+from zaya_jax.config import NS_COEFFS, OptimConfig
 from zaya_jax.ops import newton_schulz_cpu
 from zaya_jax.ops.newton_schulz import (
     full_float32_matmuls,
@@ -234,7 +234,7 @@ def _gram_vs_standard(
     return float(np.linalg.norm(diff) / np.linalg.norm(standard)), float(np.abs(diff).max()), gram, standard
 
 
-@pytest.mark.parametrize("impl", ["jax", "reference"])  # the JAX loop; on this CPU the kernel
+@pytest.mark.parametrize("impl", ["jax", "kernel"])  # XLA's loop; on this CPU the per-leaf call
 @pytest.mark.parametrize("kind", ["gaussian", "low_rank", "ill_conditioned"])
 @pytest.mark.parametrize("shape", GRAM_SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_gram_newton_schulz_matches_the_standard_iteration(kind: str, shape: tuple[int, int, int], impl: str):
@@ -285,16 +285,19 @@ def test_optim_ns_formulation_reaches_the_muon_leaves():
     # Every leaf here has aspect <= 2.5: the JAX loop's auto is standard; the CPU kernel's is the
     # cheaper one, gram for the experts' 16 x 40. "gram" changes the results, slightly.
     groups = param_groups(AXES)
+    kernel = newton_schulz_cpu.available()
+    impl = "kernel" if kernel else "jax"  # the kernel plan's auto on this CPU
     trained = {
-        f: _train(build_optimizer(dataclasses.replace(CFG, ns_formulation=f), groups, TOTAL_STEPS))
+        f: _train(
+            build_optimizer(
+                dataclasses.replace(CFG, ns_formulation=f), groups, TOTAL_STEPS, newton_schulz=impl
+            )
+        )
         for f in ("auto", "standard", "gram")
     }
-    kernel = newton_schulz_cpu.available()
     auto = {"matrix": "standard", "layer_stack": "standard", "experts": "gram" if kernel else "standard"}
     for name in ("matrix", "layer_stack", "experts"):
         np.testing.assert_array_equal(trained["auto"][name], trained[auto[name]][name])
         assert not np.array_equal(trained["gram"][name], trained["standard"][name])
     for name in ("matrix", "layer_stack", "experts"):
         _assert_close(trained["gram"][name], trained["standard"][name], name)
-    with pytest.raises(ConfigError, match="ns_formulation"):
-        dataclasses.replace(CFG, kernels="custom", ns_formulation="gram").validate()

@@ -1,7 +1,7 @@
 """What this machine runs on, for ``zaya doctor``: the JAX backend and devices, the installed GPU
 plugins, the versions of the libraries a run depends on, which custom-call kernels are built for
-each platform (and whether a device is there to run them), the host memory allocator, and the XLA
-flags worth setting on it."""
+each platform (and whether a device is there to run them), the kernel plan each ``kernels`` setting
+resolves to here, the host memory allocator, and the XLA flags worth setting on it."""
 
 from __future__ import annotations
 
@@ -73,6 +73,22 @@ def kernel_report() -> dict[str, str]:
     return kernels
 
 
+def kernel_plans() -> dict[str, dict[str, str] | str]:
+    """{setting: the kernel plan it resolves to for a one-device program here} for each value of
+    ``model.kernels`` and ``optim.kernels`` set together (the refusal, for ``kernel`` where a
+    library is not built)."""
+    from zaya_jax.config import ConfigError, ModelConfig
+    from zaya_jax.ops.kernel_plan import resolve_kernel_plan
+
+    plans: dict[str, dict[str, str] | str] = {}
+    for setting in ("auto", "kernel", "reference"):
+        try:
+            plans[setting] = resolve_kernel_plan(ModelConfig(kernels=setting), setting).describe()
+        except ConfigError as err:
+            plans[setting] = f"refused: {err}"
+    return plans
+
+
 def device_platform() -> str:
     """``rocm``, ``cuda`` or ``cpu``: the platform of the default devices (ROCm told apart from CUDA
     by the client's platform version, as both report ``gpu`` on some jaxlib versions)."""
@@ -105,6 +121,7 @@ def platform_report(xla_flags: str | None = None) -> dict[str, Any]:
         "plugins": gpu_plugins(),
         "kernels": kernel_report(),
         "kernels_dir": str(LIB_DIR),
+        "kernel_plan": kernel_plans(),
         "allocator": allocator.describe(),
         "recommended_xla_flags": {
             flag: {"set": flag.split("=")[0] in flags, "why": why} for flag, why in recommended.items()

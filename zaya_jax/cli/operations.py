@@ -126,6 +126,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         if key == "kernels":
             for platform, status in value.items():
                 print(f"kernels[{platform}]: {status}")
+        elif key == "kernel_plan":
+            for setting, plan in value.items():
+                what = (
+                    ", ".join(f"{op} {impl}" for op, impl in plan.items()) if isinstance(plan, dict) else plan
+                )
+                print(f"kernels={setting}: {what}")
         elif key == "recommended_xla_flags":
             for flag, state in value.items():
                 print(f"{'set' if state['set'] else 'NOT SET'}: {flag}\n    {state['why']}")
@@ -149,7 +155,12 @@ def _doctor_moe(args: argparse.Namespace) -> int:
     if device_platform() == "rocm":  # the grouped-GEMM flag is process-wide: timed here, set by the user
         device = jax.local_devices()[0]
         extra = measure(
-            cfg.model, tokens_per_device(cfg, layout), device, ("sorted",), variants=("sorted_grouped_gemm",)
+            cfg.model,
+            tokens_per_device(cfg, layout),
+            device,
+            ("sorted",),
+            variants=("sorted_grouped_gemm",),
+            kernel=layout.kernels.moe_gemm == "kernel",
         )
         report["seconds"] = {**report["seconds"], "sorted_grouped_gemm": extra["sorted_grouped_gemm"]}
         report["xla_flag"] = "--xla_gpu_experimental_use_ragged_dot_grouped_gemm=true"

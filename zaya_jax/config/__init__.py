@@ -17,7 +17,7 @@ from zaya_jax.config.loading import (
 )
 from zaya_jax.config.lora import LORA_REFUSED, LORA_ROLES, LoraConfig
 from zaya_jax.config.mesh import MESH_AXES, AxisRule, MeshConfig
-from zaya_jax.config.model import ModelConfig
+from zaya_jax.config.model import EXECUTION_FIELDS, ModelConfig
 from zaya_jax.config.post_training import PreferenceConfig, RLConfig
 from zaya_jax.config.run import (
     CheckpointConfig,
@@ -32,6 +32,7 @@ from zaya_jax.config.schema import Config
 from zaya_jax.config.training import NS_COEFFS, BalancingConfig, OptimConfig, RampPoint, Stage, TrainConfig
 
 __all__ = [
+    "EXECUTION_FIELDS",
     "LORA_REFUSED",
     "LORA_ROLES",
     "MESH_AXES",

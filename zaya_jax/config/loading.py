@@ -168,6 +168,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
                 continue
         raise ConfigError(f"{key}={value!r} has the wrong type; expected {_type_name(tp)}")
     if origin is Literal:
+        value = _renamed_value(key, value)
         if value not in typing.get_args(tp):
             raise ConfigError(f"{key}={value!r} is not allowed; choose one of {_type_name(tp)}")
         return value
@@ -248,6 +249,22 @@ MOVED_KEYS: dict[tuple[str, str], tuple[str, str]] = {
     ("train", "eval_batches"): ("eval", "batches"),
     ("run", "profile_steps"): ("profile", "steps"),
 }
+
+
+# Values renamed in place: {dotted key: {old value: new value}}. Configs written before (a run's
+# saved config.yaml, a user's YAML, an override) still load, with a warning naming the new value.
+RENAMED_VALUES: dict[str, dict[str, str]] = {
+    "model.kernels": {"custom": "kernel"},
+    "optim.kernels": {"custom": "kernel"},
+}
+
+
+def _renamed_value(key: str, value: Any) -> Any:
+    new = RENAMED_VALUES.get(key, {}).get(value) if isinstance(value, str) else None
+    if new is None:
+        return value
+    warnings.warn(f"{key}={value} is now {key}={new}; the old value still works", FutureWarning, stacklevel=6)
+    return new
 
 
 def _warn_moved(old: tuple[str, str], where: str) -> None:

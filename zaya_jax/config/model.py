@@ -75,14 +75,24 @@ class ModelConfig:
     # program size independent of depth); num_layers unrolls the loop, which lets XLA skip stacking
     # each layer's saved activations (faster on CPU and for shallow models; slower to compile).
     scan_unroll: int = 1
-    # The attention merge + MoE input norm: "reference" (Flax/XLA) or "custom" (the fused
-    # zaya_residual_rms_norm custom call where registered for the platform, else the reference).
-    kernels: Literal["reference", "custom"] = "reference"
+    # Custom-call kernels for the model's hot ops (attention when attention_impl is auto, CCA's
+    # query/key steps, the MoE GEMMs, the attention merge + norm), resolved once per program into a
+    # kernel plan (zaya_jax.ops.kernel_plan; the start event and `zaya doctor` show it): "auto" (the
+    # calls measured faster than XLA on the platform: on a CPU attention, CCA and the grouped GEMM),
+    # "kernel" (every op's custom call on the platform, the fused norm included; refused where the
+    # kernel library is not built) or "reference" (pure JAX: no custom call in the program).
+    kernels: Literal["auto", "kernel", "reference"] = "auto"
     # Mixed precision: parameters are stored in param_dtype, matmuls run in dtype; the residual
     # stream is always float32 (spec §2.1).
     dtype: Literal["float32", "bfloat16"] = "float32"
     # Storage dtype of the parameters (and of the Muon/AdamW moments).
     param_dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def architecture(self) -> ModelConfig:
+        """This config with the fields that say only how it is computed (:data:`EXECUTION_FIELDS`)
+        at their defaults: equal architectures, the same function up to float rounding. A run
+        resumes with another kernel, attention implementation or remat policy."""
+        return dataclasses.replace(self, **{name: _DEFAULTS[name] for name in EXECUTION_FIELDS})
 
     # ---- derived sizes (spec §2.3 notation) ----
     @property
@@ -142,6 +152,11 @@ class ModelConfig:
         for name in ("rope_theta", "rope_theta_sliding", "rms_norm_eps", "capacity_factor"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"model.{name}={getattr(self, name)} must be > 0")
+        if self.kernels == "reference" and self.attention_impl in ("cpu", "pallas", "cudnn"):
+            raise ConfigError(
+                f"model.attention_impl={self.attention_impl} is a custom call and model.kernels=reference runs "
+                "none; use model.attention_impl=blocked (or dense), or model.kernels=auto"
+            )
         if self.num_experts_per_tok != 1:
             raise ConfigError(
                 f"model.num_experts_per_tok={self.num_experts_per_tok}: ZAYA1 routes each token to exactly "
@@ -193,3 +208,8 @@ class ModelConfig:
     def capacity(self, tokens_per_group: int) -> int:
         """Per-expert slots of the capacity path for a group of ``tokens_per_group`` tokens."""
         return max(1, math.ceil(self.capacity_factor * tokens_per_group / self.num_experts))
+
+
+# The fields of ModelConfig that choose how the model is computed, not what it computes.
+EXECUTION_FIELDS = ("kernels", "attention_impl", "attention_block", "remat", "scan_unroll")
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

@@ -48,14 +48,16 @@ class OptimConfig:
     # "adamw": every hidden matrix trains with AdamW at adam_lr too (no Muon leaf), e.g. for RL steps,
     # whose noisy gradients Muon turns into full-size orthogonal updates.
     matrix_optimizer: Literal["muon", "adamw"] = "muon"
-    # Newton-Schulz: "reference" (on a CPU the zaya_newton_schulz_cpu custom call, a matrix per work
-    # item, where the kernels are built; elsewhere XLA matmuls) or "custom" (the fused
-    # zaya_newton_schulz call where its library is registered for the platform, else the reference).
-    kernels: Literal["reference", "custom"] = "reference"
-    # Newton-Schulz with kernels=reference: "gram" iterates on the m x m Gram matrix (fewer FLOPs when
-    # the long side is > 5/3 of the short one), "standard" on X; "auto": on a CPU the one with fewer
-    # FLOPs (gram from a long side ~1.4x the short one); with XLA matmuls gram when it is >= 4x on a wide
-    # matrix and float32 matmuls run at full precision (GPUs default to TF32: ~1% off).
+    # Newton-Schulz, into the kernel plan with model.kernels: "auto" (on a CPU each leaf's iteration as
+    # one custom call where the kernels are built, on GPUs XLA's loop), "kernel" (the custom call on
+    # every platform: on GPUs the fused zaya_newton_schulz, standard formulation only; refused where
+    # not built) or "reference" (XLA's loop: no custom call).
+    kernels: Literal["auto", "kernel", "reference"] = "auto"
+    # Newton-Schulz's formulation (the XLA loop and the CPU call): "gram" iterates on the m x m Gram
+    # matrix (fewer FLOPs when the long side is > 5/3 of the short one), "standard" on X; "auto": on a
+    # CPU the one with fewer FLOPs (gram from a long side ~1.4x the short one); with XLA matmuls gram
+    # when it is >= 4x on a wide matrix and float32 matmuls run at full precision (GPUs default to
+    # TF32: ~1% off).
     ns_formulation: Literal["auto", "standard", "gram"] = "auto"
 
     def validate(self) -> None:
@@ -66,8 +68,6 @@ class OptimConfig:
             raise ConfigError(f"optim.ns_coeffs must hold 3 numbers (a, b, c), got {list(self.ns_coeffs)}")
         if self.ns_steps < 1:
             raise ConfigError(f"optim.ns_steps={self.ns_steps} must be >= 1")
-        if self.kernels == "custom" and self.ns_formulation == "gram":
-            raise ConfigError("optim.ns_formulation=gram runs in JAX: use optim.kernels=reference (or auto)")
         if not 0.0 <= self.muon_momentum < 1.0:
             raise ConfigError(f"optim.muon_momentum={self.muon_momentum} must be in [0, 1)")
         if not 0.0 <= self.decay_fraction <= 1.0:

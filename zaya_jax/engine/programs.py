@@ -35,9 +35,8 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.engine.sampling import choose, token_logprob
 from zaya_jax.model import Zaya, init_cache
 from zaya_jax.model.cca import write_rows
-from zaya_jax.model.mesh_hooks import ModelHooks
 from zaya_jax.model.stack import ROW_CACHE_KEYS
-from zaya_jax.parallel.tree import tree_attention
+from zaya_jax.parallel.layout import program_hooks
 
 State = dict[str, Any]
 ROW_PARAMS = {  # per-row sampling parameters: dtype and the value of an empty slot
@@ -66,8 +65,7 @@ class Shape:
 
 
 def _model(cfg: ModelConfig, shape: Shape) -> Zaya:
-    hooks = ModelHooks(attention=tree_attention(shape.mesh) if shape.mesh is not None else None)
-    return Zaya(cfg, hooks)
+    return Zaya(cfg, program_hooks(cfg, shape.mesh))
 
 
 def _constrained(cache: dict[str, jax.Array], shape: Shape) -> dict[str, jax.Array]:

@@ -141,16 +141,10 @@ def _temporal_plain(z, vd, vd_at_start, conv_weights, segment_ids):
     return two_stage_conv(z, *conv_weights, segment_ids), _delayed_plain(vd, vd_at_start, segment_ids)
 
 
-def _fused_qk(cfg: ModelConfig, dtype: jnp.dtype) -> bool:
-    """Whether the plain mode runs steps 2-6 as the CPU custom call (:mod:`zaya_jax.ops.cca_cpu`):
-    with the CPU attention custom call (``attention_impl: cpu``, which ``auto`` resolves to for a
-    one-device CPU program), in float32, where the library is built."""
-    return cfg.attention_impl == "cpu" and dtype == jnp.float32 and cca_cpu.available()
-
-
 def _fused_plain(z, conv_weights, temp, tables, segment_ids, segments, queries_keys, cfg: ModelConfig):
-    """Steps 2-6 of the plain mode from z = [q0 || k0] to (q, k): the CPU custom call on a CPU, the
-    JAX steps (the convolution, then ``queries_keys``) on other devices."""
+    """Steps 2-6 of the plain mode from z = [q0 || k0] to (q, k) as the CPU custom call
+    (:mod:`zaya_jax.ops.cca_cpu`; the kernel plan's ``cca_qk``, taken with the CPU attention call in
+    float32), the JAX steps (the convolution, then ``queries_keys``) on other devices."""
 
     def on_cpu(z, segments):
         nq, nk = cfg.num_heads, cfg.num_kv_heads
@@ -283,7 +277,7 @@ class CCAAttention(nn.Module):
         into the ring (:func:`~zaya_jax.model.stack.window_inputs`); which of the two a layer is
         comes from its scanned ``window`` (a ``lax.cond``, one program for every layer)."""
         cfg = self.cfg
-        local = functools.partial(attention, impl=cfg.attention_impl, block=cfg.attention_block)
+        local = functools.partial(attention, impl=self.hooks.plan(cfg).attention, block=cfg.attention_block)
         kernel = self.hooks.attention or local
         if cache is None:
             return kernel(q, k, v, mask), new_cache
@@ -383,7 +377,7 @@ class CCAAttention(nn.Module):
             conv = conv.reshape(batch, seq, nq + nk, d)
             return _normalized_rotated(conv[:, :, :nq] + q_res, conv[:, :, nq:] + k_res, temp, tables)
 
-        if mode == "plain" and _fused_qk(cfg, dtype):  # steps 2-6 in one CPU custom call
+        if mode == "plain" and self.hooks.plan(cfg).cca_qk == "kernel":  # steps 2-6 in one CPU custom call
             vd = _delayed_plain(vd, vd_at_start, segment_ids)
             q, k = _fused_plain(z, conv_weights, temp, tables, segment_ids, segments, queries_keys, cfg)
         else:

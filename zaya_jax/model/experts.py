@@ -2,8 +2,8 @@
 
 * ``dense``: every expert on every token, combined with a one-hot; the reference for tests.
 * ``sorted``: dropless; tokens sorted by expert and run through ``jax.lax.ragged_dot`` (on CPU the
-  grouped-GEMM custom call, :mod:`zaya_jax.ops.grouped_matmul`, in float32 where the kernel
-  library is built; otherwise a blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed
+  grouped-GEMM custom call, :mod:`zaya_jax.ops.grouped_matmul`, in float32 where the kernel plan
+  takes it; otherwise a blocked equivalent, :func:`blocked_grouped_matmul`). Skip-routed
   tokens sort after every real expert and fall outside all groups, so they cost nothing.
 * ``capacity``: per sequence, ``capacity_factor`` x tokens / E slots per expert, filled in
   arrival order; tokens gathered into an expert-major (E, C, embed) buffer and run as one batched
@@ -101,30 +101,31 @@ def ragged_dot_memory_twin(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -
         return jnp.einsum("bmk,bkn->bmn", x[None], w[:1])[0]
 
 
-def _grouped_on_cpu(x, w, group_sizes):
-    if x.dtype == w.dtype == jnp.float32 and cpu_grouped.available():
-        with jax.named_scope("grouped_matmul_cpu"):
-            return cpu_grouped.cpu_grouped_matmul(x, w, group_sizes)
-    with jax.named_scope("blocked_grouped_matmul"):
-        return blocked_grouped_matmul(x, w, group_sizes)
-
-
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, kernel: bool = False) -> jax.Array:
     """``jax.lax.ragged_dot`` (a grouped GEMM on GPUs); on CPU the grouped-GEMM custom call
-    (:mod:`zaya_jax.ops.grouped_matmul`: float32 where the kernel library is built), else
+    (:mod:`zaya_jax.ops.grouped_matmul`, float32) where ``kernel`` (the plan's ``moe_gemm``), else
     :func:`blocked_grouped_matmul`; while planning a GPU program on CPU, :func:`ragged_dot_memory_twin`."""
+
+    def on_cpu(x, w, group_sizes):
+        if kernel and x.dtype == w.dtype == jnp.float32:
+            with jax.named_scope("grouped_matmul_cpu"):
+                return cpu_grouped.cpu_grouped_matmul(x, w, group_sizes)
+        with jax.named_scope("blocked_grouped_matmul"):
+            return blocked_grouped_matmul(x, w, group_sizes)
+
     return platform_branch(
-        x, w, group_sizes, cpu=_grouped_on_cpu, gpu=jax.lax.ragged_dot, gpu_twin=ragged_dot_memory_twin
+        x, w, group_sizes, cpu=on_cpu, gpu=jax.lax.ragged_dot, gpu_twin=ragged_dot_memory_twin
     )
 
 
-def sorted_experts(x, choice, weight, wi, wo, act):
-    """Dropless grouped matmul over tokens sorted by expert (skip class E sorts last, outside groups)."""
+def sorted_experts(x, choice, weight, wi, wo, act, kernel: bool = False):
+    """Dropless grouped matmul over tokens sorted by expert (skip class E sorts last, outside
+    groups); ``kernel``: :func:`grouped_matmul`'s."""
     num_experts = wi.shape[0]
     order = jnp.argsort(choice, stable=True)
     group_sizes = jnp.bincount(choice, length=num_experts + 1)[:num_experts].astype(jnp.int32)
-    hidden = _swiglu(grouped_matmul(x[order], wi, group_sizes), act)
-    out = grouped_matmul(hidden, wo, group_sizes) * weight[order][:, None]
+    hidden = _swiglu(grouped_matmul(x[order], wi, group_sizes, kernel), act)
+    out = grouped_matmul(hidden, wo, group_sizes, kernel) * weight[order][:, None]
     return jnp.zeros_like(out).at[order].set(out, unique_indices=True)
 
 
@@ -182,6 +183,7 @@ class Experts(nn.Module):
     # Optional replacement of the local paths, e.g. expert parallelism over a mesh
     # (``zaya_jax.parallel.expert``); the model itself knows no mesh.
     dispatch: MoeDispatch | None = None
+    grouped_kernel: bool = False  # the kernel plan's moe_gemm is "kernel"
 
     @nn.compact
     def __call__(self, m: jax.Array, choice: jax.Array, weight: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -206,5 +208,5 @@ class Experts(nn.Module):
             return capacity_experts(m, choice, weight, wi, wo, cfg.hidden_act, cfg.capacity(seq))
         flat = (m.reshape(batch * seq, embed), choice.reshape(-1), weight.reshape(-1), wi, wo, cfg.hidden_act)
         # "auto" is resolved by the run's programs (zaya_jax.programs.moe); traced unresolved, sorted
-        out = dense_experts(*flat) if cfg.moe_impl == "dense" else sorted_experts(*flat)
+        out = dense_experts(*flat) if cfg.moe_impl == "dense" else sorted_experts(*flat, self.grouped_kernel)
         return out.reshape(batch, seq, embed), jnp.zeros((batch, seq), bool)

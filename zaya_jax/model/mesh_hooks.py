@@ -1,6 +1,8 @@
-"""How the model runs on more than one device: four optional, typed replacements of local code
-paths, bundled as :class:`ModelHooks`. Parameters and results are the same with or without them;
-``zaya_jax.parallel.Layout.hooks`` builds them for a mesh, ``zaya_jax.generate`` for tree decoding.
+"""How the model runs: on more than one device, four optional, typed replacements of local code
+paths, and the program's kernel plan (:mod:`zaya_jax.ops.kernel_plan`), bundled as
+:class:`ModelHooks`. Parameters and results are the same with or without them (the plan's kernels to
+float rounding); ``zaya_jax.parallel.Layout.hooks`` builds them for a mesh, the rollout engine and
+``zaya_jax.generate`` for decoding.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from typing import Protocol
 
 import jax
 
+from zaya_jax.config import ModelConfig
 from zaya_jax.ops.attention import AttentionMask
+from zaya_jax.ops.kernel_plan import KernelPlan, reference_plan
 
 
 class MoeDispatch(Protocol):
@@ -88,12 +92,18 @@ class ResidualNorm(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class ModelHooks:
-    """Every field ``None``: the single-device code paths."""
+    """Every field ``None``: the single-device code paths, in pure JAX (``kernels``: the program's
+    kernel plan, :func:`~zaya_jax.ops.kernel_plan.resolve_kernel_plan`)."""
 
     moe_dispatch: MoeDispatch | None = None
     attention: AttentionKernel | None = None
     context: ContextParallelism | None = None
     residual_norm: ResidualNorm | None = None
+    kernels: KernelPlan | None = None
+
+    def plan(self, cfg: ModelConfig) -> KernelPlan:
+        """The kernel plan the model runs: the one handed down, else the pure-JAX reference."""
+        return self.kernels if self.kernels is not None else reference_plan(cfg)
 
 
 SINGLE_DEVICE = ModelHooks()

@@ -98,7 +98,8 @@ class Block(nn.Module):
             kv = {name: cache.pop(name) for name in KV_CACHE_KEYS if name in kv}
         merge = ResidualScaling(dtype, pdtype, name="post_attn_scale")
         norm = RMSNorm(cfg.rms_norm_eps, "embed", dtype, pdtype, name="post_attn_norm")
-        if cfg.kernels == "custom":  # one fused custom call (zaya_jax.ops), same parameters
+        plan = self.hooks.plan(cfg)
+        if plan.norm == "kernel":  # one fused custom call (zaya_jax.ops), same parameters
             fused = self.hooks.residual_norm or functools.partial(residual_rms_norm, impl="custom")
             h, m = fused(
                 o.astype(dtype),
@@ -117,7 +118,9 @@ class Block(nn.Module):
         self.sow("intermediates", "router_choice", routing.choice)
         is_skip = routing.choice == cfg.num_experts
         weight = jnp.where(is_skip, 0, routing.weight)
-        f, dropped = Experts(cfg, self.hooks.moe_dispatch, name="experts")(m, routing.choice, weight)
+        f, dropped = Experts(cfg, self.hooks.moe_dispatch, plan.moe_gemm == "kernel", name="experts")(
+            m, routing.choice, weight
+        )
         if cfg.mod_skip_output == "scaled_input":  # legacy "identity expert": p_skip * m
             f = f + jnp.where(is_skip, routing.weight, 0)[..., None].astype(dtype) * m
         h = ResidualScaling(dtype, pdtype, name="post_moe_scale")(f, h)

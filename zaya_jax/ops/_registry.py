@@ -39,7 +39,6 @@ PLATFORM_TARGETS = {
         "zaya_attention_bwd": "ZayaAttentionBwd",
         "zaya_grouped_matmul": "ZayaGroupedMatmul",
         "zaya_grouped_matmul_dw": "ZayaGroupedMatmulDw",
-        "zaya_batched_matmul": "ZayaBatchedMatmul",
         "zaya_cca_qk_fwd": "ZayaCcaQkFwd",
         "zaya_cca_qk_bwd": "ZayaCcaQkBwd",
         "zaya_newton_schulz_cpu": "ZayaNewtonSchulzCpu",

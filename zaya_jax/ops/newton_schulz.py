@@ -21,9 +21,9 @@ s(4m²n + 2m³): the Gram form is cheaper when n > m(6s - 4j - 2)/(4(s - j)), 5m
 n >= 4m (and, in :func:`zaya_jax.optim.muon.newton_schulz`, a wide stored matrix), where the Gram form's temporaries (about 5 m x m per matrix) are no more than the
 standard loop's (X + one m x m); see :data:`GRAM_MIN_ASPECT`.
 
-On a CPU both formulations run their larger products (``(bG + cG²)X``, the m x m ones, and ``XXᵀ``
-below n = 4m) through :func:`zaya_jax.ops.batched_matmul.matmul`, a GEMM custom call that XLA:CPU's
-batched dots trail by ~1.5x at these shapes; elsewhere they are XLA's.
+Both formulations are XLA's matmuls only (``optim.kernels=reference``: no custom call). On a CPU the
+kernel plan's default runs each leaf's iteration as one custom call instead
+(:mod:`zaya_jax.ops.newton_schulz_cpu`), which this loop is the reference of.
 """
 
 from __future__ import annotations
@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.ops.batched_matmul import matmul
 from zaya_jax.ops.platform import planning_target
 from zaya_jax.ops.residual_norm import _dispatch
 
@@ -43,11 +42,8 @@ def newton_schulz_iterations_reference(x: jax.Array, steps: int, a: float, b: fl
     a, b, c = (jnp.asarray(v, jnp.float32) for v in (a, b, c))
 
     def step(_, x):
-        # X Xᵀ: XLA:CPU runs it at 2 cores' peak from n = 4m (175 GFLOP/s at tiny's 128 x 512, the
-        # custom call 104); below, the custom call is faster (118 against 102 at 128 x 256)
-        wide = x.shape[-1] >= GRAM_MIN_ASPECT * x.shape[-2]
-        gram = x @ jnp.swapaxes(x, -1, -2) if wide else matmul(x, x, transpose_b=True)
-        return a * x + matmul(b * gram + matmul(c * gram, gram), x)
+        gram = x @ jnp.swapaxes(x, -1, -2)
+        return a * x + (b * gram + (c * gram) @ gram) @ x
 
     return jax.lax.fori_loop(0, steps, step, x)
 
@@ -76,7 +72,7 @@ def _gram_polynomial(gram: jax.Array, steps: int, a, b, c) -> jax.Array:
     eye = jnp.eye(gram.shape[-1], dtype=jnp.float32)
 
     def poly(g):
-        return a * eye + b * g + c * matmul(g, g)
+        return a * eye + b * g + c * (g @ g)
 
     q = poly(gram)  # Q₁ = P₀
     if steps == 1:
@@ -85,12 +81,12 @@ def _gram_polynomial(gram: jax.Array, steps: int, a, b, c) -> jax.Array:
     def step(_, carry):
         q, gram = carry
         p = poly(gram)
-        return matmul(p, q), _symmetrise(matmul(matmul(p, gram), p))
+        return p @ q, _symmetrise((p @ gram) @ p)
 
     # Steps 2 .. steps-1 rolled; the last needs no next G.
-    gram = _symmetrise(matmul(matmul(q, gram), q))
+    gram = _symmetrise((q @ gram) @ q)
     q, gram = jax.lax.fori_loop(0, steps - 2, step, (q, gram))
-    return matmul(poly(gram), q)
+    return poly(gram) @ q
 
 
 def _gram(x: jax.Array, tall: bool) -> jax.Array:
@@ -100,7 +96,7 @@ def _gram(x: jax.Array, tall: bool) -> jax.Array:
 
 def _apply(q: jax.Array, x: jax.Array, tall: bool) -> jax.Array:
     """``Q X`` in X's orientation: ``X Qᵀ`` (= ``(Q Xᵀ)ᵀ``) for a tall X."""
-    return matmul(x, q, transpose_b=True) if tall else matmul(q, x)
+    return x @ jnp.swapaxes(q, -1, -2) if tall else q @ x
 
 
 def _gram_of_product(q: jax.Array, x: jax.Array, tall: bool) -> jax.Array:
@@ -154,7 +150,7 @@ def newton_schulz_gram_reference(
         q = _gram_polynomial(gram, k, a, b, c)
         if total is None and norm is not None:
             q = q / norm
-        total = q if total is None else matmul(q, total)
+        total = q if total is None else q @ total
         done += k
     return _apply(total, x, tall)
 

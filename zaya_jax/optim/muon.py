@@ -45,10 +45,12 @@ DEFAULT_NS_COEFFS = NS_COEFFS  # Keller Jordan's quintic (a, b, c), zaya_jax.con
 NS_EPS = 1e-8
 """Added to the Frobenius norm before dividing by it (optax's default ``eps``)."""
 
-IMPLS = ("reference", "custom", "jax")
-"""``reference``: the CPU kernel on a CPU where it is built, the JAX loop elsewhere (the default);
-``custom``: the platform's fused ``zaya_newton_schulz`` (standard formulation); ``jax``: the JAX
-loop on every platform (the formulations' own reference)."""
+IMPLS = ("jax", "kernel")
+"""What runs the iteration (the kernel plan's ``newton_schulz``, :mod:`zaya_jax.ops.kernel_plan`):
+``jax``: XLA's loop on every platform, no custom call (the formulations' own reference);
+``kernel``: the platform's custom call: on a CPU each matrix's whole iteration as one work item
+(:mod:`zaya_jax.ops.newton_schulz_cpu`, either formulation), on a GPU the fused
+``zaya_newton_schulz`` (standard formulation)."""
 
 
 def newton_schulz(
@@ -56,7 +58,7 @@ def newton_schulz(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
-    impl: str = "reference",
+    impl: str = "jax",
     formulation: str = "auto",
 ) -> jax.Array:
     """Approximate the orthogonal polar factor U V^T of each matrix of ``x`` (quintic Newton-Schulz).
@@ -67,16 +69,13 @@ def newton_schulz(
     trade exact convergence for a steep slope (3.4) at zero. Tall matrices (A > B) iterate on their
     transpose so the Gram matrix is the smaller B x B, as optax does.
 
-    ``impl``: see :data:`IMPLS`. ``formulation`` (``reference``, ``jax``): ``standard`` iterates on
-    X; ``gram`` on the Gram matrix, X read twice per 3-step segment (fewer FLOPs when the long side
-    is > 5/3 of the short one); ``auto`` picks per shape, statically (``zaya_jax.ops.newton_schulz``):
-    gram when a wide matrix's long side is >= 4x the short one and float32 matmuls run at full
-    precision (CPU, ``highest``).
-
-    On a CPU with the kernel library built, ``impl="reference"`` runs the iteration as the custom
-    call of :mod:`zaya_jax.ops.newton_schulz_cpu` (the same formulations; ``auto`` there is the
-    one with fewer FLOPs, gram from a long side of ~1.4x the short one at 128); within float32 rounding of the
-    JAX loop (``tests/ops/test_newton_schulz_cpu.py`` states the bound).
+    ``impl``: see :data:`IMPLS`. ``formulation``: ``standard`` iterates on X; ``gram`` on the Gram
+    matrix, X read twice per 3-step segment (fewer FLOPs when the long side is > 5/3 of the short
+    one); ``auto`` picks per shape, statically: in XLA's loop gram when a wide matrix's long side is
+    >= 4x the short one and float32 matmuls run at full precision (CPU, ``highest``,
+    ``zaya_jax.ops.newton_schulz``); in the CPU call the one with fewer FLOPs (gram from a long side
+    of ~1.4x the short one at 128), within float32 rounding of the loop
+    (``tests/ops/test_newton_schulz_cpu.py`` states the bound).
     """
     if x.ndim < 2:
         raise ValueError(f"newton_schulz needs (..., A, B) matrices, got shape {x.shape}")
@@ -90,24 +89,23 @@ def newton_schulz(
         x = jnp.swapaxes(x, -1, -2)
     # Frobenius >= spectral norm: every singular value lands in [0, 1], the range f is tuned for.
     norm = jnp.linalg.norm(x, ord="fro", axis=(-2, -1), keepdims=True) + eps
-    iterate = functools.partial(
-        _jax_iteration,
-        coeffs=tuple(coeffs),
-        steps=steps,
-        impl="reference" if impl == "jax" else impl,
-        formulation=formulation,
-        tall=tall,
-    )
-    if impl == "reference" and newton_schulz_cpu.available():
+    if impl == "jax":
+        x = _jax_iteration(x, norm, coeffs=tuple(coeffs), steps=steps, formulation=formulation, tall=tall)
+    else:
         # On CPU the whole iteration of each matrix is one work item of a custom call (every step
         # on data in that core's cache, the symmetric products halved): tiny's Muon leaves in
-        # 0.40-0.57x the time of the JAX loop (bench/RESULTS.md, issue 41). Other platforms keep the loop.
+        # 0.40-0.57x the time of the JAX loop (bench/RESULTS.md).
         def on_cpu(x, norm):
             return newton_schulz_cpu.cpu_newton_schulz(x / norm, steps, tuple(coeffs), formulation)
 
-        x = platform_branch(x, norm, cpu=on_cpu, gpu=iterate)
-    else:
-        x = iterate(x, norm)
+        def on_gpu(x, norm):  # the fused call runs the standard iteration (the plan refuses gram)
+            if formulation == "gram":
+                return _jax_iteration(
+                    x, norm, coeffs=tuple(coeffs), steps=steps, formulation="gram", tall=tall
+                )
+            return newton_schulz_iterations(x / norm, steps, coeffs, impl="custom", formulation="standard")
+
+        x = platform_branch(x, norm, cpu=on_cpu, gpu=on_gpu)
     return jnp.swapaxes(x, -1, -2) if tall else x
 
 
@@ -117,13 +115,12 @@ def _jax_iteration(
     *,
     coeffs: tuple[float, ...],
     steps: int,
-    impl: str,
     formulation: str,
     tall: bool,
 ) -> jax.Array:
     """The iteration as JAX operations on wide float32 ``x`` (transposed when ``tall``) and its norm."""
     chosen = resolve_formulation(formulation, *x.shape[-2:], full_float32_matmuls())
-    if impl == "reference" and chosen == "gram" and not (tall and formulation == "auto"):
+    if chosen == "gram" and not (tall and formulation == "auto"):
         # The normalisation folded into G and Q. ``auto`` leaves tall matrices to the standard
         # loop: their Gram updates differed by ~1e-9 between the per-device (shard_map) and the
         # single-device optimizer under the tests' XLA:CPU flags (tests/parallel), which must be
@@ -136,10 +133,9 @@ def _jax_iteration(
     # The reference is a rolled loop: unlike optax 0.2.8's unrolled one, it keeps XLA from
     # scheduling many leaves' iterations side by side: the ZAYA1-8B update's temporaries drop from
     # 42.7 to 30.0 GiB on an H200. The price is float32 rounding-level differences from optax
-    # (~1e-7). ``impl="custom"`` runs all iterations as one custom call (zaya_jax.ops). The Gram
-    # formulation keeps that property: its steps and its restart's blocks are rolled loops too.
-    standard = "standard" if impl == "reference" else formulation  # custom: the call rejects "gram"
-    return newton_schulz_iterations(x, steps, coeffs, impl=impl, formulation=standard)
+    # (~1e-7). The Gram formulation keeps that property: its steps and its restart's blocks are
+    # rolled loops too.
+    return newton_schulz_iterations(x, steps, coeffs, impl="reference", formulation="standard")
 
 
 def orthogonalize(
@@ -148,7 +144,7 @@ def orthogonalize(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
-    impl: str = "reference",
+    impl: str = "jax",
     formulation: str = "auto",
 ) -> jax.Array:
     """Newton-Schulz over the (input, output) ``matrix_axes`` of ``x``, every other axis a batch axis.
@@ -177,7 +173,7 @@ def orthogonalize_sharded(
     coeffs: Sequence[float] = DEFAULT_NS_COEFFS,
     steps: int = 5,
     eps: float = NS_EPS,
-    impl: str = "reference",
+    impl: str = "jax",
     formulation: str = "auto",
 ) -> jax.Array:
     """:func:`orthogonalize` of a leaf laid out as ``sharding``, with no collective inside the
@@ -286,7 +282,7 @@ def scale_by_muon(
     consistent_rms: float | None = None,
     mu_dtype: jnp.dtype | None = None,
     shardings: dict[str, Any] | None = None,
-    kernels: str = "reference",
+    newton_schulz: str = "jax",
     ns_formulation: str = "auto",
 ) -> optax.GradientTransformation:
     """Muon's direction: momentum -> Newton-Schulz over each leaf's matrix axes -> shape scaling.
@@ -296,8 +292,8 @@ def scale_by_muon(
     they arrive as ``MaskedNode``). The learning rate and weight decay are applied after this
     (``build_optimizer``). ``mu_dtype``: momentum dtype, default the parameter's. ``shardings``:
     the parameters' NamedShardings (a tree like ``groups_tree``); when given, Newton-Schulz runs
-    per device on gathered matrices (:func:`orthogonalize_sharded`). ``kernels``: ``custom`` runs
-    the iterations as the zaya_newton_schulz custom call where registered. ``ns_formulation``:
+    per device on gathered matrices (:func:`orthogonalize_sharded`). ``newton_schulz``: what runs
+    the iteration (:data:`IMPLS`; the kernel plan's, ``jax`` without one). ``ns_formulation``:
     ``auto`` (Gram iteration for leaves whose long side is >= 4x the short one), ``standard`` or
     ``gram`` (:func:`newton_schulz`).
     """
@@ -318,11 +314,11 @@ def scale_by_muon(
             return update
         if isinstance(sharding, NamedSharding) and sharding.mesh.size > 1:
             ortho = orthogonalize_sharded(
-                mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps, kernels, ns_formulation
+                mu_hat, group.matrix_axes, sharding, ns_coeffs, ns_steps, eps, newton_schulz, ns_formulation
             )
         else:
             ortho = orthogonalize(
-                mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps, kernels, ns_formulation
+                mu_hat, group.matrix_axes, ns_coeffs, ns_steps, eps, newton_schulz, ns_formulation
             )
         return (shape_scale(update.shape, group.matrix_axes, consistent_rms) * ortho).astype(update.dtype)
 

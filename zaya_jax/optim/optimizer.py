@@ -107,6 +107,7 @@ def build_optimizer(
     total_steps: int,
     lr_scale: float | jax.Array = 1.0,
     shardings: dict[str, Any] | None = None,
+    newton_schulz: str = "jax",
 ) -> optax.GradientTransformationExtraArgs:
     """The training optimizer: clipping, Muon for ``"muon"`` leaves, AdamW for the rest, lr scale.
 
@@ -114,7 +115,9 @@ def build_optimizer(
     params (``param_groups`` / ``model_param_groups``). ``total_steps``: the schedule's length.
     ``lr_scale``: the initial lr multiplier (change it later with :func:`set_lr_scale`).
     ``shardings``: the parameters' NamedShardings on a mesh; Muon then runs Newton-Schulz on
-    gathered matrices per device, with no collective inside the iteration.
+    gathered matrices per device, with no collective inside the iteration. ``newton_schulz``: what
+    runs Muon's iteration, the kernel plan's choice (``Programs`` passes its layout's,
+    :mod:`zaya_jax.ops.kernel_plan`); ``jax``, XLA's loop, without one.
     """
     optim_cfg.validate()
     if total_steps < 1:
@@ -140,7 +143,7 @@ def build_optimizer(
             eps=NS_EPS,
             consistent_rms=optim_cfg.consistent_rms,
             shardings=shardings,
-            kernels=optim_cfg.kernels,
+            newton_schulz=newton_schulz,
             ns_formulation=optim_cfg.ns_formulation,
         ),
         optax.add_decayed_weights(optim_cfg.muon_weight_decay),

@@ -1,7 +1,7 @@
 """Meshes, the logical-axis rules table and the sharded layouts of parameters, optimizer state and
 batches (``zaya_jax.parallel.rules``, ``zaya_jax.parallel.mesh``)."""
 
-from zaya_jax.parallel.layout import Layout, make_layout
+from zaya_jax.parallel.layout import Layout, make_layout, program_hooks
 from zaya_jax.parallel.mesh import (
     batch_sharding,
     local_rows,
@@ -33,6 +33,7 @@ __all__ = [
     "matching_shardings",
     "mesh_sizes",
     "process_local",
+    "program_hooks",
     "put_batch",
     "replicated",
     "variable_shardings",

@@ -108,6 +108,7 @@ def _local_moe_ragged(
     devices: int,
     capacity_factor: float,
     exchange: str,
+    kernel: bool = False,
 ):
     """One device's part with a ragged exchange: only routed rows travel. Same arguments and
     results as :func:`_local_moe_padded`."""
@@ -141,7 +142,7 @@ def _local_moe_ragged(
         recv_sizes,
     )
     ones = jnp.ones((devices * capacity,), x.dtype)
-    out = sorted_experts(buffer, ids, ones, wi, wo, act)
+    out = sorted_experts(buffer, ids, ones, wi, wo, act, kernel)
 
     # Back to each source, into the positions its rows were sent from.
     source_starts = jax.lax.all_to_all(starts, "expert", 0, 0, tiled=True)
@@ -157,7 +158,17 @@ def _local_moe_ragged(
 
 
 def _local_moe_padded(
-    x, choice, weight, wi, wo, *, act: str, num_experts: int, devices: int, capacity_factor: float
+    x,
+    choice,
+    weight,
+    wi,
+    wo,
+    *,
+    act: str,
+    num_experts: int,
+    devices: int,
+    capacity_factor: float,
+    kernel: bool = False,
 ):
     """One device's part. x: (b, t, H) local tokens; wi, wo: this device's E/devices experts."""
     b, t, hidden = x.shape
@@ -187,7 +198,8 @@ def _local_moe_padded(
     # Empty slots carry expert id ``local_experts``: sorted last, outside every group, output 0.
     flat = recv_x.reshape(devices * capacity, hidden)
     ones = jnp.ones((devices * capacity,), x.dtype)
-    out = sorted_experts(flat, recv_e.reshape(-1), ones, wi, wo, act).reshape(devices, capacity, hidden)
+    out = sorted_experts(flat, recv_e.reshape(-1), ones, wi, wo, act, kernel)
+    out = out.reshape(devices, capacity, hidden)
     back = jax.lax.all_to_all(out, "expert", 0, 0, tiled=True)
 
     result = back.at[jnp.minimum(dest, devices - 1), jnp.minimum(rank, capacity - 1)].get()
@@ -275,11 +287,13 @@ def expert_dispatch(
     capacity_factor: float = 0.0,
     exchange: str = "auto",
     rules: Sequence[tuple[str, Any]] = DEFAULT_RULES,
+    grouped_kernel: bool = False,
 ) -> MoeDispatch:
     """The ``moe_dispatch`` hook for :class:`zaya_jax.model.Zaya` on ``mesh``:
     ``(m, choice, weight, wi, wo, act) -> (out, dropped)`` with m (batch, seq, embed) global.
     ``exchange``: ``padded``, ``ragged``, ``emulated`` (ragged, emulated), ``planned`` (its memory
-    twin, for plans only) or ``auto``."""
+    twin, for plans only) or ``auto``; ``grouped_kernel``: the kernel plan's ``moe_gemm`` is
+    ``kernel`` (:func:`~zaya_jax.model.experts.grouped_matmul`)."""
     devices = mesh.shape["expert"]
     exchange = resolve_exchange(mesh, exchange)
     if exchange == "padded":
@@ -296,7 +310,12 @@ def expert_dispatch(
     def dispatch(m, choice, weight, wi, wo, act):
         fn = jax.shard_map(
             functools.partial(
-                local_moe, act=act, num_experts=wi.shape[0], devices=devices, capacity_factor=capacity_factor
+                local_moe,
+                act=act,
+                num_experts=wi.shape[0],
+                devices=devices,
+                capacity_factor=capacity_factor,
+                kernel=grouped_kernel,
             ),
             mesh=mesh,
             in_specs=(tokens, per_token, per_token, experts, experts),

@@ -10,11 +10,12 @@ import flax.linen as nn
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zaya_jax.config import Config
+from zaya_jax.config import Config, ModelConfig
 from zaya_jax.model.adapters import boxed_with_adapters
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.transformer import boxed_abstract_variables
 from zaya_jax.ops import sharded_residual_rms_norm
+from zaya_jax.ops.kernel_plan import KernelPlan, program_platform, resolve_kernel_plan
 from zaya_jax.parallel.expert import expert_dispatch, probed_exchange, probes_exchange, resolve_exchange
 from zaya_jax.parallel.mesh import batch_sharding, make_mesh, replicated
 from zaya_jax.parallel.ring import ContextParallel
@@ -25,6 +26,7 @@ from zaya_jax.parallel.rules import (
     variable_shardings,
     zero1_shardings,
 )
+from zaya_jax.parallel.tree import tree_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,7 +39,8 @@ class Layout:
     batch: NamedSharding
     replicated: NamedSharding
     # Expert parallelism when the expert axis is > 1, ring attention and conv halos when the
-    # context axis is > 1, the fused-norm kernel per device when model.kernels == "custom".
+    # context axis is > 1, the fused-norm kernel per device when the kernel plan takes it, and the
+    # kernel plan itself (hooks.kernels).
     hooks: ModelHooks = SINGLE_DEVICE
     # ZeRO-1 (mesh.optimizer_sharding: zero1): the shardings of the optimizer state, the gradients
     # and the update, per parameter; None: they follow the parameters.
@@ -69,14 +72,32 @@ class Layout:
     def describe(self) -> dict[str, int]:
         return dict(self.mesh.shape)
 
+    @property
+    def kernels(self) -> KernelPlan:
+        """The kernel plan of this layout's programs (resolved in :func:`make_layout`)."""
+        return self.hooks.kernels if self.hooks.kernels is not None else KernelPlan()
+
 
 def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Layout:
+    """The layout of ``cfg``'s mesh over ``devices`` (default: all), with the kernel plan of its
+    programs (:func:`~zaya_jax.ops.kernel_plan.resolve_kernel_plan`, from ``model.kernels``,
+    ``model.attention_impl`` and ``optim.kernels`` on these devices)."""
     mesh = make_mesh(cfg, devices)
     rules = logical_rules(cfg.mesh)
+    platform = program_platform(list(mesh.devices.flat))
+    kernels = resolve_kernel_plan(
+        cfg.model,
+        cfg.optim.kernels,
+        devices=mesh.size,
+        platform=platform,
+        ns_formulation=cfg.optim.ns_formulation,
+    )
     dispatch, exchange = None, None
     if mesh.shape["expert"] > 1:
         resolved = resolve_exchange(mesh, cfg.mesh.expert_exchange)
-        dispatch = expert_dispatch(mesh, cfg.mesh.expert_capacity_factor, resolved, rules)
+        dispatch = expert_dispatch(
+            mesh, cfg.mesh.expert_capacity_factor, resolved, rules, kernels.moe_gemm == "kernel"
+        )
         exchange = {"configured": cfg.mesh.expert_exchange, "exchange": resolved}
         if probes_exchange(mesh, cfg.mesh.expert_exchange):
             exchange["why"] = probed_exchange(mesh)[1]  # cached: the probe ran once
@@ -100,9 +121,19 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Lay
             if mesh.shape["context"] > 1
             else None,
             residual_norm=sharded_residual_rms_norm(mesh, PartitionSpec(rows, seq, None))
-            if cfg.model.kernels == "custom" and mesh.size > 1
+            if kernels.norm == "kernel" and mesh.size > 1
             else None,
+            kernels=kernels,
         ),
         update,
         exchange,
     )
+
+
+def program_hooks(model: ModelConfig, mesh: Mesh | None = None) -> ModelHooks:
+    """The hooks of a program that is not a run's (the rollout engine, the static sampler, a
+    notebook's ``Zaya(cfg, program_hooks(cfg))``): tree attention over ``mesh``'s ``context`` axis
+    where given, and the kernel plan for its devices (one, without a mesh)."""
+    devices = list(mesh.devices.flat) if mesh is not None else None
+    kernels = resolve_kernel_plan(model, devices=len(devices or [0]), platform=program_platform(devices))
+    return ModelHooks(attention=tree_attention(mesh) if mesh is not None else None, kernels=kernels)

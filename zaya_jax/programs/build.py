@@ -78,7 +78,13 @@ class Programs:
             groups = self.groups or model_param_groups(
                 self.cfg.model, optim.router_group, optim.matrix_optimizer
             )
-        return build_optimizer(self.cfg.optim, groups, self.cfg.train.steps, shardings=shardings)
+        return build_optimizer(
+            self.cfg.optim,
+            groups,
+            self.cfg.train.steps,
+            shardings=shardings,
+            newton_schulz=self.layout.kernels.newton_schulz,
+        )
 
     def _variables(self, key: jax.Array) -> dict[str, Any]:
         """The model's fresh variables; with ``lora`` the base (matrices in ``lora.base_dtype``)
@@ -236,29 +242,12 @@ def build_programs(
     """The programs of ``cfg`` on ``layout`` (default: ``cfg.mesh`` over ``devices``, all devices
     when None), training ``objective`` (``zaya_jax.objectives.build_programs(cfg)`` passes the
     spec's of ``train.objective``). ``groups`` replaces the model's Muon/AdamW grouping (the benchmarks' all-AdamW).
-    ``model.moe_impl: auto`` (:mod:`zaya_jax.programs.moe`) and ``model.attention_impl: auto``
-    (:func:`resolve_attention_impl`) are resolved here, so every user of a run's programs runs the
-    same paths; ``Programs.cfg`` holds the resolved values."""
+    ``model.moe_impl: auto`` (:mod:`zaya_jax.programs.moe`) is resolved here and the kernels by the
+    layout (``layout.kernels``), so every user of a run's programs runs the same paths;
+    ``Programs.cfg`` holds the resolved ``moe_impl``."""
     layout = layout if layout is not None else make_layout(cfg, devices)
-    resolved, moe = resolve_moe_impl(resolve_attention_impl(cfg, layout), layout)
+    resolved, moe = resolve_moe_impl(cfg, layout)
     return Programs(resolved, layout, objective, groups, moe)
-
-
-def resolve_attention_impl(cfg: Config, layout: Layout) -> Config:
-    """``cfg`` with ``model.attention_impl: auto`` replaced: the fused CPU custom call
-    (:mod:`zaya_jax.ops.attention.cpu`; 1.3x PyTorch's SDPA and 2.5-3x the blocked kernel at 2k-8k
-    tokens, bench/RESULTS.md) for a one-device CPU program where the library is built, else the
-    blocked kernel. On a mesh of several devices XLA's partitioner cannot split a custom call (it
-    would gather every operand), and on GPUs the Pallas kernel is unmeasured, so both keep blocked."""
-    from zaya_jax.ops.attention.cpu import available
-    from zaya_jax.ops.platform import planning_target
-
-    if cfg.model.attention_impl != "auto":
-        return cfg
-    target = planning_target() or jax.default_backend()
-    one_cpu = target == "cpu" and jax.default_backend() == "cpu" and layout.mesh.size == 1
-    impl = "cpu" if one_cpu and available() else "blocked"
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, attention_impl=impl))
 
 
 def single_device_programs(

@@ -24,6 +24,7 @@ for ``--gpu-kind``, else the GPU default, ``sorted``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import tempfile
@@ -60,11 +61,13 @@ class MoeChoice:
         return {"impl": self.impl, "source": self.source, "key": self.key, "seconds": self.seconds}
 
 
-def choice_key(cfg: ModelConfig, tokens: int, device: jax.Device) -> str:
-    """The cache key: device kind and the expert layer's shapes and dtype."""
+def choice_key(cfg: ModelConfig, tokens: int, device: jax.Device, kernel: bool = False) -> str:
+    """The cache key: device kind, the expert layer's shapes and dtype, and whether the grouped
+    GEMM is the kernel plan's custom call."""
     return (
         f"{device.platform}:{device.device_kind}|tokens={tokens}|hidden={cfg.hidden_size}|experts={cfg.num_experts}"
         f"|inner={cfg.moe_intermediate_size}|{jnp.dtype(cfg.dtype).name}|{cfg.hidden_act}"
+        + ("|grouped_kernel" if kernel else "")
     )
 
 
@@ -76,10 +79,16 @@ OPTION_VARIANTS = {
 
 
 def _program(
-    impl: str, cfg: ModelConfig, tokens: int, device: jax.Device, options: dict[str, Any] | None = None
+    impl: str,
+    cfg: ModelConfig,
+    tokens: int,
+    device: jax.Device,
+    options: dict[str, Any] | None = None,
+    kernel: bool = False,
 ) -> tuple[jax.stages.Compiled, tuple[jax.Array, ...]]:
     """``impl``'s forward + backward (gradients of the inputs and both weights), compiled for
-    ``device``, and its arguments: random tokens routed uniformly over the experts and the skip class."""
+    ``device``, and its arguments: random tokens routed uniformly over the experts and the skip class.
+    ``kernel``: the sorted path's grouped GEMM is the custom call (the kernel plan's ``moe_gemm``)."""
     dtype = jnp.dtype(cfg.dtype)
     experts, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     rng = np.random.default_rng(0)
@@ -94,6 +103,8 @@ def _program(
         jax.device_put(jnp.asarray(a, a.dtype if a.dtype == np.int32 else dtype), device) for a in args
     )
     path, act = PATHS[impl], cfg.hidden_act
+    if impl == "sorted":
+        path = functools.partial(path, kernel=kernel)
 
     def loss(x, weight, wi, wo, choice):
         return jnp.sum(path(x, choice, weight, wi, wo, act).astype(jnp.float32))
@@ -112,15 +123,17 @@ def measure(
     candidates: Sequence[str] = tuple(PATHS),
     rounds: int = 3,
     variants: Sequence[str] = (),
+    kernel: bool = False,
 ) -> dict[str, float]:
     """Seconds per forward + backward of each candidate (and of each of ``variants``, names of
     :data:`OPTION_VARIANTS`) at ``tokens`` tokens on ``device``: each compiled and run once, then
     ``rounds`` rounds over all of them in turn, best round kept. A candidate whose plan takes more
-    than half of the device's memory is not run and not in the result (:func:`_within_memory`)."""
-    programs = {impl: _program(impl, cfg, tokens, device) for impl in candidates}
+    than half of the device's memory is not run and not in the result (:func:`_within_memory`).
+    ``kernel``: :func:`_program`'s."""
+    programs = {impl: _program(impl, cfg, tokens, device, kernel=kernel) for impl in candidates}
     for name in variants:
         impl, options = OPTION_VARIANTS[name]
-        programs[name] = _program(impl, cfg, tokens, device, options)
+        programs[name] = _program(impl, cfg, tokens, device, options, kernel)
     programs = _within_memory(programs, device)
     for compiled, args in programs.values():
         jax.block_until_ready(compiled(*args))
@@ -195,16 +208,21 @@ class ChoiceCache:
 
 
 def choose(
-    cfg: ModelConfig, tokens: int, device: jax.Device, cache: ChoiceCache, remeasure: bool = False
+    cfg: ModelConfig,
+    tokens: int,
+    device: jax.Device,
+    cache: ChoiceCache,
+    remeasure: bool = False,
+    kernel: bool = False,
 ) -> MoeChoice:
-    """The fastest dropless path for ``tokens`` tokens per device on ``device``: cached, or measured
-    (and cached)."""
-    key = choice_key(cfg, tokens, device)
+    """The fastest dropless path for ``tokens`` tokens per device on ``device`` (the sorted path's
+    grouped GEMM the custom call where ``kernel``): cached, or measured (and cached)."""
+    key = choice_key(cfg, tokens, device, kernel)
     hit = None if remeasure else cache.get(key)
     if hit is not None and hit.get("impl") in PATHS:
         return MoeChoice(hit["impl"], "cached", key, hit.get("seconds", {}))
     candidates = tuple(PATHS)
-    seconds = measure(cfg, tokens, device, candidates)
+    seconds = measure(cfg, tokens, device, candidates, kernel=kernel)
     choice = MoeChoice(min(seconds, key=seconds.get), "measured", key, seconds)
     cache.put(key, choice)
     return choice
@@ -273,7 +291,6 @@ def resolve_moe_impl(cfg: Config, layout: Layout, remeasure: bool = False) -> tu
         choice = _planned_choice(cfg, layout)
     else:
         device = jax.local_devices()[0]
-        choice = _agreed(
-            choose(model, tokens_per_device(cfg, layout), device, ChoiceCache(cache_path()), remeasure)
-        )
+        tokens, kernel = tokens_per_device(cfg, layout), layout.kernels.moe_gemm == "kernel"
+        choice = _agreed(choose(model, tokens, device, ChoiceCache(cache_path()), remeasure, kernel))
     return dataclasses.replace(cfg, model=dataclasses.replace(model, moe_impl=choice.impl)), choice

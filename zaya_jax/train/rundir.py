@@ -22,7 +22,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from zaya_jax import checkpoint
-from zaya_jax.config import Config, ConfigError, load_config, save_config
+from zaya_jax.config import EXECUTION_FIELDS, Config, ConfigError, load_config, save_config
 from zaya_jax.files import EVENTS, filter_jsonl, write_atomic
 
 
@@ -103,10 +103,15 @@ class RunDir:
                 f"from (nothing complete in {self.checkpoints}); choose another run.name (or run.dir) or move "
                 "the old run away"
             )
-        if resuming and self.config.is_file() and load_config(self.config).model != cfg.model:
+        if (
+            resuming
+            and self.config.is_file()
+            and load_config(self.config).model.architecture() != cfg.model.architecture()
+        ):
             raise ConfigError(
                 f"{self.path} was trained with a different model config; resume with the same model.* "
-                "values (see its config.yaml) or choose another run.name"
+                "values (see its config.yaml; only how it is computed may change: "
+                f"{', '.join('model.' + f for f in EXECUTION_FIELDS)}) or choose another run.name"
             )
         self.path.mkdir(parents=True, exist_ok=True)
         save_config(cfg, self.config)

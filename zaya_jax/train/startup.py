@@ -26,8 +26,9 @@ def start_event(
     initialized: dict[str, Any] | None,
     moe: dict[str, Any] | None = None,
 ) -> None:
-    """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, XLA flags, runtime,
-    how ``model.moe_impl`` was resolved with its timings, the expert exchange and its probe),
+    """The run's ``start`` event (peak FLOPs and their source, devices, processes, mesh, the kernel
+    plan, XLA flags, runtime, how ``model.moe_impl`` was resolved with its timings, the expert
+    exchange and its probe),
     and a few lines on stderr saying what is starting: a new run, a resumed one (``resumed_after``
     > 0) or one from existing weights (``initialized``)."""
     origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
@@ -41,6 +42,7 @@ def start_event(
         devices=jax.device_count(),
         processes=jax.process_count(),
         mesh=layout.describe(),
+        kernels=layout.kernels.describe(),
         xla_flags=os.environ.get("XLA_FLAGS", ""),
         runtime=to_dict(cfg.runtime),
         **({"moe": moe} if moe is not None else {}),

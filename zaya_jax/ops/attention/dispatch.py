@@ -32,8 +32,8 @@ def attention(
     sequence), "dense" (the definition; materialises the (seq_q, seq_k) scores), "pallas" (the
     fused GPU kernel, :mod:`zaya_jax.ops.attention.pallas`), "cpu" (the fused CPU custom call,
     :mod:`zaya_jax.ops.attention.cpu`; the blocked kernel on other devices) or "cudnn"
-    (``jax.nn.dot_product_attention``, causal masks only). "auto" is resolved with the run's
-    layout (:func:`zaya_jax.programs.build.resolve_attention_impl`); unresolved here it is blocked.
+    (``jax.nn.dot_product_attention``, causal masks only). "auto" is resolved by the program's
+    kernel plan (:mod:`zaya_jax.ops.kernel_plan`); unresolved here it is blocked.
 
     A sequence attending to itself that fits in one block has no block to skip and no tile to
     loop over: "blocked" then runs the dense definition, whose autodiff keeps the one block of
