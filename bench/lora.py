@@ -60,7 +60,7 @@ def _step_times(base: Path, rounds: int) -> dict[str, float]:
         opt = sum(x.nbytes for x in jax.tree.leaves(state.opt_state) if x.ndim > 0)
         variants[name] = {"step": step, "args": args, "opt_bytes": opt, "best": float("inf")}
         if name == "lora":  # a reference forward with the adapters switched off (what DPO could run per step)
-            from zaya_jax.model.adapters import switched_off
+            from zaya_jax.model.lowrank import switched_off
 
             forward = programs.sequence_logps_step
             copied = jax.tree.map(lambda x: x.copy(), (switched_off(state.params), state.balancing))

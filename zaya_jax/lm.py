@@ -22,10 +22,9 @@ from zaya_jax.eval import evaluate
 from zaya_jax.files import write_atomic
 from zaya_jax.generate import Generation, generate
 from zaya_jax.interop.hf import save_hf_directory
-from zaya_jax.interop.peft import save_peft_adapter
-from zaya_jax.lora import adapters_of
+from zaya_jax.lora.plan import parameter_plan
 from zaya_jax.model import Zaya
-from zaya_jax.model.adapters import merged
+from zaya_jax.model.lowrank import merged
 from zaya_jax.objectives import GivenData, SavedRun, registered, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer
 from zaya_jax.parallel.distributed import enable_compilation_cache
@@ -268,7 +267,9 @@ def _saved_run(lm: LanguageModel, path: Path, tok: Tokenizer, progress: bool) ->
     cfg = lm.run_config
     return SavedRun(
         lm, cfg, run_dir, lm.step, tok, progress,
-        starting_weights=lambda programs: starting_weights(cfg, programs.init_state()),
+        starting_weights=lambda programs: starting_weights(
+            cfg, programs.init_state(), programs.layout.parameters
+        ),
     )  # fmt: skip
 
 
@@ -292,7 +293,7 @@ def export_hf(
 
     A LoRA run (``lora.rank > 0``) is exported ``merge``d (one HF model whose weights are
     ``W + s A B``, for ``transformers`` and vLLM, whose ZAYA model takes no adapters) or as an
-    ``adapter`` (a PEFT directory, :func:`zaya_jax.interop.peft.save_peft_adapter`, for
+    ``adapter`` (a PEFT directory, :func:`zaya_jax.lora.peft.save_peft_adapter`, for
     ``PeftModel.from_pretrained`` on the HF export of its base); one of the two must be chosen."""
     destination = Path(destination)
     if destination.exists() and not is_empty_dir(destination) and not (destination / "config.json").is_file():
@@ -305,16 +306,14 @@ def export_hf(
         )
     files = load_model(path)
     variables = files.variables
-    lora = files.run.lora if files.run is not None else None
-    if lora is None or not lora.enabled:
+    parameters = parameter_plan(files.run) if files.run is not None else None
+    if parameters is None or not parameters.frozen_base:
         if adapter:
             raise ValueError(f"{path} is not a LoRA run (lora.rank is 0): it has no adapters to export")
     elif adapter:
         with StagedDirectory(destination, "zaya convert zaya-to-hf --adapter") as staged:
             base = files.run.train.init_from if model_format(files.run.train.init_from) == "hf" else None
-            save_peft_adapter(
-                staged.path, files.model, adapters_of(variables["params"]), lora, base_model=base
-            )
+            parameters.save_adapter(staged.path, files.model, variables["params"], base_model=base)
             staged.publish_or_match(same_files)
         return destination, files.step
     elif not merge:

@@ -21,17 +21,17 @@ from zaya_jax import checkpoint
 from zaya_jax.checkpoint.base import check_base
 from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.checkpoint.readable import locate
-from zaya_jax.config import Config, LoraConfig, ModelConfig, to_dict
+from zaya_jax.config import Config, ModelConfig, to_dict
 from zaya_jax.data.sources import DataError
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer, special_tokens
 from zaya_jax.files import read_json
 from zaya_jax.interop.hf import hf_directory_model, is_hf_directory, load_hf_directory
-from zaya_jax.interop.peft import CONFIG_FILE as PEFT_CONFIG
-from zaya_jax.interop.peft import load_peft_adapter
 from zaya_jax.interop.safetensors_io import tensor_shapes
-from zaya_jax.lora import arranged, attach, base_cast
+from zaya_jax.lora.peft import CONFIG_FILE as PEFT_CONFIG
+from zaya_jax.lora.peft import peft_params
+from zaya_jax.lora.plan import parameter_plan
 from zaya_jax.model import param_counts
-from zaya_jax.model.adapters import adapter_part, base_part, join
+from zaya_jax.model.lowrank import adapter_part, join
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,8 +91,7 @@ def _peft_base(path: Path) -> Path:
 def _peft_model(path: Path) -> ModelFiles:
     """A PEFT adapter directory: its base loaded (without adapters of its own) and its adapters on it."""
     base = load_model(_peft_base(path))
-    adapters, settings = load_peft_adapter(path, base.model)
-    params = attach(base_part(base.variables["params"]), adapters, LoraConfig(**settings))
+    params = peft_params(path, base.variables["params"], base.model)
     return ModelFiles(path, "peft", base.model, variables={**base.variables, "params": params})
 
 
@@ -119,15 +118,14 @@ def load_model(path: str | Path) -> ModelFiles:
         model, variables = load_hf_directory(path)
         return ModelFiles(path, "hf", model, variables=variables)
     run, variables, step = checkpoint.restore_model(path)
-    if run.lora.enabled:
+    if parameter_plan(run).frozen_base:
         variables = _with_base(run, variables, step, path)
     return ModelFiles(path, "zaya", run.model, run, step, variables)
 
 
 def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) -> dict[str, Any]:
-    """A LoRA step's adapters on their base: ``train.init_from``'s, as the run took it
-    (:func:`zaya_jax.lora.arranged`), held in ``lora.base_dtype`` and checked against the step's
-    base record."""
+    """A step's adapters on their frozen base: ``train.init_from``'s, as the run took it and held it
+    (:meth:`~zaya_jax.lora.plan.ParameterPlan.base_from`), checked against the step's base record."""
     step_dir = locate(path)[0] / str(step)
     try:
         source = load_model(run.train.init_from)
@@ -136,10 +134,9 @@ def _with_base(run: Config, variables: dict[str, Any], step: int, path: Path) ->
             f"{step_dir} holds LoRA adapters; their base model train.init_from={run.train.init_from} "
             f"cannot be loaded ({err}). Put the base weights back at that path"
         ) from err
-    adapters = adapter_part(variables["params"])
-    base = base_cast(base_part(arranged(source.variables["params"], adapters)), run.lora.base_dtype)
+    base = parameter_plan(run).base_from(source.variables["params"], variables["params"])
     check_base(step_dir, digest({"params": base}))
-    return {**variables, "params": join(adapters, base)}
+    return {**variables, "params": join(adapter_part(variables["params"]), base)}
 
 
 def is_peft_directory(path: str | Path) -> bool:

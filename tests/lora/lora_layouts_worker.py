@@ -14,7 +14,7 @@ import numpy as np
 
 import zaya_jax
 from tests.parallel.layouts_worker import MODEL, batches
-from zaya_jax.model.adapters import adapter_part, base_part
+from zaya_jax.model.lowrank import adapter_part, base_part
 from zaya_jax.objectives import build_programs
 from zaya_jax.parallel import put_batch
 

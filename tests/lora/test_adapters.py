@@ -125,7 +125,7 @@ def test_the_model_folds_adapters_per_block_as_the_merged_weights_compute(moe_im
     import dataclasses
 
     from zaya_jax.lora import attach
-    from zaya_jax.model.adapters import merged
+    from zaya_jax.model.lowrank import merged
 
     cfg = dataclasses.replace(CFG, moe_impl=moe_impl, capacity_factor=4.0)
     lora = Lora(2, alpha=4.0, targets=("experts", "attention", "embeddings"))
@@ -151,7 +151,7 @@ def test_adapter_gradients_through_the_model_equal_the_merged_weights_under_ever
     import dataclasses
 
     from zaya_jax.lora import adapters_of, attach
-    from zaya_jax.model.adapters import join, split
+    from zaya_jax.model.lowrank import join, split
 
     cfg = dataclasses.replace(CFG, remat=remat)
     params = jax.tree.map(lambda x: x, PARAMS)

@@ -17,8 +17,8 @@ from tests.hf_reference import hf_logits, transformers
 from zaya_jax.config import LoraConfig as Lora
 from zaya_jax.config import load_config
 from zaya_jax.interop.hf import save_hf_directory
-from zaya_jax.interop.peft import PeftError, load_peft_adapter, save_peft_adapter
 from zaya_jax.lora import init_adapters, merge
+from zaya_jax.lora.peft import PeftError, load_peft_adapter, save_peft_adapter
 from zaya_jax.model import Zaya, init_variables
 
 CFG = load_config("tiny", MINI).model  # hidden 32 == expert intermediate 32: wo is square

@@ -26,7 +26,7 @@ from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.cli import main
 from zaya_jax.data.tasks import reverse_pairs, write_jsonl
 from zaya_jax.model import Zaya
-from zaya_jax.model.adapters import adapter_part, base_part, merged
+from zaya_jax.model.lowrank import adapter_part, base_part, merged
 
 SHAPE = [o for o in MINI if not o.startswith("model.")]  # the model comes from the base
 LORA = [

@@ -1,5 +1,5 @@
 """The base model of a LoRA run's checkpoint: a step saves the adapters only (``params`` holds the
-``lora`` subtrees, :mod:`zaya_jax.model.adapters`) and a ``base`` item recording where the frozen
+``lora`` subtrees, :mod:`zaya_jax.model.lowrank`) and a ``base`` item recording where the frozen
 base came from (``train.init_from``), the dtype it was held in and its fingerprint (bit-exact,
 :func:`~zaya_jax.checkpoint.fingerprint.digest`). Resuming or loading such a step first loads the
 base and checks it against the record, so adapters never run on other weights in silence."""
@@ -13,19 +13,19 @@ import orbax.checkpoint as ocp
 
 from zaya_jax.checkpoint.fingerprint import digest
 from zaya_jax.checkpoint.store import BaseMismatchError, CheckpointCorruptError
-from zaya_jax.config import Config
 from zaya_jax.files import read_json
+from zaya_jax.lora.plan import ParameterPlan
 
 BASE_ITEM = "base"
 
 
-def base_record(cfg: Config, base_params: Any) -> dict[str, Any]:
-    """What a LoRA step records about its base (``base_params``: the frozen parameters as held)."""
-    return {
-        "init_from": cfg.train.init_from,
-        "dtype": cfg.lora.base_dtype,
-        "fingerprint": digest({"params": base_params}),
-    }
+def base_record(parameters: ParameterPlan, params: Any) -> dict[str, Any] | None:
+    """What a step records about the frozen base of ``params`` (the parameter plan's: where it came
+    from, its dtype) and its fingerprint; None when the plan freezes nothing."""
+    record, frozen = parameters.base_record(), parameters.frozen(params)
+    if record is None or frozen is None:
+        return None
+    return {**record, "fingerprint": digest({"params": frozen})}
 
 
 def saved_base(step_dir: Path) -> dict[str, Any] | None:

@@ -40,7 +40,7 @@ from zaya_jax.checkpoint.store import (
 )
 from zaya_jax.config import Config, to_dict
 from zaya_jax.files import read_json
-from zaya_jax.model.adapters import adapter_part, base_part, has_adapters, join
+from zaya_jax.lora.plan import EVERY_PARAMETER, ParameterPlan
 
 
 def save_training(
@@ -51,16 +51,16 @@ def save_training(
     data_state: dict[str, Any],
     eval_loss: float | None = None,
     base: dict[str, Any] | None = None,
+    parameters: ParameterPlan = EVERY_PARAMETER,
 ) -> None:
     """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState;
     ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``.
-    A LoRA run's parameters carry adapters: only they are saved, with ``base``
-    (:func:`~zaya_jax.checkpoint.base.base_record`) saying which frozen base they belong to."""
-    lora = has_adapters(state.params)
-    if lora and base is None:
+    With a frozen base (``parameters``) only what trains is saved, with ``base``
+    (:func:`~zaya_jax.checkpoint.base.base_record`) saying which base it belongs to."""
+    if parameters.frozen_base and base is None:
         raise ValueError("a checkpoint of adapters needs the record of their base (base_record)")
     arrays = {
-        "params": adapter_part(state.params) if lora else state.params,
+        "params": parameters.saved(state.params),
         "balancing": state.balancing,
         "train": {"step": state.step, "opt_state": state.opt_state, "controller": state.controller},
     }
@@ -71,7 +71,7 @@ def save_training(
             fingerprints=ocp.args.JsonSave(array_fingerprints(arrays)),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(to_dict(cfg)),
-            **(save_args(base) if lora else {}),
+            **(save_args(base) if base is not None else {}),
         ),
         metrics=None if eval_loss is None else {"eval_loss": float(eval_loss)},
         force=True,
@@ -107,13 +107,15 @@ class TrainingSaver:
         keep: int | None,
         keep_every: int,
         keep_best: int = 0,
+        parameters: ParameterPlan = EVERY_PARAMETER,
     ):
         self.dir = Path(checkpoints_dir)
+        self.parameters = parameters
         self.mgr = manager(
             self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best
         )
         self.pending: int | None = None  # the step of the save started last
-        self._base: dict[str, Any] | None = None  # a LoRA run's base record
+        self._base: dict[str, Any] | None = None  # the frozen base's record, if the plan has one
         self._in_flight = False  # an async save started and not waited for yet
         self._written = threading.Event()  # set when that save's writes have finished
         self._listener = self._on_event if async_save else None
@@ -158,12 +160,12 @@ class TrainingSaver:
         """Start saving ``step`` once the previous save has completed (raising if it failed)."""
         self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
         self.pending = step
-        if self._base is None and has_adapters(state.params):  # the frozen base: fingerprinted once
-            self._base = base_record(cfg, base_part(state.params))
+        if self._base is None:  # the frozen base, if any: fingerprinted once
+            self._base = base_record(self.parameters, state.params)
         self._written.clear()  # before Orbax starts the thread that sets it
         self._in_flight = self._listener is not None
         try:
-            save_training(self.mgr, step, cfg, state, data_state, eval_loss, self._base)
+            save_training(self.mgr, step, cfg, state, data_state, eval_loss, self._base, self.parameters)
         except Exception as err:
             raise self._fail(err) from err
 
@@ -200,7 +202,11 @@ def _abstract(tree: Any) -> Any:
 
 
 def restore_training(
-    checkpoints_dir: str | Path, like: Any, *, verify_arrays: bool = True
+    checkpoints_dir: str | Path,
+    like: Any,
+    *,
+    verify_arrays: bool = True,
+    parameters: ParameterPlan = EVERY_PARAMETER,
 ) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]]]:
     """The latest readable training checkpoint restored into the structure and shardings of the
     TrainState ``like``: ((state, the data position of every saving process, step) or None when there
@@ -209,11 +215,13 @@ def restore_training(
     Restoring reads every array and (``verify_arrays``) checks it against its fingerprint; a
     checkpoint that cannot be read (torn or overwritten files, missing pieces) or reads back
     different is moved to ``<run>/quarantine/`` with a warning and the previous one is tried. Each
-    one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``."""
+    one skipped is listed as ``{"checkpoint": step, "error", "moved_to"}``. With a frozen base
+    (``parameters``) ``like`` carries it, loaded first, and each step's base record must match it."""
     mgr = manager(checkpoints_dir)
     quiet_orbax_leftovers()
     unreadable: list[dict[str, Any]] = []
-    base = digest({"params": base_part(like.params)}) if has_adapters(like.params) else None
+    frozen = parameters.frozen(like.params)
+    base = digest({"params": frozen}) if frozen is not None else None
     for step in sorted(mgr.all_steps(), reverse=True):
         step_dir = Path(checkpoints_dir) / str(step)
         try:
@@ -222,7 +230,7 @@ def restore_training(
             check_step(step_dir, (*MODEL_ITEMS, "train"))
             if base is not None:  # before any array is read: adapters of another base stop the run
                 check_base(step_dir, base)
-            return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays), unreadable
+            return _restore_step(mgr, checkpoints_dir, step, like, verify_arrays, parameters), unreadable
         except (CheckpointNotFoundError, PermissionError, BaseMismatchError):
             raise
         except Exception as err:  # Orbax and TensorStore raise many types for unreadable files
@@ -231,16 +239,20 @@ def restore_training(
 
 
 def _restore_step(
-    mgr: ocp.CheckpointManager, checkpoints_dir: str | Path, step: int, like: Any, verify_arrays: bool
+    mgr: ocp.CheckpointManager,
+    checkpoints_dir: str | Path,
+    step: int,
+    like: Any,
+    verify_arrays: bool,
+    parameters: ParameterPlan,
 ):
     train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
     step_dir = Path(checkpoints_dir) / str(step)
     data_states = saved_data_states(step_dir / "data")
-    lora = has_adapters(like.params)
     restored = mgr.restore(
         step,
         args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(adapter_part(like.params) if lora else like.params)),
+            params=ocp.args.StandardRestore(_abstract(parameters.saved(like.params))),
             balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
             train=ocp.args.StandardRestore(_abstract(train_like)),
         ),
@@ -251,7 +263,7 @@ def _restore_step(
     train = restored["train"]
     state = like.replace(
         step=train["step"],
-        params=join(restored["params"], base_part(like.params)) if lora else restored["params"],
+        params=parameters.restored(restored["params"], like.params),
         opt_state=train["opt_state"],
         balancing=restored["balancing"],
         controller=train["controller"],

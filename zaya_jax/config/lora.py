@@ -8,7 +8,7 @@ from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
 
-# Roles a target may name -> what each adapts (zaya_jax.model.adapters maps them to parameters).
+# Roles a target may name -> what each adapts (zaya_jax.model.lowrank maps them to parameters).
 LORA_ROLES: dict[str, str] = {
     "experts": "every routed expert's fused gate/up wi and its wo, one adapter per expert and layer",
     "attention": "CCA's q, k, current-value, delayed-value and output projections",

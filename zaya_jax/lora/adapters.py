@@ -3,7 +3,7 @@
 the adapters as a flat ``path -> {"a", "b"}`` mapping (the PEFT export, the guards), and merged
 weights.
 
-The model reads adapters from its parameters (:mod:`zaya_jax.model.adapters`: ``params["layers"]
+The model reads adapters from its parameters (:mod:`zaya_jax.model.lowrank`: ``params["layers"]
 ["lora"]`` for the scanned blocks, ``params["lora"]`` for the embedding), so a tree with adapters
 is the adapted model everywhere it is applied. Each expert of each layer has its own pair: no
 factor is shared across experts (qwix shares B across an expert-batched einsum; Megatron-Bridge
@@ -22,7 +22,7 @@ factored ``(x A) B`` path in every MoE kernel would skip it.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -31,18 +31,17 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import LoraConfig, ModelConfig
-from zaya_jax.model.adapters import (
+from zaya_jax.model.lowrank import (
     ADAPTER,
     FACTORS,
-    adapted_paths,
+    ROLE_PATHS,
+    SCANNED,
     adapter_part,
-    boxed_with_adapters,
-    factor_shape,
     has_adapters,
     join,
+    location,
     merged,
     split,
-    with_adapters,
 )
 from zaya_jax.model.transformer import boxed_abstract_variables
 
@@ -55,6 +54,79 @@ def _get(params: Params, path: str) -> Any:
     for key in path.split("/"):
         node = node[key]
     return node
+
+
+def adapted_paths(lora: LoraConfig) -> list[str]:
+    """The weights ``lora``'s targets adapt, in target order."""
+    return [path for role in lora.targets for path in ROLE_PATHS[role]]
+
+
+def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
+    for key in keys[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[keys[-1]] = value
+
+
+def with_adapters(
+    params: Params, lora: LoraConfig, leaf: Callable[[str, Any, str], Any], scale: Callable[[Any, float], Any]
+) -> dict[str, Any]:
+    """``params`` with a ``lora`` subtree in each scope that ``lora`` adapts: ``leaf(path, weight,
+    "a" or "b")`` makes each factor, ``scale(layers or None, s)`` the scope's scale (``layers``: the
+    stack's length for the scanned scope)."""
+    out = {k: (dict(v) if k == SCANNED else v) for k, v in params.items()}
+    for path in adapted_paths(lora):
+        scope, inner = location(path)
+        try:
+            weight = _get(params, path)
+        except (KeyError, TypeError):
+            raise ValueError(f"lora.targets: the model has no {path}") from None
+        home = out[scope[0]] if scope else out
+        adapters = home.setdefault(ADAPTER, {})
+        for which in FACTORS:
+            _set(adapters, (*inner, which), leaf(path, weight, which))
+        if "scale" not in adapters:
+            layers = _shape(weight)[0] if scope else None
+            adapters["scale"] = scale(layers, lora.scale)
+    return out
+
+
+def _shape(leaf: Any) -> tuple[int, ...]:
+    value = getattr(leaf, "value", leaf)  # a LogicallyPartitioned box or an array
+    return tuple(value.shape)
+
+
+def factor_shape(weight_shape: tuple[int, ...], which: str, rank: int) -> tuple[int, ...]:
+    *lead, fan_in, fan_out = weight_shape
+    return (*lead, fan_in, rank) if which == "a" else (*lead, rank, fan_out)
+
+
+def factor_axes(weight_axes: tuple[str | None, ...], which: str) -> tuple[str | None, ...]:
+    """Logical axes of a factor: ``A`` is split like the weight's input, ``B`` like its output, and
+    both like its stack axes (layers, experts); the rank axis is never split."""
+    *lead, fan_in, fan_out = weight_axes
+    return (*lead, fan_in, None) if which == "a" else (*lead, None, fan_out)
+
+
+def boxed_with_adapters(boxed: Mapping[str, Any], lora: LoraConfig) -> Mapping[str, Any]:
+    """Boxed abstract variables (``nn.LogicallyPartitioned`` leaves, as
+    :func:`~zaya_jax.model.transformer.boxed_abstract_variables` gives them) with ``lora``'s
+    adapters added, each factor named by :func:`factor_axes` so that it is sharded with its weight
+    (an expert's pair with its expert); ``boxed`` itself without adapters."""
+    if not lora.enabled:
+        return boxed
+
+    def leaf(path: str, weight: nn.LogicallyPartitioned, which: str) -> nn.LogicallyPartitioned:
+        shape = factor_shape(tuple(weight.value.shape), which, lora.rank)
+        return nn.LogicallyPartitioned(
+            jax.ShapeDtypeStruct(shape, jnp.float32), factor_axes(weight.names, which)
+        )
+
+    def scale(layers: int | None, _: float) -> Any:
+        if layers is None:
+            return jax.ShapeDtypeStruct((), jnp.float32)
+        return nn.LogicallyPartitioned(jax.ShapeDtypeStruct((layers,), jnp.float32), ("layers",))
+
+    return {**boxed, "params": with_adapters(boxed["params"], lora, leaf, scale)}
 
 
 def targeted(params: Params, lora: LoraConfig) -> list[str]:
@@ -182,7 +254,7 @@ def _layout(adapters: Params) -> list[tuple[str, tuple[int, ...], float | None]]
 
 def arranged(source: Params, target_adapters: Params) -> dict[str, Any]:
     """``source``'s parameters as a start for a model whose adapters are ``target_adapters``
-    (:func:`~zaya_jax.model.adapters.adapter_part` of its parameters; empty without adapters): its
+    (:func:`~zaya_jax.model.lowrank.adapter_part` of its parameters; empty without adapters): its
     base and adapters when they have the target's rank, targets and scale (a PEFT directory or a
     LoRA run continued); otherwise ``source`` merged (its adapters, if any, folded in) as the base,
     under ``target_adapters``. The one rule for ``train.init_from`` and for loading a LoRA step."""
@@ -206,7 +278,7 @@ def adapter_names(lora: LoraConfig) -> list[str]:
 
 def b_grad_norms(grads: Params) -> jax.Array:
     """The norm of each adapter's ``B`` gradient (``grads`` shaped like the trainable part of the
-    parameters, :func:`zaya_jax.model.adapters.split`), in :func:`adapter_names` order."""
+    parameters, :func:`zaya_jax.model.lowrank.split`), in :func:`adapter_names` order."""
     flat = adapters_of(grads)
     return jnp.stack([jnp.sqrt(jnp.sum(jnp.square(flat[p]["b"]))) for p in sorted(flat)])
 

@@ -11,8 +11,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.model.adapters import adapted
 from zaya_jax.model.axes import AXIS
+from zaya_jax.model.lowrank import adapted
 
 Initializer = Callable[..., jax.Array]
 
@@ -26,7 +26,7 @@ def param_with_axes(
     dtype: jnp.dtype,
 ) -> jax.Array:
     """Declare a parameter carrying logical axis names (one per dimension); read, it carries the
-    low-rank adapter the parameters hold for it, if any (:func:`zaya_jax.model.adapters.adapted`)."""
+    low-rank adapter the parameters hold for it, if any (:func:`zaya_jax.model.lowrank.adapted`)."""
     if len(axes) != len(shape):
         raise ValueError(f"{name}: {len(axes)} axis names for a rank-{len(shape)} parameter")
     unknown = [a for a in axes if a is not None and a not in AXIS]

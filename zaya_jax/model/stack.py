@@ -151,7 +151,7 @@ def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
     scanned ``cfg.num_layers`` times. Instantiate it as ``(cfg, hooks, name="layers")`` and call
     it with ``((h, r, kv), layer_inputs, ctx)`` (``kv`` the decode cache's stacked keys and values,
     or None); it returns the final carry and the stacked per-layer (stats, conv/vdel cache). Each block folds its own slice of ``params["layers"]["lora"]``, if any, as it
-    reads each weight (:mod:`zaya_jax.model.adapters`)."""
+    reads each weight (:mod:`zaya_jax.model.lowrank`)."""
     block = Block
     if cfg.remat != "none":
         # Keep only what the policy saves; the rest of the block is recomputed in the backward pass.

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.model.adapters import ADAPTER, fold
 from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.layers import Dense, param_with_axes
+from zaya_jax.model.lowrank import ADAPTER, fold
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ContextParallelism, ModelHooks
 from zaya_jax.model.norms import RMSNorm
 from zaya_jax.model.stack import (
@@ -69,7 +69,7 @@ class Zaya(nn.Module):
     ``entropy_sum`` (layers,) the router distributions' entropies summed over real tokens.
 
     Low-rank adapters in ``params`` (``params["layers"]["lora"]``, ``params["lora"]``) are folded
-    into their weights on the fly (:mod:`zaya_jax.model.adapters`).
+    into their weights on the fly (:mod:`zaya_jax.model.lowrank`).
 
     Decoding: pass ``cache`` (from :func:`init_cache`) and ``tokens`` are the next chunk, written at
     cache slots [cache["index"], cache["index"] + seq); ``token_mask`` marks their real tokens (left
@@ -204,7 +204,7 @@ def lm_head_weights(cfg: ModelConfig, params: dict[str, Any]) -> tuple[jax.Array
     Tied: the (vocab, embed) embedding table (axis 0); untied: the (embed, vocab) ``lm_head`` kernel."""
     if cfg.tie_word_embeddings:
         table = params["embedding"]
-        if ADAPTER in params:  # the adapted table (zaya_jax.model.adapters)
+        if ADAPTER in params:  # the adapted table (zaya_jax.model.lowrank)
             table = fold({"embedding": table, ADAPTER: params[ADAPTER]})["embedding"]
         return table, params.get("lm_head_bias"), 0
     head = params["lm_head"]

@@ -66,7 +66,6 @@ from zaya_jax.data.batch import empty_row
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import Generation, generate
 from zaya_jax.loss import FieldSpec
-from zaya_jax.model.adapters import switched_off
 from zaya_jax.objectives.rewards import (
     PromptEncoder,
     PromptSet,
@@ -429,18 +428,19 @@ def _vllm_routes(record: dict[str, Any], layers: int, experts: int, read: int) -
 
 def kl_reference(setup: RunSetup) -> Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None:
     """``(host batch, sampled-from variables or None) -> (rows, seq)`` target log-probabilities
-    under the run's starting weights, or None when ``rl.kl`` is 0. A LoRA run's reference is its
-    frozen base: the sampled-from parameters with their adapters switched off, the same base arrays
-    (no second copy of the model); otherwise (and for rollouts read from files) ``train.init_from``'s weights, kept
-    on the device for the run."""
+    under the run's starting weights, or None when ``rl.kl`` is 0. With a frozen base the reference
+    is the parameter plan's: the sampled-from parameters with their adapters switched off, the same
+    base arrays (no second copy of the model); otherwise (and for rollouts read from files)
+    ``train.init_from``'s weights, kept on the device for the run."""
     if setup.cfg.rl.kl == 0:
         return None
     programs, kept = setup.programs, []
     step, layout = programs.token_logprobs_step, programs.layout
 
     def score(batch: HostBatch, observed: dict[str, Any] | None) -> np.ndarray:
-        if setup.cfg.lora.enabled and observed is not None:
-            params, balancing = switched_off(observed["params"]), observed["balancing"]
+        reference = layout.parameters.reference(observed["params"]) if observed is not None else None
+        if reference is not None:
+            params, balancing = reference, observed["balancing"]
         else:
             if not kept:
                 kept.append(setup.starting_weights())

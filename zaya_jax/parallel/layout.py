@@ -11,9 +11,8 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from zaya_jax.config import Config, ModelConfig
-from zaya_jax.model.adapters import boxed_with_adapters
+from zaya_jax.lora.plan import EVERY_PARAMETER, ParameterPlan, parameter_plan
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
-from zaya_jax.model.transformer import boxed_abstract_variables
 from zaya_jax.ops import sharded_residual_rms_norm
 from zaya_jax.ops.kernel_plan import KernelPlan, program_platform, resolve_kernel_plan
 from zaya_jax.parallel.expert import expert_dispatch, probed_exchange, probes_exchange, resolve_exchange
@@ -47,6 +46,8 @@ class Layout:
     update: dict[str, Any] | None = None
     # With expert parallelism: the exchange mesh.expert_exchange resolved to (padded, ragged) and why
     expert_exchange: dict[str, str] | None = None
+    # What trains and what is frozen (zaya_jax.lora.plan), built once from the config here.
+    parameters: ParameterPlan = EVERY_PARAMETER
 
     @property
     def step_hooks(self) -> dict[str, Any]:
@@ -102,10 +103,11 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Lay
         if probes_exchange(mesh, cfg.mesh.expert_exchange):
             exchange["why"] = probed_exchange(mesh)[1]  # cached: the probe ran once
     rows, seq = batch_spec(mesh, rules)
-    variables = variable_shardings(cfg.model, mesh, rules, cfg.lora)
+    parameters = parameter_plan(cfg)
+    variables = variable_shardings(cfg.model, mesh, rules, parameters)
     update = None
     if cfg.mesh.optimizer_sharding == "zero1":
-        abstract = nn.unbox(boxed_with_adapters(boxed_abstract_variables(cfg.model), cfg.lora))
+        abstract = nn.unbox(parameters.boxed(cfg.model))
         update = zero1_shardings(abstract["params"], variables["params"], mesh)
     return Layout(
         mesh,
@@ -127,6 +129,7 @@ def make_layout(cfg: Config, devices: Sequence[jax.Device] | None = None) -> Lay
         ),
         update,
         exchange,
+        parameters,
     )
 
 

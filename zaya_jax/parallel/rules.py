@@ -19,10 +19,9 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from zaya_jax.config import ConfigError, LoraConfig, MeshConfig, ModelConfig
-from zaya_jax.model.adapters import boxed_with_adapters
+from zaya_jax.config import ConfigError, MeshConfig, ModelConfig
+from zaya_jax.lora.plan import EVERY_PARAMETER, ParameterPlan
 from zaya_jax.model.axes import AXES, BATCH_AXES
-from zaya_jax.model.transformer import boxed_abstract_variables
 
 if TYPE_CHECKING:
     import optax
@@ -67,14 +66,14 @@ def variable_shardings(
     model_cfg: ModelConfig,
     mesh: Mesh,
     rules: Sequence[tuple[str, Any]],
-    lora: LoraConfig | None = None,
+    parameters: ParameterPlan | None = None,
 ) -> dict[str, Any]:
     """NamedShardings of the model's ``{"params", "balancing"}`` from their logical axis names, with
-    ``lora``'s adapters (each factor split like its weight).
+    the adapters the parameter plan adds (each factor split like its weight).
 
     An axis whose size the mesh axes do not divide stays replicated rather than failing.
     """
-    boxed = boxed_with_adapters(boxed_abstract_variables(model_cfg), lora or LoraConfig())
+    boxed = (parameters or EVERY_PARAMETER).boxed(model_cfg)
 
     def sharding(leaf: nn.LogicallyPartitioned | jax.ShapeDtypeStruct) -> NamedSharding:
         if isinstance(leaf, nn.LogicallyPartitioned):

@@ -26,13 +26,12 @@ import optax
 from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.lora import adapted_variables
 from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
-from zaya_jax.model import Zaya, abstract_variables, init_variables
+from zaya_jax.model import Zaya, abstract_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
 from zaya_jax.programs.moe import MoeChoice, resolve_moe_impl
-from zaya_jax.programs.step import TrainState, init_train_state, make_train_step, trained_and_frozen
+from zaya_jax.programs.step import TrainState, init_train_state, make_train_step
 
 
 def fingerprint(lowered: jax.stages.Lowered) -> str:
@@ -70,14 +69,14 @@ class Programs:
     @functools.cached_property
     def tx(self) -> optax.GradientTransformation:
         shardings = self.layout.update if self.layout.update is not None else self.layout.variables["params"]
-        shardings = trained_and_frozen(shardings)[0]
-        if self.cfg.lora.enabled:  # the adapters alone, all AdamW without weight decay
-            groups = jax.tree.map(lambda _: LeafGroup("adamw", None, False), shardings)
-        else:
-            optim = self.cfg.optim
-            groups = self.groups or model_param_groups(
-                self.cfg.model, optim.router_group, optim.matrix_optimizer
-            )
+        parameters, optim = self.layout.parameters, self.cfg.optim
+        shardings = parameters.split(shardings)[0]
+        groups = parameters.optimizer_groups(
+            shardings,
+            lambda: (
+                self.groups or model_param_groups(self.cfg.model, optim.router_group, optim.matrix_optimizer)
+            ),
+        )
         return build_optimizer(
             self.cfg.optim,
             groups,
@@ -86,22 +85,16 @@ class Programs:
             newton_schulz=self.layout.kernels.newton_schulz,
         )
 
-    def _variables(self, key: jax.Array) -> dict[str, Any]:
-        """The model's fresh variables; with ``lora`` the base (matrices in ``lora.base_dtype``)
-        carrying fresh adapters (their key derived from ``key``, so the base's draw is unchanged)."""
-        variables = init_variables(self.cfg.model, key)
-        if self.cfg.lora.enabled:
-            variables = adapted_variables(variables, self.cfg.lora, jax.random.fold_in(key, 0x10A))
-        return variables
-
     def _init(self, key: jax.Array) -> TrainState:
-        return init_train_state(self._variables(key), self.tx)
+        """Step 0 from the parameter plan's fresh variables (with a frozen base, fresh adapters on it)."""
+        parameters = self.layout.parameters
+        return init_train_state(parameters.fresh_variables(self.cfg.model, key), self.tx, parameters)
 
     @functools.cached_property
     def _shapes(self) -> TrainState:
         """The train state's shapes and dtypes: the model's variables' shapes (traced once per model
         config, :func:`~zaya_jax.model.abstract_variables`) through the optimizer's init."""
-        if self.cfg.lora.enabled:
+        if self.layout.parameters.frozen_base:  # the adapters' shapes: from their initialisation
             return jax.eval_shape(self._init, jax.random.key(0))
         variables = abstract_variables(self.cfg.model)
         return jax.eval_shape(lambda v: init_train_state(v, self.tx), variables)
@@ -138,6 +131,7 @@ class Programs:
                 self.tx,
                 set_lr_scale,
                 update_shardings=layout.update,
+                parameters=layout.parameters,
                 objective=self.bound,
                 **layout.step_hooks,
             ),

@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import optax
 
 from zaya_jax.config import Config
-from zaya_jax.lora import b_grad_norms
+from zaya_jax.lora.plan import B_GRAD_NORMS, EVERY_PARAMETER, ParameterPlan
 from zaya_jax.loss import Batch, Objective, under_axis_rules
 from zaya_jax.model import BALANCING, Zaya
-from zaya_jax.model.adapters import has_adapters, join, split
 from zaya_jax.model.balancing import ControllerState, init_controller, probability_spread, update_biases
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.optim import current_learning_rates
@@ -39,24 +38,16 @@ class TrainState:
     controller: ControllerState
 
 
-def trained_and_frozen(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(what trains, what is frozen): with low-rank adapters in ``params`` the adapters' factors and
-    the rest (:func:`zaya_jax.model.adapters.split`), else every parameter and nothing."""
-    return split(params) if has_adapters(params) else (params, {})
-
-
-def _whole(trained: dict[str, Any], frozen: dict[str, Any]) -> dict[str, Any]:
-    return join(trained, frozen) if frozen else trained
-
-
-def init_train_state(variables: dict[str, Any], tx: optax.GradientTransformation) -> TrainState:
-    """Step 0: fresh optimizer state (for the adapters only when the parameters carry them: the
-    frozen base has none); the controller starts from the variables' balancing biases."""
+def init_train_state(
+    variables: dict[str, Any], tx: optax.GradientTransformation, parameters: ParameterPlan = EVERY_PARAMETER
+) -> TrainState:
+    """Step 0: fresh optimizer state for what trains (``parameters``: a frozen base has none); the
+    controller starts from the variables' balancing biases."""
     biases = variables[BALANCING]["layers"]["router"]["biases"]
     return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=variables["params"],
-        opt_state=tx.init(trained_and_frozen(variables["params"])[0]),
+        opt_state=tx.init(parameters.split(variables["params"])[0]),
         balancing=variables[BALANCING],
         controller=init_controller(biases),
     )
@@ -69,6 +60,7 @@ def make_train_step(
     hooks: ModelHooks = SINGLE_DEVICE,
     axis_rules: tuple[jax.sharding.Mesh, Sequence[tuple[str, Any]]] | None = None,
     update_shardings: dict[str, Any] | None = None,
+    parameters: ParameterPlan = EVERY_PARAMETER,
     *,
     objective: Objective,
 ) -> Callable[[TrainState, Batch, jax.Array], tuple[TrainState, dict[str, jax.Array]]]:
@@ -79,11 +71,14 @@ def make_train_step(
     (``Layout.hooks``); ``axis_rules``: (mesh, logical-axis rules) for the
     activations' sharding constraints (``Layout.step_hooks``); ``update_shardings``: ZeRO-1's
     per-parameter shares (``Layout.update``), which the gradients and the update are constrained
-    to (XLA then reduce-scatters the gradients and all-gathers the new parameters)."""
+    to (XLA then reduce-scatters the gradients and all-gathers the new parameters); ``parameters``:
+    what trains (the gradient and the update are of that part only; the frozen rest passes through)."""
     model = Zaya(cfg.model, hooks)
     micro = cfg.train.micro_batches
     grad_fn = jax.grad(  # with respect to what trains only: no gradient of a frozen base is computed
-        lambda trained, frozen, b, batch: objective.loss_and_stats(model, _whole(trained, frozen), b, batch),
+        lambda trained, frozen, b, batch: objective.loss_and_stats(
+            model, parameters.join(trained, frozen), b, batch
+        ),
         has_aux=True,
     )
 
@@ -92,14 +87,14 @@ def make_train_step(
     ) -> tuple[TrainState, dict[str, jax.Array]]:
         """With ``loss_limit`` (a float32 scalar; ``inf`` for none) the step keeps the previous
         state on a bad step (:func:`_guarded`)."""
-        trained, frozen = trained_and_frozen(state.params)
+        trained, frozen = parameters.split(state.params)
         grads, stats = _accumulated_grads(grad_fn, (trained, frozen, state.balancing), batch, micro)
         weight = jnp.maximum(stats["weight"], 1.0)
         grads = jax.tree.map(lambda g: g / weight, grads)
         grad_norm = optax.tree.norm(grads)
         opt_state = set_lr_scale(state.opt_state, lr_scale)
         if update_shardings is not None:  # ZeRO-1: reduce-scatter the gradients, update each share
-            shares = trained_and_frozen(update_shardings)[0]
+            shares = parameters.split(update_shardings)[0]
             grads = jax.lax.with_sharding_constraint(grads, shares)
             trained = jax.lax.with_sharding_constraint(trained, shares)
         updates, opt_state = tx.update(grads, opt_state, trained)
@@ -117,12 +112,13 @@ def make_train_step(
         load = stats["load"] / jnp.maximum(stats["load"].sum(-1, keepdims=True), 1.0)  # (layers, E+1)
         metrics = _step_metrics(stats, load, weight, grad_norm, biases, spread)
         metrics["routing"] = _routing_health(cfg, stats, load, biases, state.controller.base)
-        if frozen:  # the inert-adapter guard's input (zaya_jax.train.steps, at the first step)
-            metrics["lora_b_grad_norm"] = b_grad_norms(grads)
+        if parameters.guards_inert_adapters:  # the guard's input (zaya_jax.train.steps, first step)
+            metrics[B_GRAD_NORMS] = parameters.b_grad_norms(grads)
         new_state = TrainState(state.step + 1, trained, opt_state, balancing, controller)
         if loss_limit is not None:
-            new_state = _guarded(cfg, objective, state, new_state, metrics, grad_norm, loss_limit)
-        new_state = new_state.replace(params=_whole(new_state.params, frozen))
+            old = state.replace(params=parameters.split(state.params)[0])  # the frozen base: as it is
+            new_state = _guarded(cfg, objective, old, new_state, metrics, grad_norm, loss_limit)
+        new_state = new_state.replace(params=parameters.join(new_state.params, frozen))
         rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
         metrics["lr"], metrics["muon_lr"] = rates["adam_lr"], rates["muon_lr"]
         return new_state, metrics
@@ -139,8 +135,8 @@ def _guarded(
     grad_norm: jax.Array,
     loss_limit: jax.Array,
 ) -> TrainState:
-    """``new_state``, or the previous parameters, optimizer and balancing state (the step counted)
-    when the loss or gradient norm is not finite or the loss exceeds ``loss_limit`` (metrics
+    """``new_state``, or ``state`` (the previous trained parameters, optimizer and balancing state;
+    the step counted) when the loss or gradient norm is not finite or the loss exceeds ``loss_limit`` (metrics
     ``skipped``, ``nonfinite``), when a metric passes its objective's bound (``bound_rejected``),
     and with ``resilience.on_routing_alarm: skip`` when its routing is past a limit
     (``routing_rejected``)."""
@@ -154,8 +150,7 @@ def _guarded(
         healthy = within_limits(cfg, metrics["routing"])
         accept = accept & healthy
         metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
-    old = state.replace(params=trained_and_frozen(state.params)[0])  # the frozen base: as it is
-    kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, old)
+    kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
     metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
     return kept.replace(step=state.step + 1)

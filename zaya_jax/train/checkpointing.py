@@ -18,6 +18,7 @@ from typing import Any
 
 from zaya_jax import checkpoint
 from zaya_jax.config import Config
+from zaya_jax.lora.plan import ParameterPlan
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog
 from zaya_jax.train.record import StepRecord
@@ -29,8 +30,8 @@ Restored = tuple[TrainState, list[dict[str, Any]], int]  # state, data states of
 class Checkpointing:
     """One run's checkpoints (``<run>/checkpoints/<step>/``, :class:`zaya_jax.checkpoint.TrainingSaver`)."""
 
-    def __init__(self, cfg: Config, run: RunDir, watchdog: Watchdog):
-        self.cfg, self.run, self.watchdog = cfg, run, watchdog
+    def __init__(self, cfg: Config, run: RunDir, watchdog: Watchdog, parameters: ParameterPlan):
+        self.cfg, self.run, self.watchdog, self.parameters = cfg, run, watchdog, parameters
         ckpt = cfg.checkpoint
         self.saver = checkpoint.TrainingSaver(
             run.checkpoints,
@@ -38,6 +39,7 @@ class Checkpointing:
             keep=ckpt.keep,
             keep_every=ckpt.keep_every,
             keep_best=ckpt.keep_best,
+            parameters=parameters,
         )
         self.saved_step = 0  # the last step saved (or restored: it is on disk already)
         self.clock: Callable[[], float] = time.monotonic  # of checkpoint.every_minutes
@@ -48,7 +50,7 @@ class Checkpointing:
         ``checkpoint_unreadable`` event details of the ones moved to quarantine on the way)."""
         self.saver.finish()
         restored, unreadable = checkpoint.restore_training(
-            self.run.checkpoints, like, verify_arrays=self.cfg.checkpoint.verify
+            self.run.checkpoints, like, verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters
         )
         self.saver.reload()  # quarantined step numbers are free again
         if restored is not None:

@@ -17,8 +17,7 @@ import jax
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError, ModelConfig
-from zaya_jax.lora import arranged
-from zaya_jax.model.adapters import adapter_part
+from zaya_jax.lora.plan import EVERY_PARAMETER, ParameterPlan
 from zaya_jax.model.balancing import init_controller
 from zaya_jax.pretrained import load_model, read_model
 
@@ -77,16 +76,19 @@ def _place(source: Any, like: Any) -> Any:
     return jax.tree.map(place, source, like)
 
 
-def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, dict[str, Any]]:
+def initialize_from(
+    path: str | Path, state: TrainState, parameters: ParameterPlan = EVERY_PARAMETER
+) -> tuple[TrainState, dict[str, Any]]:
     """``state`` (a fresh TrainState) with the parameters and balancing biases of ``path``; returns
-    it and a description of the source for the run's ``init_from`` event. A LoRA run's state keeps
-    its fresh adapters and takes the source as its base (in the state's dtypes, ``lora.base_dtype``);
-    a source with adapters of the run's rank, targets and scale (a PEFT directory, a LoRA run) gives
-    its base and continues its adapters, one with others is merged into the base
-    (:func:`zaya_jax.lora.arranged`). A run without adapters starts from such a source merged."""
+    it and a description of the source for the run's ``init_from`` event. With a frozen base
+    (``parameters``) the state keeps its fresh adapters and takes the source as its base (in the
+    state's dtypes, the base dtype); a source with adapters of the run's rank, targets and scale (a
+    PEFT directory, a LoRA run) gives its base and continues its adapters, one with others is merged
+    into the base (:meth:`~zaya_jax.lora.plan.ParameterPlan.arranged`). A run that trains every
+    parameter starts from such a source merged."""
     path = Path(path)
     variables, described = _load_source(path)
-    params = arranged(variables["params"], adapter_part(state.params))
+    params = parameters.arranged(variables["params"], state.params)
     target = {"params": state.params, "balancing": state.balancing}
     source = {"params": params, "balancing": variables["balancing"]}
     check_fits(source, target, str(path))
@@ -100,8 +102,10 @@ def initialize_from(path: str | Path, state: TrainState) -> tuple[TrainState, di
     return state, described
 
 
-def starting_weights(cfg: Config, fresh: TrainState) -> TrainState:
+def starting_weights(
+    cfg: Config, fresh: TrainState, parameters: ParameterPlan = EVERY_PARAMETER
+) -> TrainState:
     """The weights a run of ``cfg`` started from: ``train.init_from``'s placed into ``fresh`` (the
     initialisation of ``train.seed``), or ``fresh`` itself. A resumed run recomputing lost reference
     scores and ``zaya eval RUN --data PAIRS`` take them from here."""
-    return initialize_from(cfg.train.init_from, fresh)[0] if cfg.train.init_from else fresh
+    return initialize_from(cfg.train.init_from, fresh, parameters)[0] if cfg.train.init_from else fresh

@@ -26,6 +26,7 @@ import jax
 from zaya_jax.allocator import is_command, slow_path_warning
 from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
+from zaya_jax.lora.plan import ParameterPlan
 from zaya_jax.objectives import Evaluator, Producer, RunSetup, build_programs, spec_for
 from zaya_jax.parallel import make_layout
 from zaya_jax.parallel.distributed import Launch, setup_runtime
@@ -134,10 +135,10 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
             final_batch_size(cfg), cfg.train.max_seq_len
         )  # the run's largest step fits, or stop
         watchdog.beat(0, "restore" if resuming else "init")
-        checkpoints = Checkpointing(cfg, run, watchdog)
+        checkpoints = Checkpointing(cfg, run, watchdog, programs.layout.parameters)
         cleanup.callback(checkpoints.close)
         fresh = programs.init_state()
-        resumed = _resume(cfg, run, resuming, fresh, checkpoints)
+        resumed = _resume(cfg, run, resuming, fresh, checkpoints, programs.layout.parameters)
 
         after = resumed.first_step - 1
         writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
@@ -154,7 +155,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         train_step.attach(writer.event)
         setup = RunSetup(
             cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
-            lambda: starting_weights(cfg, fresh), writer.event, watchdog.beat,
+            lambda: starting_weights(cfg, fresh, programs.layout.parameters), writer.event, watchdog.beat,
         )  # fmt: skip
         producer, held_out = _objective_parts(setup)
         if resumed.data_states is not None:
@@ -182,14 +183,20 @@ def _objective_parts(setup: RunSetup) -> tuple[Producer, Evaluator]:
 
 
 def _resume(
-    cfg: Config, run: RunDir, resuming: bool, fresh: TrainState, checkpoints: Checkpointing
+    cfg: Config,
+    run: RunDir,
+    resuming: bool,
+    fresh: TrainState,
+    checkpoints: Checkpointing,
+    parameters: ParameterPlan,
 ) -> _Resumed:
     """The latest readable checkpoint of a resumed run (with its data position), or, for a new run
-    with ``train.init_from``, existing weights; else the fresh state. A LoRA run's checkpoints hold
-    its adapters only: its base is loaded first, and checked against theirs."""
+    with ``train.init_from``, existing weights; else the fresh state. With a frozen base
+    (``parameters``) the checkpoints hold what trains only: the base is loaded first, and checked
+    against theirs."""
     based = None
-    if resuming and cfg.lora.enabled:
-        based = initialize_from(cfg.train.init_from, fresh)
+    if resuming and parameters.frozen_base:
+        based = initialize_from(cfg.train.init_from, fresh, parameters)
         fresh = based[0]
     restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
     if restored is not None:
@@ -198,7 +205,7 @@ def _resume(
             run.truncate_metrics(restored_step)  # before the writer opens the file
         return _Resumed(state, restored_step + 1, unreadable, None, data_states)
     if cfg.train.init_from:
-        state, initialized = based or initialize_from(cfg.train.init_from, fresh)
+        state, initialized = based or initialize_from(cfg.train.init_from, fresh, parameters)
         return _Resumed(state, 1, unreadable, initialized)
     return _Resumed(fresh, 1, unreadable, None)
 

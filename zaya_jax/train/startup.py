@@ -58,25 +58,16 @@ def start_event(
             f"zaya train: {writer.run_dir} ({origin})\n"
             f"zaya train: {_count(counts['total_params'])} parameters ({_count(counts['active_params'])} active), "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}"
-            + _lora_line(cfg, counts),
+            + _plan_line(layout, cfg, counts),
             file=sys.stderr,
             flush=True,
         )
 
 
-def _lora_line(cfg: Config, counts: dict[str, int]) -> str:
-    """A LoRA run's line: what trains, and how the base is held."""
-    lora = cfg.lora
-    if not lora.enabled:
-        return ""
-    from zaya_jax.lora import adapter_count
-
-    trained = adapter_count(cfg.model, lora)
-    return (
-        f"\nzaya train: LoRA rank {lora.rank} (scale {lora.scale:g}) on {', '.join(lora.targets)}: "
-        f"{_count(trained)} trained parameters ({100 * trained / counts['total_params']:.2f}% of the model), "
-        f"the base frozen in {lora.base_dtype}"
-    )
+def _plan_line(layout: Layout, cfg: Config, counts: dict[str, int]) -> str:
+    """What trains, when it is not every parameter (the parameter plan's line)."""
+    line = layout.parameters.describe(cfg.model, counts["total_params"])
+    return f"\nzaya train: {line}" if line else ""
 
 
 def _count(n: int) -> str:

@@ -9,11 +9,9 @@ import dataclasses
 import time
 from typing import Any
 
-import numpy as np
-
-from zaya_jax.config import Config, ConfigError
+from zaya_jax.config import Config
 from zaya_jax.data import Prefetcher
-from zaya_jax.lora import adapter_names
+from zaya_jax.lora.plan import B_GRAD_NORMS
 from zaya_jax.objectives import HostBatch, Producer, StepPlan
 from zaya_jax.optim import batch_lr_scale
 from zaya_jax.parallel import put_batch
@@ -97,7 +95,8 @@ class TrainingSteps:
         self.guard = LossGuard(cfg.resilience, lag=int(cfg.train.dispatch_ahead))
         self.routing = RoutingMonitor(cfg)
         self.counts = {"skipped_steps": 0, "rollbacks": 0}
-        self.adapters_checked = not cfg.lora.enabled  # the inert-adapter guard, once per process
+        self.parameters = run.programs.layout.parameters
+        self.adapters_checked = not self.parameters.guards_inert_adapters  # once per process
 
     def must_finish(self, step: int) -> bool:
         """The last step, every step of an on-policy producer, a step whose state is read."""
@@ -163,7 +162,7 @@ class TrainingSteps:
         alarm (told to the user through the writer) may change the decision."""
         cfg, rollbacks = self.run.cfg, self.counts["rollbacks"]
         if not self.adapters_checked:
-            self.adapters_checked = refuse_inert_adapters(cfg, done.metrics["lora_b_grad_norm"], done.step)
+            self.adapters_checked = self.parameters.refuse_inert(done.metrics[B_GRAD_NORMS], done.step)
         outcome = Outcome.of(done.step, done.metrics, done.limit, self.run.programs.bound.bounds)
         decision = decide(outcome, cfg.resilience, rollbacks)
         alarm = (
@@ -233,25 +232,6 @@ class TrainingSteps:
         notify(r.hooks, record)
         r.writer.advance()
         return record
-
-
-def refuse_inert_adapters(cfg: Config, b_grad_norms: Any, step: int) -> bool:
-    """At the first step with any gradient (a GRPO step whose groups all tie has none) every
-    adapter's ``B`` has a nonzero gradient, or the run stops naming the ones without: they would
-    never train (unslothai/unsloth-zoo#1242 attached expert adapters that received none). Returns
-    whether the check was made."""
-    norms = np.asarray(b_grad_norms)
-    if not np.any(norms > 0):
-        return False
-    inert = [name for name, norm in zip(adapter_names(cfg.lora), norms, strict=True) if not norm > 0]
-    if inert:
-        raise ConfigError(
-            f"the LoRA adapters of {', '.join(inert)} received no gradient at step {step}, so they would never "
-            "train: the frozen base gives them none (a base whose CCA temperature is 0, a freshly "
-            "initialised one, attends uniformly, and q_proj/k_proj then have no gradient) or no token "
-            "reaches them. Start from trained weights (train.init_from) or drop their role from "
-            f"lora.targets={list(cfg.lora.targets)}"
-        )
 
 
 def rollback(

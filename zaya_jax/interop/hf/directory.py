@@ -20,7 +20,7 @@ from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config, t
 from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
 from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
-from zaya_jax.model.adapters import has_adapters
+from zaya_jax.model.lowrank import has_adapters
 
 
 def is_hf_directory(path: str | Path) -> bool:

@@ -21,9 +21,7 @@ A directory holds ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alp
   ``mlp.experts.base_layer.lora_{A,B}.weight``; down_proj's under ``mlp.experts.lora_{A,B}.weight``.
 
 Embedding adapters are refused (PEFT's embedding LoRA and the tied head are not mapped yet).
-This module stays in ``interop``, which may not import ``lora`` (the same layer): it takes any
-object with ``rank``, ``alpha``, ``rslora`` and ``targets`` and gives back those fields as a dict,
-``LoraConfig(**settings)``.
+:func:`peft_params` puts a directory's adapters on a base model's parameters.
 """
 
 from __future__ import annotations
@@ -31,15 +29,17 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 from safetensors.numpy import save_file
 
-from zaya_jax.config import ModelConfig
+from zaya_jax.config import LoraConfig, ModelConfig
 from zaya_jax.files import read_json, write_atomic
 from zaya_jax.interop.safetensors_io import read_safetensors
+from zaya_jax.lora.adapters import attach
 from zaya_jax.model import abstract_variables
+from zaya_jax.model.lowrank import base_part
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -63,13 +63,6 @@ _ROLE_PATHS = {"attention": tuple(ATTENTION), "experts": tuple(EXPERTS)}
 
 class PeftError(ValueError):
     """An adapter that PEFT's format cannot hold, or a PEFT directory that does not fit the model."""
-
-
-class LoraSettings(Protocol):
-    rank: int
-    alpha: float
-    rslora: bool
-    targets: tuple[str, ...]
 
 
 def _expert_prefix(path: str) -> str:
@@ -125,7 +118,7 @@ def save_peft_adapter(
     directory: str | Path,
     model_cfg: ModelConfig,
     adapters: Mapping[str, Mapping[str, Any]],
-    lora: LoraSettings,
+    lora: LoraConfig,
     base_model: str | None = None,
 ) -> Path:
     """Write ``adapters`` (path -> {"a": (L, [E,] in, r), "b": (L, [E,] r, out)}) of ``lora`` as a
@@ -260,3 +253,10 @@ def load_peft_adapter(
         "targets": tuple(targets),
     }
     return adapters, settings
+
+
+def peft_params(directory: str | Path, base: Mapping[str, Any], model_cfg: ModelConfig) -> dict[str, Any]:
+    """A PEFT adapter directory's adapters on the parameters of its base model (``base``, without
+    adapters of its own): the adapted model's parameters."""
+    adapters, settings = load_peft_adapter(directory, model_cfg)
+    return attach(base_part(base), adapters, LoraConfig(**settings))

@@ -15,19 +15,18 @@ A weight ``W`` of shape ``(*lead, in, out)`` (``lead``: the layer axis, and the 
 expert of each layer has its own pair. The fold is summed in float32 (rounded into a bfloat16
 base's dtype) and rematerialised (``jax.checkpoint``): the backward pass recomputes the adapted weight from ``W``, ``A`` and ``B``
 rather than keeping a second copy of every adapted weight. Which weights a role adapts is
-:data:`ROLE_PATHS`; the roles and the refused ones are :mod:`zaya_jax.config.lora`'s.
+:data:`ROLE_PATHS`; the roles and the refused ones are :mod:`zaya_jax.config.lora`'s, and a
+run's adapters are made and planned in :mod:`zaya_jax.lora`. Nothing here reads a config.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-
-from zaya_jax.config import LoraConfig
 
 ADAPTER = "lora"  # the key of a scope's adapter subtree
 FACTORS = ("a", "b")
@@ -43,11 +42,6 @@ ROLE_PATHS: dict[str, tuple[str, ...]] = {
 }
 
 Params = Mapping[str, Any]
-
-
-def adapted_paths(lora: LoraConfig) -> list[str]:
-    """The weights ``lora``'s targets adapt, in target order."""
-    return [path for role in lora.targets for path in ROLE_PATHS[role]]
 
 
 def location(path: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -164,81 +158,6 @@ def base_part(params: Params) -> dict[str, Any]:
     if isinstance(layers, Mapping) and ADAPTER in layers:
         out[SCANNED] = {k: v for k, v in layers.items() if k != ADAPTER}
     return out
-
-
-def _get(tree: Params, keys: tuple[str, ...]) -> Any:
-    node: Any = tree
-    for key in keys:
-        node = node[key]
-    return node
-
-
-def _set(tree: dict[str, Any], keys: tuple[str, ...], value: Any) -> None:
-    for key in keys[:-1]:
-        tree = tree.setdefault(key, {})
-    tree[keys[-1]] = value
-
-
-def with_adapters(
-    params: Params, lora: LoraConfig, leaf: Callable[[str, Any, str], Any], scale: Callable[[Any, float], Any]
-) -> dict[str, Any]:
-    """``params`` with a ``lora`` subtree in each scope that ``lora`` adapts: ``leaf(path, weight,
-    "a" or "b")`` makes each factor, ``scale(layers or None, s)`` the scope's scale (``layers``: the
-    stack's length for the scanned scope)."""
-    out = {k: (dict(v) if k == SCANNED else v) for k, v in params.items()}
-    for path in adapted_paths(lora):
-        scope, inner = location(path)
-        try:
-            weight = _get(params, tuple(path.split("/")))
-        except (KeyError, TypeError):
-            raise ValueError(f"lora.targets: the model has no {path}") from None
-        home = out[scope[0]] if scope else out
-        adapters = home.setdefault(ADAPTER, {})
-        for which in FACTORS:
-            _set(adapters, (*inner, which), leaf(path, weight, which))
-        if "scale" not in adapters:
-            layers = _shape(weight)[0] if scope else None
-            adapters["scale"] = scale(layers, lora.scale)
-    return out
-
-
-def _shape(leaf: Any) -> tuple[int, ...]:
-    value = getattr(leaf, "value", leaf)  # a LogicallyPartitioned box or an array
-    return tuple(value.shape)
-
-
-def factor_shape(weight_shape: tuple[int, ...], which: str, rank: int) -> tuple[int, ...]:
-    *lead, fan_in, fan_out = weight_shape
-    return (*lead, fan_in, rank) if which == "a" else (*lead, rank, fan_out)
-
-
-def factor_axes(weight_axes: tuple[str | None, ...], which: str) -> tuple[str | None, ...]:
-    """Logical axes of a factor: ``A`` is split like the weight's input, ``B`` like its output, and
-    both like its stack axes (layers, experts); the rank axis is never split."""
-    *lead, fan_in, fan_out = weight_axes
-    return (*lead, fan_in, None) if which == "a" else (*lead, None, fan_out)
-
-
-def boxed_with_adapters(boxed: Mapping[str, Any], lora: LoraConfig) -> Mapping[str, Any]:
-    """Boxed abstract variables (``nn.LogicallyPartitioned`` leaves, as
-    :func:`~zaya_jax.model.transformer.boxed_abstract_variables` gives them) with ``lora``'s
-    adapters added, each factor named by :func:`factor_axes` so that it is sharded with its weight
-    (an expert's pair with its expert); ``boxed`` itself without adapters."""
-    if not lora.enabled:
-        return boxed
-
-    def leaf(path: str, weight: nn.LogicallyPartitioned, which: str) -> nn.LogicallyPartitioned:
-        shape = factor_shape(tuple(weight.value.shape), which, lora.rank)
-        return nn.LogicallyPartitioned(
-            jax.ShapeDtypeStruct(shape, jnp.float32), factor_axes(weight.names, which)
-        )
-
-    def scale(layers: int | None, _: float) -> Any:
-        if layers is None:
-            return jax.ShapeDtypeStruct((), jnp.float32)
-        return nn.LogicallyPartitioned(jax.ShapeDtypeStruct((layers,), jnp.float32), ("layers",))
-
-    return {**boxed, "params": with_adapters(boxed["params"], lora, leaf, scale)}
 
 
 def split(params: Params) -> tuple[dict[str, Any], dict[str, Any]]:
