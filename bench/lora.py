@@ -1,5 +1,5 @@
 """LoRA against full fine-tuning on ``tiny``'s built-in reverse task, from the same base, with the
-README's commands: the SFT curves (greedy exact match on held-out prompts at every saved step),
+LoRA guide's commands (docs/lora.md): the SFT curves (greedy exact match on held-out prompts at every saved step),
 DPO's held-out pair accuracy with adapters, and, measured side by side in this process, the train
 step's time and the optimizer state's size with and without adapters.
 

@@ -1,5 +1,5 @@
 """Post-training ``tiny`` on the built-in reverse task, SFT -> DPO -> GRPO, with the commands the
-README's "Post-training" section gives, and the curves each stage is judged by.
+post-training guide (docs/post-training.md) gives, and the curves each stage is judged by.
 
 1. SFT (``zaya train sft``, 300 steps of 16 x 128 on 4,000 conversations): greedy exact match on
    held-out prompts (words of another seed, none of them in the training set) at every saved step.

@@ -9,7 +9,7 @@ allocator option, and an allocator cannot be swapped once a process runs, so the
 re-executes itself once with an allocator in ``LD_PRELOAD`` (the same process id: Slurm,
 Kubernetes and ``zaya supervise`` see no difference) before it imports JAX.
 
-Which one (``bench/allocators.py``, ``bench/RESULTS.md``): mimalloc, from the ``cmeel-mimalloc``
+Which one (``bench/train_vs_hf.py --allocators``, ``bench/RESULTS.md``): mimalloc, from the ``cmeel-mimalloc``
 wheel that ``pip install`` brings on Linux x86-64 and aarch64, with ``MIMALLOC_PURGE_DELAY=-1``: it
 then keeps freed memory mapped for reuse, and a step faults nothing in afresh (and
 ``MIMALLOC_ALLOW_THP=0``, see :data:`OPTIONS`). With its default
