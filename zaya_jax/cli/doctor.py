@@ -14,6 +14,7 @@ import jax
 
 from zaya_jax import allocator, ops
 from zaya_jax.ops._registry import LIB_DIR
+from zaya_jax.ops.kernel_plan import device_platform
 
 _LATENCY_HIDING = (
     "schedules collectives (FSDP all-gathers, gradient reduce-scatters, the expert exchange) to "
@@ -87,19 +88,6 @@ def kernel_plans() -> dict[str, dict[str, str] | str]:
         except ConfigError as err:
             plans[setting] = f"refused: {err}"
     return plans
-
-
-def device_platform() -> str:
-    """``rocm``, ``cuda`` or ``cpu``: the platform of the default devices (ROCm told apart from CUDA
-    by the client's platform version, as both report ``gpu`` on some jaxlib versions)."""
-    if jax.default_backend() == "cpu":
-        return "cpu"
-    device = jax.devices()[0]
-    try:
-        version = str(device.client.platform_version).lower()
-    except AttributeError:
-        version = ""
-    return "rocm" if "rocm" in version else device.platform
 
 
 def platform_report(xla_flags: str | None = None) -> dict[str, Any]:

@@ -144,7 +144,7 @@ def _doctor_moe(args: argparse.Namespace) -> int:
     """``zaya doctor --moe``: measure (never from the cache) and cache moe_impl auto's choice."""
     import jax
 
-    from zaya_jax.cli.doctor import device_platform
+    from zaya_jax.ops.kernel_plan import device_platform
     from zaya_jax.parallel import make_layout
     from zaya_jax.programs.moe import cache_path, measure, resolve_moe_impl, tokens_per_device
 

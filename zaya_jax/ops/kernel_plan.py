@@ -91,13 +91,26 @@ def reference_plan(model: ModelConfig | None = None, platform: str = "cpu") -> K
     return KernelPlan(platform=platform, attention=attention)
 
 
+def device_platform(device: jax.Device | None = None) -> str:
+    """``rocm``, ``cuda`` or ``cpu``: the platform of ``device`` (default: the first default
+    device), ROCm told apart from CUDA by the client's platform version, as both report ``gpu`` on
+    some jaxlib versions (the kernel libraries are registered per ``rocm`` / ``cuda``)."""
+    device = device if device is not None else jax.devices()[0]
+    if device.platform != "gpu":
+        return device.platform
+    try:
+        version = str(device.client.platform_version).lower()
+    except AttributeError:
+        version = ""
+    return "rocm" if "rocm" in version else "cuda"
+
+
 def program_platform(devices: list[jax.Device] | None = None) -> str:
     """The platform a program is built for: the planned target inside
     :func:`~zaya_jax.ops.platform.planning_for` (``gpu`` when it is not the backend's), else the
     devices' (default: the backend's)."""
-    target = planning_target()
-    backend = devices[0].platform if devices else jax.default_backend()
-    if target == "gpu" and backend == "cpu":
+    backend = device_platform(devices[0] if devices else None)
+    if planning_target() == "gpu" and backend == "cpu":
         return "gpu"
     return backend
 
@@ -135,7 +148,7 @@ def resolve_kernel_plan(
     process runs (a GPU program planned on a CPU takes XLA's ops instead), and for the GPU's fused
     Newton-Schulz asked for the Gram formulation it does not run."""
     platform = platform or program_platform()
-    runs_here = platform == jax.default_backend()
+    runs_here = platform == device_platform()
     cpu = platform == "cpu"
 
     def choose(op: str, applies: bool = True, default: bool = True, setting: str = "model.kernels") -> Impl:
