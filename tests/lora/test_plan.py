@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.fixtures import MINI
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.lora.plan import EVERY_PARAMETER, parameter_plan
 from zaya_jax.model.lowrank import has_adapters
@@ -19,16 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "zaya_jax"
 # Where the lora settings may be named: the section itself and the package that owns adapters (the
 # parameter plan included).
 OWNERS = ("config", "lora")
-SMALL = [
-    "model.hidden_size=32",
-    "model.num_layers=2",
-    "model.num_heads=2",
-    "model.num_kv_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=2",
-    "model.moe_intermediate_size=32",
-    "model.router_hidden_size=8",
-]
+SMALL = [o for o in MINI if o.startswith("model.")]  # the miniature model alone
 # A LoRA run needs its base (train.init_from; only named here) and no balancing of a frozen router.
 ADAPTED = [*SMALL, "train.init_from=BASE", "balancing.enabled=false"]
 
