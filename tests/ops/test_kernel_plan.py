@@ -1,10 +1,10 @@
 """The kernel plan (``zaya_jax.ops.kernel_plan``): what each ``kernels`` setting runs on this CPU,
-that ``reference`` programs contain no custom call and ``auto`` ones the CPU kernels, that the plan
-reaches the run's start event, and the refusals that name what to change."""
+that ``reference`` programs contain no custom call and ``auto`` ones the CPU kernels, and the
+refusals that name what to change. That a run records its plan in the start event:
+``tests/train/test_loop.py``."""
 
 from __future__ import annotations
 
-import json
 import re
 import warnings
 
@@ -117,14 +117,3 @@ def test_how_the_model_is_computed_is_not_its_architecture():
     base = _cfg().model
     assert _cfg("model.kernels=reference", "model.remat=full").model.architecture() == base.architecture()
     assert _cfg("model.hidden_size=64").model.architecture() != base.architecture()
-
-
-def test_the_start_event_records_the_plan(tmp_path):
-    from zaya_jax.cli import main
-
-    run = tmp_path / "run"
-    args = [*SMALL, "train.steps=1", "model.kernels=reference", "optim.kernels=reference"]
-    assert main(["train", *args, f"run.dir={run}", "--no-progress"]) == 0
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    start = next(e for e in events if e["event"] == "start")
-    assert start["detail"]["kernels"] == KernelPlan().describe()

@@ -15,6 +15,7 @@ from zaya_jax.allocator import slow_path_warning
 from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, config_from_dict, load_config
 from zaya_jax.objectives.lm import plan_for
+from zaya_jax.ops.kernel_plan import resolve_kernel_plan
 from zaya_jax.train.loop import train
 
 
@@ -60,6 +61,8 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys, monkeypatch):
 
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "compiled", "end"]
+    # the kernel plan the run resolved is recorded (tests/ops/test_kernel_plan.py: what each setting runs)
+    assert events[0]["detail"]["kernels"] == resolve_kernel_plan(cfg.model, cfg.optim.kernels).describe()
     compiled = events[1]["detail"]
     assert compiled["program"] == "train_step" and compiled["batch"] == [2, 32]
     assert len(compiled["fingerprint"]) == 16  # the plan's train_step_fingerprint (tests/train/test_plan.py)
