@@ -36,6 +36,7 @@ from zaya_jax.lora.adapters import (
     boxed_with_adapters,
 )
 from zaya_jax.lora.peft import save_peft_adapter
+from zaya_jax.model.counts import short_count
 from zaya_jax.model.lowrank import adapter_part, base_part, join, split, switched_off
 from zaya_jax.model.transformer import boxed_abstract_variables, init_variables
 from zaya_jax.optim.groups import LeafGroup
@@ -180,7 +181,7 @@ class ParameterPlan:
         low_rank, trained = self.low_rank, self.trained_count(model)
         return (
             f"LoRA rank {low_rank.rank} (scale {low_rank.scale:g}) on {', '.join(low_rank.targets)}: "
-            f"{_count(trained)} trained parameters ({100 * trained / total:.2f}% of the model), "
+            f"{short_count(trained)} trained parameters ({100 * trained / total:.2f}% of the model), "
             f"the base frozen in {low_rank.base_dtype}"
         )
 
@@ -204,10 +205,3 @@ def parameter_plan(cfg: Config) -> ParameterPlan:
     if not cfg.lora.enabled:
         return EVERY_PARAMETER
     return ParameterPlan(cfg.lora, cfg.train.init_from)
-
-
-def _count(n: int) -> str:
-    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)

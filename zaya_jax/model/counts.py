@@ -31,3 +31,11 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
         "non_embedding_params": non_embedding,
         "active_params": non_embedding - inactive,
     }
+
+
+def short_count(n: int) -> str:
+    """``n`` for a person: 1.9M, 673.4K, 12."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)

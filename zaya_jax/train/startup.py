@@ -34,6 +34,7 @@ def start_event(
     origin = f"resuming after step {resumed_after}" if resumed_after else "new run"
     origin = f"new run from the weights of {initialized['source']}" if initialized else origin
     from zaya_jax.model import param_counts
+    from zaya_jax.model.counts import short_count
 
     writer.event(
         "start",
@@ -56,7 +57,7 @@ def start_event(
         )
         print(
             f"zaya train: {writer.run_dir} ({origin})\n"
-            f"zaya train: {_count(counts['total_params'])} parameters ({_count(counts['active_params'])} active), "
+            f"zaya train: {short_count(counts['total_params'])} parameters ({short_count(counts['active_params'])} active), "
             f"{jax.device_count()} {jax.devices()[0].platform} device(s), mesh {mesh}"
             + _plan_line(layout, cfg, counts),
             file=sys.stderr,
@@ -68,10 +69,3 @@ def _plan_line(layout: Layout, cfg: Config, counts: dict[str, int]) -> str:
     """What trains, when it is not every parameter (the parameter plan's line)."""
     line = layout.parameters.describe(cfg.model, counts["total_params"])
     return f"\nzaya train: {line}" if line else ""
-
-
-def _count(n: int) -> str:
-    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if n >= size:
-            return f"{n / size:.1f}{unit}"
-    return str(n)
