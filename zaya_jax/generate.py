@@ -38,8 +38,9 @@ class Generation:
     stop token; ``texts`` the decoded continuations when a tokenizer was available.
 
     ``logprobs`` (batch, max_new_tokens) float32: each generated token's log-probability under the
-    model's own distribution (temperature 1, no top-k/top-p filtering: what a training forward
-    computes), 0 after the row stops.
+    distribution it was drawn from (its temperature, top-k and top-p, ids past ``vocab_limit``
+    excluded; greedy: the model's own at temperature 1): what GRPO's trainer computes for it with the
+    same ``rl.temperature``, ``rl.top_k`` and ``rl.top_p``. 0 after the row stops.
 
     With ``return_routes=True``: ``prompt_routes`` (batch, prompt width, layers) and ``routes``
     (batch, max_new_tokens, layers) int32, the class each layer's router selected for each token the
@@ -121,11 +122,15 @@ def _generate_fn(
     layers = cfg.num_layers
 
     def choose(logits, key, temperature, top_p, vocab_limit):
-        logits = jnp.where(jnp.arange(logits.shape[-1]) < vocab_limit, logits.astype(jnp.float32), -jnp.inf)
+        """(token, its log-probability under the distribution drawn from: greedy, the model's own)."""
+        raw = logits.astype(jnp.float32)
+        limited = jnp.where(jnp.arange(raw.shape[-1]) < vocab_limit, raw, -jnp.inf)
         if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        filtered = filter_logits(logits, temperature, top_k, top_p)
-        return jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+            token = jnp.argmax(limited, axis=-1).astype(jnp.int32)
+            return token, token_logprob(raw, token)
+        filtered = filter_logits(limited, temperature, top_k, top_p)
+        token = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
+        return token, token_logprob(filtered, token)
 
     def is_stop(token):
         stops = jnp.asarray(stop_tokens or (-1,), jnp.int32)
@@ -144,10 +149,9 @@ def _generate_fn(
             model, variables, ids, return_routes, token_mask=mask, positions=positions, cache=cache
         )
         key, sub = jax.random.split(key)
-        token = choose(logits[:, -1], sub, temperature, top_p, vocab_limit)
+        token, logprob = choose(logits[:, -1], sub, temperature, top_p, vocab_limit)
         out = jnp.full((batch, max_new_tokens), pad_id, jnp.int32).at[:, 0].set(token)
-        logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32)
-        logprobs = logprobs.at[:, 0].set(token_logprob(logits[:, -1], token))
+        logprobs = jnp.zeros((batch, max_new_tokens), jnp.float32).at[:, 0].set(logprob)
         routes = jnp.full((batch, max_new_tokens, layers if return_routes else 0), -1, jnp.int32)
         loop = (aux["cache"], token, positions[:, -1] + 1, is_stop(token), out, logprobs, routes)
         state = (*loop, jnp.int32(1), key)
@@ -165,8 +169,8 @@ def _generate_fn(
                 read = jnp.where(done[:, None, None], -1, read)
                 routes = jax.lax.dynamic_update_slice(routes, read, (0, step - 1, 0))
             key, sub = jax.random.split(key)
-            token = jnp.where(done, pad_id, choose(logits[:, -1], sub, temperature, top_p, vocab_limit))
-            logprob = jnp.where(done, 0.0, token_logprob(logits[:, -1], token))
+            token, logprob = choose(logits[:, -1], sub, temperature, top_p, vocab_limit)
+            token, logprob = jnp.where(done, pad_id, token), jnp.where(done, 0.0, logprob)
             out = jax.lax.dynamic_update_slice(out, token[:, None], (0, step))
             logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None], (0, step))
             done = done | is_stop(token)

@@ -5,6 +5,7 @@ order; stop ids, stop strings and token limits end rows; programs compile once p
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -158,3 +159,31 @@ def test_per_row_filters_keep_what_the_batch_filter_keeps_for_each_row():
         np.testing.assert_array_equal(np.isfinite(rows[row]), np.isfinite(alone[0]))
         finite = np.isfinite(alone[0])
         np.testing.assert_allclose(np.asarray(rows[row])[finite], np.asarray(alone[0])[finite], rtol=1e-6)
+
+
+def test_a_sampled_tokens_log_probability_is_under_the_distribution_it_was_drawn_from():
+    """A sampling row's log-probability is the token's under its temperature, top-k, top-p and the
+    vocabulary limit (what GRPO's trainer computes, rl.temperature/top_k/top_p); a greedy row's is
+    the model's own."""
+    from zaya_jax.engine.sampling import choose
+
+    rng = np.random.default_rng(6)
+    logits = jnp.asarray(rng.standard_normal((3, 50)) * 2, jnp.float32)
+    rows = {
+        "temperature": jnp.asarray([0.7, 1.3, 0.0]),
+        "top_k": jnp.asarray([0, 8, 0]),
+        "top_p": jnp.asarray([0.9, 1.0, 1.0]),
+        "seed": jnp.asarray([1, 2, 3]),
+        "stream": jnp.asarray([0, 1, 2]),
+    }
+    token, logprob = jax.jit(choose)(logits, rows, jnp.zeros(3, jnp.int32), jnp.int32(45))
+    assert int(token.max()) < 45  # never past the vocabulary limit
+    for row in range(2):
+        limited = jnp.where(jnp.arange(50) < 45, logits[row], -jnp.inf)[None]
+        temperature, top_k, top_p = (float(rows[k][row]) for k in ("temperature", "top_k", "top_p"))
+        drawn_from = jax.nn.log_softmax(filter_logits(limited, temperature, int(top_k), top_p))[0]
+        assert np.isclose(float(logprob[row]), float(drawn_from[token[row]]), atol=1e-6)
+        model_own = float(jax.nn.log_softmax(logits[row])[token[row]])
+        assert abs(float(logprob[row]) - model_own) > 0.05  # not the temperature-1 value
+    assert np.isclose(float(logprob[2]), float(jax.nn.log_softmax(logits[2])[token[2]]), atol=1e-6)
+    assert int(token[2]) == int(jnp.argmax(logits[2][:45]))

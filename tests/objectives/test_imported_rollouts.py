@@ -106,6 +106,7 @@ def _vllm_records(cfg, variables):
         max_new_tokens=6,
         temperature=1.0,
         stop_tokens=[],
+        vocab_limit=tokenizer.vocab_size,  # the records' log-probabilities: over the tokenizer's ids
         return_routes=True,
     )
     records, routes = [], []

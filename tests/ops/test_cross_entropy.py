@@ -11,6 +11,7 @@ import pytest
 
 from zaya_jax.loss import token_losses
 from zaya_jax.ops.cross_entropy import auto_chunk, chunked_cross_entropy
+from zaya_jax.ops.sampling_filter import processed_logits
 
 
 def _case(batch=2, seq=21, embed=16, vocab=50, seed=0, vocab_axis=0, bias=False):
@@ -107,3 +108,57 @@ def test_loss_temporaries_shrink_with_the_chunk():
     assert full >= logits
     assert chunked <= full / 8
     assert chunked < logits / 4
+
+
+@pytest.mark.parametrize(
+    "distribution",
+    [(0.7, 0, 1.0), (1.0, 5, 1.0), (0.7, 0, 0.9), (1.3, 8, 0.8)],
+    ids=lambda d: "-".join(map(str, d)),
+)
+def test_a_sampling_distribution_gives_the_processed_log_probabilities(distribution):
+    """With (temperature, top_k, top_p) and a vocabulary limit, ``ce`` is -log p of each target under
+    the distribution a sampler draws from (:func:`processed_logits`; the target kept), equal in
+    value and gradient to the same computed on the full logits, the filter's choice held constant."""
+    h, weight, b, _, mask = _case(vocab_axis=1, bias=True)
+    temperature, top_k, top_p = distribution
+    limit = jnp.full(mask.shape, 44, jnp.int32)  # ids 44..49: past the tokenizer's vocabulary
+    logits = h @ weight + b
+    processed = processed_logits(logits, temperature, top_k, top_p, limit)
+    # targets the sampler could draw: each row's most likely token and others it kept
+    rng = np.random.default_rng(3)
+    allowed = np.isfinite(np.asarray(processed))
+    targets = jnp.asarray([[rng.choice(np.flatnonzero(a)) for a in row] for row in allowed], jnp.int32)
+
+    def chunked(h, weight, bias, targets):
+        return chunked_cross_entropy(
+            h, weight, targets, bias=bias, vocab_axis=1, chunk=4, distribution=distribution, vocab_limit=limit
+        )
+
+    def full(h, weight, bias, targets):
+        logits = h @ weight + bias
+        keep = jax.lax.stop_gradient(jnp.isfinite(processed_logits(logits, temperature, top_k, top_p, limit)))
+        scaled = jnp.where(keep, logits / temperature, -jnp.inf)
+        return token_losses(scaled, targets)
+
+    ce, log_z = chunked(h, weight, b, targets)
+    want_ce, want_log_z = full(h, weight, b, targets)
+    np.testing.assert_allclose(ce, want_ce, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(log_z, want_log_z, rtol=1e-5, atol=1e-5)
+    if distribution != (1.0, 5, 1.0):  # a temperature: not the model's own cross-entropy
+        assert float(jnp.max(jnp.abs(ce - _full(h, weight, b, targets, 1)[0]))) > 1e-2
+    grads = jax.jit(jax.grad(_loss(chunked), argnums=(0, 1, 2)))(h, weight, b, targets, mask)
+    reference = jax.grad(_loss(full), argnums=(0, 1, 2))(h, weight, b, targets, mask)
+    for got, want in zip(grads, reference, strict=True):
+        assert float(np.max(np.abs(got - want))) <= 1e-5 * float(np.max(np.abs(want)))
+
+
+def test_a_target_the_trainer_would_filter_still_counts():
+    """A sampled token at the edge of top-p, which the trainer's float rounding could drop, is kept:
+    its log-probability is finite, the kept set's log-partition over it too."""
+    h, weight, b, targets, _ = _case(vocab_axis=1, bias=True)
+    logits = h @ weight + b
+    least = jnp.argmin(logits, axis=-1).astype(jnp.int32)  # outside any top-2
+    ce, _ = chunked_cross_entropy(h, weight, least, bias=b, vocab_axis=1, distribution=(1.0, 2, 1.0))
+    assert bool(jnp.all(jnp.isfinite(ce)))
+    with pytest.raises(ValueError, match="not one a sampler draws from"):
+        chunked_cross_entropy(h, weight, targets, bias=b, vocab_axis=1, distribution=(0.0, 0, 1.0))

@@ -36,7 +36,7 @@ def test_advantages_and_rows_line_up_with_the_completion():
     completion = Completion(
         "g", np.asarray([5, 6, 7, 8]), np.asarray([9, 10, 1]), np.asarray([-0.5, -1.0, -2.0]), 1.0, routes[:6]
     )
-    row = completion_row(cfg, completion, 0.75, pad_id=0)
+    row = completion_row(cfg, completion, 0.75, pad_id=0, vocab_limit=260)
     assert row["inputs"][:6].tolist() == [5, 6, 7, 8, 9, 10] and row["targets"][:6].tolist() == [
         6,
         7,
@@ -52,8 +52,9 @@ def test_advantages_and_rows_line_up_with_the_completion():
     assert (row["advantages"][3:6] == 0.75).all() and row["advantages"].sum() == 0.75 * 3
     np.testing.assert_array_equal(row["routes"][:6], routes[:6])
     assert (row["routes"][6:] == -1).all() and row["segment_ids"].tolist() == [1] * 6 + [0] * 10
+    assert (row["vocab_limit"] == 260).all()  # the ids the sampler could draw
     with pytest.raises(ValueError, match=r"does not fit train\.seq_len=16"):
-        completion_row(cfg, Completion("g", np.arange(12), np.arange(8), np.zeros(8), 0.0, None), 0.0, 0)
+        completion_row(cfg, Completion("g", np.arange(12), np.arange(8), np.zeros(8), 0.0, None), 0.0, 0, 260)
 
 
 def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path, capsys):
@@ -86,6 +87,18 @@ def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path, capsys):
     assert first["kl"] < 1e-6 < second["kl"]  # then the policy moves away from them
 
 
+def test_the_trainer_takes_log_probabilities_of_the_distribution_sampled(tmp_path):
+    """Sampled at temperature 0.7 with top-k and top-p (and the byte tokenizer's 259 of the model's
+    264 ids), the rollouts' log-probabilities are of that distribution, and so are the trainer's: on
+    the first step the ratio is 1 (at temperature 1 the trainer would be 0.3 nats or more away,
+    tests/engine/test_engine.py shows the sampler's differ from the model's own)."""
+    run = tmp_path / "run"
+    args = [*GRPO, "rl.temperature=0.7", "rl.top_k=40", "rl.top_p=0.9", "train.steps=1", "eval.every=5"]
+    assert main(["train", *args, f"run.dir={run}", "--no-progress"]) == 0
+    first = _records(run)[0]
+    assert first["sampler_gap"] < 1e-5 and abs(first["ratio"] - 1) < 1e-5 and first["grad_norm"] > 0
+
+
 def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
     cfg = load_config("tiny", GRPO)
     tokenizer = load_tokenizer("byte")
@@ -98,6 +111,7 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
         max_new_tokens=6,
         temperature=1.0,
         stop_tokens=[],
+        vocab_limit=tokenizer.vocab_size,  # the records' log-probabilities: over the tokenizer's ids
         return_routes=True,
     )
     path = tmp_path / "rollouts.jsonl"

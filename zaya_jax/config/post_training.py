@@ -59,7 +59,13 @@ class RLConfig:
     # Completions in flight at once in the rollout engine (zaya_jax.engine): a finished one's slot
     # takes the next at once; more slots, more memory (each holds a prompt + max_new_tokens cache).
     slots: int = 64
-    temperature: float = 1.0  # sampling temperature (log-probabilities are at temperature 1 either way)
+    # Rollouts are sampled from the logits over this temperature, then rl.top_k and rl.top_p; the
+    # sampler records, and the trainer and the KL reference compute, log-probabilities under this
+    # same distribution (zaya_jax.ops.sampling_filter): it changes what is sampled, not which
+    # policy's gradient is taken.
+    temperature: float = 1.0
+    top_k: int = 0  # keep only the top_k most likely tokens when sampling (0: off), in the loss too
+    top_p: float = 1.0  # then the smallest set reaching probability top_p (1: off), in the loss too
     # Each completion's advantage is its reward minus its group's mean, divided by the group's std
     # (GRPO); false: not divided (Dr. GRPO), so a group whose rewards differ by little moves the policy little.
     scale_advantages: bool = True
@@ -77,7 +83,7 @@ class RLConfig:
     # routes replayed) a step may show before its update is rejected (resilience.on_metric_bound:
     # skip the batch or stop the run); 0: off. It checks that the trainer reproduces its rollouts,
     # those read from files above all: zaya's own sampler gives ~1e-7 on a rollout's first step,
-    # while log-probabilities of other weights, tokens, temperature or routes are typically off by
+    # while log-probabilities of other weights, tokens, sampling distribution or routes are typically off by
     # a large fraction of a nat or more. 0.5 leaves room for another engine's precision and for a
     # policy a few updates ahead of its rollout (steps_per_rollout > 1); a mean |log ratio| of 0.5
     # is far past the ratio's clip (0.2), where a batch hardly trains its policy any more.
@@ -106,6 +112,10 @@ class RLConfig:
         ):
             raise ConfigError(
                 f"rl.kl={self.kl} must be a finite number >= 0 and rl.temperature={self.temperature} a finite number > 0"
+            )
+        if self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(
+                f"rl.top_k={self.top_k} must be >= 0 (0: off) and rl.top_p={self.top_p} in (0, 1] (1: off)"
             )
         if not 0 <= self.max_sampler_gap < math.inf:
             raise ConfigError(

@@ -32,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from zaya_jax.config import ModelConfig
-from zaya_jax.engine.sampling import choose, token_logprob
+from zaya_jax.engine.sampling import choose
 from zaya_jax.model import Zaya, init_cache
 from zaya_jax.model.cca import write_rows
 from zaya_jax.model.stack import ROW_CACHE_KEYS
@@ -159,8 +159,7 @@ def _emit(state: State, logits, sample, vocab_limit, rows_at=None) -> State:
     pick = lambda x: jnp.take(x, at, axis=0, mode="clip")  # noqa: E731
     rows = {k: pick(v) for k, v in state["rows"].items()}
     count, stops = pick(state["count"]), pick(state["stops"])
-    token = choose(logits, rows, count, vocab_limit)
-    logprob = token_logprob(logits, token)
+    token, logprob = choose(logits, rows, count, vocab_limit)
     is_stop = jnp.any(token[:, None] == stops, axis=-1) | (count + 1 >= rows["limit"])
     column = jnp.arange(state["out"].shape[1])[None] == count[:, None]
     put = lambda x, value: x.at[at].set(value, mode="drop")  # noqa: E731

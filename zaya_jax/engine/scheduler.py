@@ -58,7 +58,8 @@ class Request:
 @dataclasses.dataclass(frozen=True)
 class Finished:
     """A request's result: ``tokens`` the generated ids (the stop token included), ``logprobs``
-    each one's log-probability under the model (temperature 1, unfiltered), ``stopped`` whether a
+    each one's log-probability under the distribution it was drawn from (the request's temperature,
+    top-k, top-p and vocabulary; a greedy request's: the model's own), ``stopped`` whether a
     stop id or string ended it (else ``max_new_tokens`` did), ``routes`` (prompt + generated,
     layers) the class each layer chose for every token read (-1 for the last generated token, which
     the model never read), with ``return_routes``."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.transformer import lm_head_weights
-from zaya_jax.ops.cross_entropy import chunked_cross_entropy
+from zaya_jax.ops.cross_entropy import MODEL_DISTRIBUTION, chunked_cross_entropy
 
 Batch = dict[str, jax.Array]
 
@@ -48,12 +48,15 @@ def token_nll(
     batch: Batch,
     loss_chunk: int = 0,
     replay_routes: bool = True,
+    distribution: tuple[float, int, float] = MODEL_DISTRIBUTION,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """(cross-entropy, log-partition, routing statistics): the first two (batch, seq) float32 for
     every target (masked or not), equal to :func:`token_losses` of the model's logits; the LM head
     applied ``loss_chunk`` positions at a time (0: automatic). With ``batch["routes"]`` each layer
     selects the given classes (router replay), or with ``replay_routes=False`` only counts how
-    often its own choice differs from them."""
+    often its own choice differs from them. ``distribution`` (temperature, top_k, top_p), with the
+    batch's ``vocab_limit`` field where it has one: the cross-entropy under the distribution a
+    sampler drew the targets from (:func:`zaya_jax.ops.cross_entropy.chunked_cross_entropy`)."""
     hidden, aux = model.apply(
         {"params": params, BALANCING: balancing},
         batch["inputs"],
@@ -73,6 +76,8 @@ def token_nll(
         vocab_axis=vocab_axis,
         chunk=loss_chunk,
         shard_vocab=_shard_vocab,
+        distribution=distribution,
+        vocab_limit=batch.get("vocab_limit"),
     )
     return ce, log_z, routing_stats(batch, aux)
 

@@ -5,8 +5,14 @@ estimator exp(d) - d - 1, d = log ref - log pi), divided by the completion token
 (``rl.loss_norm: token``), or each completion's mean over its tokens averaged over the completions
 (``sequence``, GRPO's original: a long completion weighs as much as a short one).
 
+Every log-probability is under the distribution the rollouts were sampled from (``rl.temperature``,
+``rl.top_k``, ``rl.top_p`` and the tokenizer's vocabulary, :func:`sampling_distribution`), the
+sampler's as the trainer's: at temperature 1 the gradient would be another policy's (TRL's fix,
+huggingface/trl#3029).
+
 The batch adds per-token fields (:mod:`zaya_jax.objectives.rollouts` builds them): ``sampler_logprobs``
-(the sampler's log-probability of each target), ``advantages`` (the target's completion's
+(the sampler's log-probability of each target), ``vocab_limit`` (the ids the sampler could draw),
+``advantages`` (the target's completion's
 group-normalised advantage), ``reference_logprobs`` when ``rl.kl > 0``, and ``routes`` when the
 sampler's routes were captured (replayed with ``rl.replay_routes``, else only compared:
 :class:`zaya_jax.model.Zaya`). ``loss_mask`` marks completion tokens.
@@ -24,6 +30,12 @@ from zaya_jax.loss.forward import Batch, token_nll
 from zaya_jax.model import Zaya
 
 
+def sampling_distribution(cfg: Config) -> tuple[float, int, float]:
+    """(temperature, top_k, top_p) the run's rollouts are sampled from (``rl.*``): the distribution
+    whose log-probabilities the ratio, the KL term and every metric use."""
+    return (cfg.rl.temperature, cfg.rl.top_k, cfg.rl.top_p)
+
+
 def grpo_loss_and_stats(
     model: Zaya, params: dict[str, Any], balancing: dict[str, Any], batch: Batch, cfg: Config
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -33,7 +45,9 @@ def grpo_loss_and_stats(
     sampler_gap (|log pi - log pi_sampler|: nonzero on the first step means the trainer does not
     reproduce the sampler))."""
     rl = cfg.rl
-    ce, _, routing = token_nll(model, params, balancing, batch, cfg.train.loss_chunk, rl.replay_routes)
+    ce, _, routing = token_nll(
+        model, params, balancing, batch, cfg.train.loss_chunk, rl.replay_routes, sampling_distribution(cfg)
+    )
     logp = -ce
     mask = batch["loss_mask"].astype(jnp.float32)
     weights = mask  # "token": every completion token counts once

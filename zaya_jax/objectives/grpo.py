@@ -23,7 +23,7 @@ def policy_gradient(cfg: Config) -> Objective:
         "sampler_gap", cfg.rl.max_sampler_gap, "rl.max_sampler_gap",
         "mean |log pi - log pi_sampler| over completion tokens: the trainer's log-probabilities, routes "
         "replayed, are not the rollouts' recorded ones; with rollouts from another engine, check its "
-        "weights, tokenizer, temperature-1 log-probabilities and routes",
+        "weights, tokenizer, log-probabilities (of rl.temperature/top_k/top_p's distribution) and routes",
     )  # fmt: skip
     bounds = (gap,) if cfg.rl.max_sampler_gap > 0 else ()
     return Objective(

@@ -13,7 +13,9 @@ rows are then trained ``train.batch_size`` at a time.
 
 Rollouts from files (``rl.rollouts``): JSONL records, one completion each, ``{"group": any JSON
 value naming the prompt's group, "prompt_ids": [...], "completion_ids": [...], "logprobs": [...]
-(one per completion token, at temperature 1), "reward": float}`` and optionally the routes the
+(one per completion token, under the distribution sampled: ``rl.temperature``, ``rl.top_k``,
+``rl.top_p`` over the tokenizer's vocabulary, as vLLM's ``logprobs_mode="processed_logprobs"``
+gives them), "reward": float}`` and optionally the routes the
 sampler took, for router replay, for every token read (``len(prompt_ids) + len(completion_ids) -
 1`` of them: every token but the last), in one of two layouts:
 
@@ -116,7 +118,11 @@ def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True)
 
 def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
     """The fields a GRPO batch adds to the text fields (:mod:`zaya_jax.data.batch`)."""
-    fields: dict[str, FieldSpec] = {"sampler_logprobs": (np.float32, ()), "advantages": (np.float32, ())}
+    fields: dict[str, FieldSpec] = {
+        "sampler_logprobs": (np.float32, ()),
+        "advantages": (np.float32, ()),
+        "vocab_limit": (np.int32, ()),  # the ids the sampler could draw: the tokenizer's
+    }
     if cfg.rl.kl > 0:
         fields["reference_logprobs"] = (np.float32, ())
     fields["routes"] = (np.int32, (cfg.model.num_layers,))
@@ -124,9 +130,10 @@ def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
 
 
 def completion_row(
-    cfg: Config, completion: Completion, advantage: float, pad_id: int
+    cfg: Config, completion: Completion, advantage: float, pad_id: int, vocab_limit: int
 ) -> dict[str, np.ndarray]:
-    """One training row: prompt + completion as one segment, the completion's targets trained."""
+    """One training row: prompt + completion as one segment, the completion's targets trained;
+    ``vocab_limit``: the ids the sampler could draw (the tokenizer's vocabulary)."""
     seq_len, fields = cfg.train.seq_len, rollout_fields(cfg)
     sequence = np.concatenate([completion.prompt, completion.tokens]).astype(np.int32)
     n, first = len(sequence) - 1, len(completion.prompt) - 1
@@ -143,6 +150,7 @@ def completion_row(
         if name in fields:
             row[name] = np.zeros(seq_len, np.float32)
     row["sampler_logprobs"][first:n] = completion.logprobs
+    row["vocab_limit"] = np.full(seq_len, vocab_limit, np.int32)
     row["advantages"][first:n] = advantage
     if "routes" in fields:
         row["routes"] = np.full((seq_len, cfg.model.num_layers), -1, np.int32)
@@ -236,6 +244,8 @@ class Rollouts:
             attention_mask=mask[low:high],
             max_new_tokens=rl.max_new_tokens,
             temperature=rl.temperature,
+            top_k=rl.top_k,
+            top_p=rl.top_p,
             stop_tokens=self.stop_ids,
             seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
             vocab_limit=self.tokenizer.vocab_size,
@@ -275,7 +285,8 @@ class Rollouts:
             self.event("reward_error", groups=len(failed), first=self.reward.problem)
         pad = self.tokenizer.pad_id
         rows = [
-            completion_row(self.cfg, c, float(a), pad) for c, a in zip(completions, advantages, strict=True)
+            completion_row(self.cfg, c, float(a), pad, self.tokenizer.vocab_size)
+            for c, a in zip(completions, advantages, strict=True)
         ]
         if self.reference is not None:
             self._score_reference(rows)
@@ -290,7 +301,8 @@ class Rollouts:
 
     def _score_reference(self, rows: list[dict[str, np.ndarray]]) -> None:
         """Each completion token's log-probability under the reference weights (``rl.kl > 0``)."""
-        batch = {k: np.stack([row[k] for row in rows]) for k in BATCH_KEYS}
+        # the text and the sampled vocabulary: no routes (the reference routes as it does)
+        batch = {k: np.stack([row[k] for row in rows]) for k in (*BATCH_KEYS, "vocab_limit")}
         logprobs = np.asarray(self.reference(batch, self.params))
         for row, values in zip(rows, logprobs, strict=True):
             row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)

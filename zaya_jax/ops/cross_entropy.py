@@ -11,6 +11,12 @@ hidden-state gradient and accumulates the head's weight (and bias) gradient. Chu
 ``n_chunks``-th position of every row, so the batch axis (and a contiguous context split of the
 sequence) keeps its sharding inside each step.
 
+With a sampling ``distribution`` (temperature, top-k, top-p) and a vocabulary limit the same scan
+gives each target's negative log-probability under the distribution a sampler drew it from
+(:mod:`zaya_jax.ops.sampling_filter`; the target itself always counts as kept, so a token at the
+edge of top-p is never -inf for float rounding between sampler and trainer): GRPO's ratio. The
+filter's choice of tokens is a constant of the gradient, as in every sampler.
+
 Written here rather than taken from a library: optax's ``softmax_cross_entropy_with_integer_labels``
 needs the full logits, and the blockwise losses of MaxText and Levanter are tied to their model
 and array types. The same scheme as theirs (vocabulary tiling), in plain JAX.
@@ -23,6 +29,11 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+
+from zaya_jax.ops.sampling_filter import processed_logits
+
+MODEL_DISTRIBUTION = (1.0, 0, 1.0)
+"""(temperature, top_k, top_p) of the model's own distribution: plain cross-entropy."""
 
 LOGITS_BUDGET = 2**25
 """Float32 logits per chunk that ``auto_chunk`` aims for (128 MiB) per sequence row."""
@@ -56,9 +67,20 @@ def _unchunk(x: jax.Array, seq: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _cross_entropy(h, weight, bias, targets, vocab_axis, chunk, shard_vocab):
-    return _forward(h, weight, bias, targets, vocab_axis, chunk, shard_vocab)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _cross_entropy(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution):
+    return _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution)[0]
+
+
+def _sampled(logits, targets, limit, distribution):
+    """``logits`` (float32) as the distribution's: scaled by 1/temperature, -inf where the filters
+    or the vocabulary limit drop a token, the target kept; ``logits`` itself for the model's own."""
+    if distribution == MODEL_DISTRIBUTION and limit is None:
+        return logits
+    temperature, top_k, top_p = distribution
+    masked = processed_logits(logits, temperature, top_k, top_p, limit)
+    is_target = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
+    return jnp.where(is_target, logits / temperature if temperature != 1 else logits, masked)
 
 
 def _no_constraint(x: jax.Array, axis: int) -> jax.Array:
@@ -70,39 +92,43 @@ def _layout(seq: int, chunk: int) -> tuple[int, int]:
     return n_chunks, -(-seq // n_chunks)
 
 
-def _forward(h, weight, bias, targets, vocab_axis, chunk, shard_vocab):
+def _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution):
     seq = h.shape[1]
     n_chunks, length = _layout(seq, chunk)
     weight_c = shard_vocab(weight.astype(h.dtype), vocab_axis)  # the matmul runs in the compute dtype
 
     def one_chunk(_, inputs):
-        h_c, t_c = inputs
-        logits = _logits(h_c, weight_c, bias, vocab_axis)
+        h_c, t_c, limit_c = inputs
+        logits = _sampled(_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
         log_z = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         return None, (log_z - target, log_z)
 
-    inputs = (_strided_chunks(h, n_chunks, length), _strided_chunks(targets, n_chunks, length))
+    chunks = functools.partial(_strided_chunks, n_chunks=n_chunks, length=length)
+    inputs = (chunks(h), chunks(targets), None if limit is None else chunks(limit))
     _, (ce, log_z) = jax.lax.scan(one_chunk, None, inputs)
     ce, log_z = _unchunk(ce, seq), _unchunk(log_z, seq)
-    return (ce, log_z), (h, weight, bias, targets, log_z)
+    return (ce, log_z), (h, weight, bias, targets, limit, log_z)
 
 
-def _backward(vocab_axis, chunk, shard_vocab, residuals, cotangents):
-    h, weight, bias, targets, log_z = residuals
+def _backward(vocab_axis, chunk, shard_vocab, distribution, residuals, cotangents):
+    h, weight, bias, targets, limit, log_z = residuals
     g_ce, g_lse = cotangents
     seq = h.shape[1]
     n_chunks, length = _layout(seq, chunk)
     vocab = weight.shape[vocab_axis]
     weight_c = shard_vocab(weight.astype(h.dtype), vocab_axis)
+    temperature = distribution[0]
 
     def one_chunk(carry, inputs):
         d_weight, d_bias = carry
-        h_c, t_c, lse_c, g_ce_c, g_lse_c = inputs
-        logits = _logits(h_c, weight_c, bias, vocab_axis)
+        h_c, t_c, limit_c, lse_c, g_ce_c, g_lse_c = inputs
+        logits = _sampled(_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
         probs = jnp.exp(logits - lse_c[..., None])
         is_target = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]
         d_logits = probs * (g_ce_c + g_lse_c)[..., None] - jnp.where(is_target, g_ce_c[..., None], 0.0)
+        if temperature != 1:  # through logits / temperature
+            d_logits = d_logits / temperature
         d_logits_c = d_logits.astype(h.dtype)
         spec_h = "btv,ve->bte" if vocab_axis == 0 else "btv,ev->bte"
         d_h = jnp.einsum(spec_h, d_logits_c, weight_c, preferred_element_type=jnp.float32)
@@ -114,7 +140,8 @@ def _backward(vocab_axis, chunk, shard_vocab, residuals, cotangents):
         return (d_weight, d_bias), d_h.astype(h.dtype)
 
     chunks = functools.partial(_strided_chunks, n_chunks=n_chunks, length=length)
-    inputs = (chunks(h), chunks(targets), chunks(log_z), chunks(g_ce), chunks(g_lse))
+    limits = None if limit is None else chunks(limit)
+    inputs = (chunks(h), chunks(targets), limits, chunks(log_z), chunks(g_ce), chunks(g_lse))
     embed = weight.shape[1 - vocab_axis]
     carry = (
         shard_vocab(jnp.zeros((embed, vocab), jnp.float32), 1),
@@ -127,6 +154,7 @@ def _backward(vocab_axis, chunk, shard_vocab, residuals, cotangents):
         _unchunk(d_h, seq),
         d_weight.astype(weight.dtype),
         None if bias is None else d_bias.astype(bias.dtype),
+        None,
         None,
     )
 
@@ -143,6 +171,8 @@ def chunked_cross_entropy(
     vocab_axis: int = 0,
     chunk: int = 0,
     shard_vocab: Callable[[jax.Array, int], jax.Array] | None = None,
+    distribution: tuple[float, int, float] = MODEL_DISTRIBUTION,
+    vocab_limit: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token cross-entropy and log-partition of the logits ``h @ weight (+ bias)``.
 
@@ -152,8 +182,11 @@ def chunked_cross_entropy(
     ``chunk``: sequence positions per chunk (0: :func:`auto_chunk`). ``shard_vocab(x, axis)``
     (optional, a hashable function) constrains the layout of the head's weight, its gradient and
     so each chunk's logits along their vocabulary ``axis`` (vocabulary parallelism on a mesh; the
-    step passes one built from the logical-axis rules). Returns (ce, log_z), both (batch, seq)
-    float32, equal to ``zaya_jax.loss.token_losses`` of the full logits in value and gradient.
+    step passes one built from the logical-axis rules). ``distribution``: (temperature, top_k,
+    top_p) of a sampler, and ``vocab_limit`` (batch, seq) int: the ids it could draw (below the
+    limit); then ``ce`` is each target's negative log-probability under that distribution and
+    ``log_z`` its log-partition. Returns (ce, log_z), both (batch, seq) float32, equal to
+    ``zaya_jax.loss.token_losses`` of the full (processed) logits in value and gradient.
     """
     if vocab_axis not in (0, 1):
         raise ValueError(f"vocab_axis must be 0 or 1, got {vocab_axis}")
@@ -161,6 +194,21 @@ def chunked_cross_entropy(
         raise ValueError(f"chunk must be >= 0 (0: automatic), got {chunk}")
     chunk = chunk or auto_chunk(weight.shape[vocab_axis])
     chunk = min(chunk, h.shape[1])
+    temperature, top_k, top_p = distribution
+    if not (temperature > 0 and top_k >= 0 and top_p > 0):
+        raise ValueError(
+            f"distribution (temperature, top_k, top_p) = {distribution} is not one a sampler draws from"
+        )
+    distribution = (float(temperature), int(top_k), float(top_p))
+    limit = None if vocab_limit is None else vocab_limit.astype(jnp.int32)
     return _cross_entropy(
-        h, weight, bias, targets.astype(jnp.int32), vocab_axis, chunk, shard_vocab or _no_constraint
+        h,
+        weight,
+        bias,
+        targets.astype(jnp.int32),
+        limit,
+        vocab_axis,
+        chunk,
+        shard_vocab or _no_constraint,
+        distribution,
     )

@@ -27,6 +27,7 @@ from zaya_jax.config import Config, MeshConfig
 from zaya_jax.data import BATCH_FIELDS, eval_batches
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.loss import Objective, ObjectiveFor, make_eval_step, sequence_logps, token_nll, under_axis_rules
+from zaya_jax.loss.policy import sampling_distribution
 from zaya_jax.model import Zaya, abstract_variables
 from zaya_jax.optim import LeafGroup, build_optimizer, model_param_groups, set_lr_scale
 from zaya_jax.parallel import Layout, local_rows, make_layout, put_batch
@@ -174,9 +175,11 @@ class Programs:
 
     @functools.cached_property
     def token_logprobs_step(self) -> jax.stages.Wrapped:
-        """``(params, balancing, batch) -> (batch, seq)`` log-probability of every target, replicated
-        (GRPO's reference scores, ``rl.kl > 0``; no router replay: the reference routes as it does)."""
-        return self._forward_program(lambda *args: -token_nll(*args)[0])
+        """``(params, balancing, batch) -> (batch, seq)`` log-probability of every target under the
+        distribution the run's rollouts are sampled from (``rl.temperature``, ``rl.top_k``,
+        ``rl.top_p``, the batch's ``vocab_limit``), replicated: GRPO's reference scores (``rl.kl > 0``)."""
+        distribution = sampling_distribution(self.cfg)
+        return self._forward_program(lambda *args: -token_nll(*args, distribution=distribution)[0])
 
     def abstract_batch(self, rows: int | None = None, seq: int | None = None) -> dict[str, Any]:
         """A batch of ``rows`` x ``seq`` tokens (default: the run's final batch) as abstract arrays."""
