@@ -144,9 +144,9 @@ def test_a_toy_objective_registered_here_trains_through_the_loop(toy, tmp_path, 
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
-    assert len(losses) == 6 and len(evals) == 2  # every step logged; evaluated at steps 3 and 6
-    assert losses[-1] < losses[0] and evals[1] < evals[0]  # it learns the counting rows
-    assert summary["eval_loss"] == evals[1] and summary["tokens"] == 6 * 2 * SEQ
+    assert len(losses) == 6 and len(evals) == 3  # every step logged; evaluated at steps 0, 3 and 6
+    assert losses[-1] < losses[0] and evals[2] < evals[1] < evals[0]  # it learns the counting rows
+    assert summary["eval_loss"] == evals[-1] and summary["tokens"] == 6 * 2 * SEQ
     # the loss saw the toy's field: half the targets trained
     assert all(r["tokens"] == 2 * SEQ // 2 for r in records if "tokens" in r and "loss" in r)
 

@@ -139,7 +139,7 @@ def test_keep_best_keeps_the_lowest_held_out_losses_across_a_resume(tmp_path, ca
     losses = {}
     for line in (run / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "eval_loss" in record:
+        if "eval_loss" in record and record["step"] > 0:  # step 0: the starting weights, never saved
             losses[record["step"]] = record["eval_loss"]
     assert sorted(losses) == list(range(1, 10))
     best = sorted(losses, key=losses.get)[:2]

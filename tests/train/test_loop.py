@@ -42,7 +42,7 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys, monkeypatch):
     train_lines = [line for line in lines if "loss" in line]
     eval_lines = [line for line in lines if "eval_loss" in line]
     assert [line["step"] for line in train_lines] == [2, 3, 4, 6]
-    assert [line["step"] for line in eval_lines] == [3, 6]
+    assert [line["step"] for line in eval_lines] == [0, 3, 6]  # the starting weights too (eval.at_start)
     for line in train_lines:
         for key in (
             "loss",

@@ -63,16 +63,19 @@ def test_grpo_replays_the_sampler_and_moves_the_policy(tmp_path, capsys):
     records = _records(run)
     steps = [r for r in records if "loss" in r]
     first = steps[0]
+    assert records[0]["step"] == 0 and "eval_reward" in records[0]  # where the run started
     # On the first step the trained weights are the sampler's: with the routes replayed the training
     # forward reproduces every sampled token's log-probability, so the importance ratio is 1.
     assert first["sampler_gap"] < 1e-5 and abs(first["ratio"] - 1) < 1e-5 and first["clip_fraction"] == 0
     assert first["reward"] > 0 and first["reward_group_std"] > 0 and first["zero_advantage"] < 1
     assert first["grad_norm"] > 0  # advantages that vary move the policy
     evaluated = [r for r in records if "eval_reward" in r]
-    assert len(evaluated) == 1 and evaluated[0]["eval_loss"] == -evaluated[0]["eval_reward"]
+    assert [r["step"] for r in evaluated] == [0, 2] and evaluated[-1]["eval_loss"] == -evaluated[-1][
+        "eval_reward"
+    ]
     capsys.readouterr()
     assert main(["eval", str(run), "--json"]) == 0  # the run's held-out reward, reproduced
-    assert json.loads(capsys.readouterr().out)["reward"] == evaluated[0]["eval_reward"]
+    assert json.loads(capsys.readouterr().out)["reward"] == evaluated[-1]["eval_reward"]
 
     # Resumed: the rollout position continues (another rollout, other prompts).
     assert main(["train", *GRPO, f"run.dir={run}", "train.steps=3", "eval.every=3", "--no-progress"]) == 0
@@ -95,7 +98,7 @@ def test_the_trainer_takes_log_probabilities_of_the_distribution_sampled(tmp_pat
     run = tmp_path / "run"
     args = [*GRPO, "rl.temperature=0.7", "rl.top_k=40", "rl.top_p=0.9", "train.steps=1", "eval.every=5"]
     assert main(["train", *args, f"run.dir={run}", "--no-progress"]) == 0
-    first = _records(run)[0]
+    first = next(r for r in _records(run) if "loss" in r)
     assert first["sampler_gap"] < 1e-5 and abs(first["ratio"] - 1) < 1e-5 and first["grad_norm"] > 0
 
 
@@ -129,7 +132,7 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
     run = tmp_path / "run"
     args = ["train", *GRPO, "train.steps=2", "eval.every=2", "--no-progress"]  # the program of the test above
     assert main([*args, f"rl.rollouts={path}", f"run.dir={run}"]) == 0
-    first = _records(run)[0]
+    first = next(r for r in _records(run) if "loss" in r)
     assert first["sampler_gap"] < 1e-5 and first["reward"] == np.mean([i % 3 for i in range(8)])
 
     bad = tmp_path / "bad.jsonl"

@@ -61,10 +61,13 @@ class LogConfig:
 class EvalConfig:
     """The held-out loss during training (the ``Evaluation`` hook): ``batches`` batches of
     ``train.batch_size`` x ``train.seq_len`` tokens of the held-out split, every ``every`` steps and
-    after the final step."""
+    after the final step, and of the starting weights (``at_start``)."""
 
     every: int = 100  # steps between held-out evaluations
     batches: int = 4  # held-out batches per evaluation
+    # Also evaluate the starting weights, logged as step 0, so a run shows where it started (a
+    # resumed run has its step 0 already).
+    at_start: bool = True
 
     def validate(self) -> None:
         for name in ("every", "batches"):

@@ -1,6 +1,7 @@
-"""The run's held-out evaluation as the loop calls it: every ``eval.every`` steps and after the
-final step, the objective's evaluator (:attr:`zaya_jax.objectives.ObjectiveSpec.held_out`) on the
-step's state, its time left out of tokens/s."""
+"""The run's held-out evaluation as the loop calls it: of the starting weights (``eval.at_start``,
+logged as step 0), every ``eval.every`` steps and after the final step, the objective's evaluator
+(:attr:`zaya_jax.objectives.ObjectiveSpec.held_out`) on the step's state, its time left out of
+tokens/s."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import time
 from zaya_jax.config import Config
 from zaya_jax.objectives import Evaluator
 from zaya_jax.programs import TrainState
+from zaya_jax.train.metrics import MetricsWriter, eval_record
 from zaya_jax.train.throughput import Throughput
 
 
@@ -30,3 +32,9 @@ class Evaluation:
         metrics = self.held_out(step, state)
         self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
         return metrics
+
+    def at_start(self, state: TrainState, writer: MetricsWriter) -> None:
+        """The starting weights' held-out metrics as step 0's record (``eval.at_start``), so that
+        every run's curve shows where it began (a GRPO run's ``eval_reward`` before its first update)."""
+        if self.cfg.eval.at_start:
+            writer.write(eval_record(0, self.held_out(0, state)))

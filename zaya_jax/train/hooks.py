@@ -25,7 +25,7 @@ import numpy as np
 from zaya_jax.config import Config
 from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.flops import flops_per_token
-from zaya_jax.train.metrics import MetricsWriter, metric_record
+from zaya_jax.train.metrics import MetricsWriter, eval_record, metric_record
 from zaya_jax.train.record import StepRecord
 from zaya_jax.train.rundir import RunDir
 from zaya_jax.train.throughput import Throughput
@@ -127,7 +127,7 @@ class Logging(Hook):
             )
             self.meter.reset()
         if record.eval is not None:
-            self.writer.write({"step": record.step, **{f"eval_{k}": v for k, v in record.eval.items()}})
+            self.writer.write(eval_record(record.step, record.eval))
 
 
 class Profiling(Hook):

@@ -78,6 +78,8 @@ def train(
     run, resumed, r = _open_run(cfg, progress, hooks)
     stop = StopRequest()
     try:
+        if resumed.first_step == 1:  # a resumed run logged its start already
+            r.evaluation.at_start(resumed.state, r.writer)
         ran = StepPipeline(TrainingSteps(r, stop), cfg.train.dispatch_ahead).run(
             resumed.state, resumed.first_step, cfg.train.steps
         )

@@ -34,6 +34,11 @@ def metric_record(step: int, metrics: dict[str, Any], **host: Any) -> dict[str, 
     return {"step": step, **{name: _python(value) for name, value in fields.items()}}
 
 
+def eval_record(step: int, metrics: dict[str, Any]) -> dict[str, Any]:
+    """The ``metrics.jsonl`` record of a held-out evaluation after ``step``: ``eval_`` + each name."""
+    return {"step": step, **{f"eval_{k}": v for k, v in metrics.items()}}
+
+
 def _python(value: Any) -> Any:
     if not isinstance(value, np.ndarray | np.generic):
         return value
