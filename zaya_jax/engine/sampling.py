@@ -18,18 +18,17 @@ import jax.numpy as jnp
 from zaya_jax.ops.sampling_filter import processed_logits
 
 
-def filter_logits(logits: jax.Array, temperature: float, top_k: int, top_p: float) -> jax.Array:
+def filter_logits(
+    logits: jax.Array, temperature: jax.Array | float, top_k: jax.Array | int, top_p: jax.Array | float
+) -> jax.Array:
     """float32 logits (batch, vocab) scaled by 1/temperature, then with every token outside the top
     ``top_k`` (0 = off) and outside the smallest set whose probability reaches ``top_p`` (1 = off) set
-    to -inf. The most likely token always survives. One ``temperature``, ``top_k`` and ``top_p``
-    for every row (:func:`filter_rows` takes one per row)."""
+    to -inf. The most likely token always survives. Each parameter is one number for every row or
+    one per row, (batch,) (:func:`zaya_jax.ops.sampling_filter.processed_logits`)."""
     return processed_logits(logits, temperature, top_k, top_p)
 
 
-def filter_rows(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
-    """:func:`filter_logits` with per-row parameters, each (batch,): the same tokens survive as
-    there for every row."""
-    return processed_logits(logits, temperature, top_k, top_p)
+filter_rows = filter_logits  # the per-row form: the same function, each parameter (batch,)
 
 
 def token_logprob(logits: jax.Array, token: jax.Array) -> jax.Array:

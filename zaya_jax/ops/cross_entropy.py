@@ -78,9 +78,9 @@ def _sampled(logits, targets, limit, distribution):
     if distribution == MODEL_DISTRIBUTION and limit is None:
         return logits
     temperature, top_k, top_p = distribution
-    masked = processed_logits(logits, temperature, top_k, top_p, limit)
+    scaled = logits / temperature if temperature != 1 else logits
     is_target = jnp.arange(logits.shape[-1], dtype=targets.dtype) == targets[..., None]
-    return jnp.where(is_target, logits / temperature if temperature != 1 else logits, masked)
+    return jnp.where(is_target, scaled, processed_logits(scaled, 1.0, top_k, top_p, limit))
 
 
 def _no_constraint(x: jax.Array, axis: int) -> jax.Array:
