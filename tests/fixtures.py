@@ -51,6 +51,13 @@ def ascii_reward(record, completion: str) -> float:
     return float(sum(c.isascii() for c in completion))
 
 
+def half_tied_reward(record, completion: str) -> float:
+    """:func:`ascii_reward` for reverse-task words starting with n-z; 0 for every completion of the
+    others (a group whose rewards all tie)."""
+    word = record["messages"][0]["content"].split(": ", 1)[1]
+    return ascii_reward(record, completion) if word[0] >= "n" else 0.0
+
+
 def tiny_train_config(**train) -> Config:
     """The randomised-model tests' ``TINY`` model in a train config (rows of 16 tokens, 60 steps,
     5 warm-up steps); ``train`` overrides TrainConfig's fields."""

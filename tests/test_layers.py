@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zaya_jax"
 LAYERS: list[set[str]] = [
     {"allocator", "files", "staging"},
     {"config"},
-    {"ops"},
+    {"ops", "rewards"},
     {"model"},
     {"loss", "optim", "data", "interop", "resilience"},
     {"lora"},

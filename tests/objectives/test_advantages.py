@@ -30,7 +30,8 @@ def test_the_loss_averages_over_tokens_or_completions(monkeypatch, norm):
     mask = jnp.asarray([[1, 1, 1, 1, 1, 1], [0, 1, 0, 0, 0, 0]], jnp.float32)  # 6 tokens and 1
     logp = jnp.full(mask.shape, -1.0)
     monkeypatch.setattr(policy, "token_nll", lambda *args: (-logp, None, {}))
-    batch = {"loss_mask": mask, "sampler_logprobs": logp, "advantages": jnp.asarray([[1.0] * 6, [-2.0] * 6])}
+    batch = {"loss_mask": mask, "sampler_logprobs": logp, "advantages": jnp.asarray([[1.0] * 6, [-2.0] * 6]),
+             "segment_ids": jnp.ones(mask.shape, jnp.int32)}  # fmt: skip
     loss, stats = policy.grpo_loss_and_stats(None, {}, {}, batch, cfg)
     # ratio 1: each token's surrogate is -advantage
     if norm == "token":

@@ -1,8 +1,8 @@
 """GRPO's loss equals TRL's ``GRPOTrainer`` on the same fixed batch at temperature 0.7: the same
 weights (the HF export), prompts, completions, advantages, sampler (old) and reference
 log-probabilities, clip and KL weight. Per-token log-probabilities and the loss agree to 1e-5, every
-parameter's gradient to 1e-4 of its largest entry, for the token-level loss (TRL's ``bnpo``) and the
-per-completion one (TRL's ``grpo``). TRL, like zaya-jax, takes log-probabilities at the sampling
+parameter's gradient to 1e-4 of its largest entry, for the token-level loss (TRL's ``bnpo``), the
+per-completion one (TRL's ``grpo``) and GSPO's sequence ratio. TRL, like zaya-jax, takes log-probabilities at the sampling
 temperature (huggingface/trl#3029); it applies no top-k/top-p to them, so neither does this test."""
 
 from __future__ import annotations
@@ -26,18 +26,21 @@ from zaya_jax.model import BALANCING, Zaya
 trl = pytest.importorskip("trl")  # pinned in the dev extra: a missing one skips here, fails CI's install
 datasets = pytest.importorskip("datasets")
 
-TEMPERATURE, KL, CLIP_LOW, CLIP_HIGH = 0.7, 0.05, 0.2, 0.28
+TEMPERATURE, KL = 0.7, 0.05
+CLIPS = {"token": (0.2, 0.28), "sequence": (0.03, 0.04)}  # GSPO clips its sequence ratio tighter
 PROMPT, COMPLETION = 6, 5
 LENGTHS = (5, 3, 4, 5)  # each completion's tokens; the rest of its row is padding
 
 
-def _setting(loss_norm: str):
+def _setting(loss_norm: str, ratio: str = "token"):
+    low, high = CLIPS[ratio]
     overrides = [
         f"rl.temperature={TEMPERATURE}",
         f"rl.kl={KL}",
-        f"rl.clip_low={CLIP_LOW}",
-        f"rl.clip_high={CLIP_HIGH}",
+        f"rl.clip_low={low}",
+        f"rl.clip_high={high}",
         f"rl.loss_norm={loss_norm}",
+        f"rl.ratio={ratio}",
         "train.seq_len=16",
     ]
     return load_config("tiny", [*GRPO, *overrides])
@@ -66,15 +69,15 @@ def _batch(vocab: int):
     return prompt, completion, mask, advantages
 
 
-def _trl_loss(hf, tokenizer, tmp_path, loss_type, prompt, completion, mask, advantages, old, ref):
+def _trl_loss(hf, tokenizer, tmp_path, loss_type, ratio, prompt, completion, mask, advantages, old, ref):
     args = trl.GRPOConfig(
         output_dir=str(tmp_path / loss_type),
         temperature=TEMPERATURE,
         beta=KL,
-        epsilon=CLIP_LOW,
-        epsilon_high=CLIP_HIGH,
+        epsilon=CLIPS[ratio][0],
+        epsilon_high=CLIPS[ratio][1],
         loss_type=loss_type,
-        importance_sampling_level="token",
+        importance_sampling_level=ratio,
         router_aux_loss_coef=0.0,  # ZAYA balances with biases, no auxiliary loss (TRL adds the config's)
         use_bias_correction_kl=False,  # the k3 KL as GRPO's paper writes it (TRL's default weights it by the ratio)
         per_device_train_batch_size=len(LENGTHS),
@@ -154,10 +157,17 @@ def _ours(cfg, variables, prompt, completion, mask, advantages, old, ref):
     return float(value), logps, hf_grads
 
 
-@pytest.mark.parametrize(("loss_norm", "loss_type"), [("token", "bnpo"), ("sequence", "grpo")])
-def test_the_loss_its_log_probabilities_and_gradients_equal_trls(exported, tmp_path, loss_norm, loss_type):
+@pytest.mark.parametrize(
+    ("loss_norm", "loss_type", "ratio"),
+    [("token", "bnpo", "token"), ("sequence", "grpo", "token"), ("sequence", "grpo", "sequence")],
+)
+def test_the_loss_its_log_probabilities_and_gradients_equal_trls(
+    exported, tmp_path, loss_norm, loss_type, ratio
+):
+    """Token ratios with TRL's bnpo and grpo losses, and GSPO's sequence ratio (TRL's
+    ``importance_sampling_level="sequence"``, zaya's ``rl.ratio=sequence``)."""
     variables, hf, tokenizer = exported
-    cfg = _setting(loss_norm)
+    cfg = _setting(loss_norm, ratio)
     prompt, completion, mask, advantages = _batch(cfg.model.vocab_size)
     _, current, _ = _ours(cfg, variables, prompt, completion, mask, advantages, *np.zeros((2, 4, COMPLETION)))
     rng = np.random.default_rng(5)  # sampler and reference a little off the policy: ratios clip, KL > 0
@@ -166,13 +176,20 @@ def test_the_loss_its_log_probabilities_and_gradients_equal_trls(exported, tmp_p
 
     value, logps, grads = _ours(cfg, variables, prompt, completion, mask, advantages, old, ref)
     trl_value, trl_logps, trl_grads = _trl_loss(
-        hf, tokenizer, tmp_path, loss_type, prompt, completion, mask, advantages, old, ref
+        hf, tokenizer, tmp_path, loss_type, ratio, prompt, completion, mask, advantages, old, ref
     )
     real = mask > 0
     np.testing.assert_allclose(logps[real], trl_logps[real], atol=1e-5)
     assert abs(value - trl_value) <= 1e-5 * max(1.0, abs(trl_value)), (value, trl_value)
-    ratio = np.exp(trl_logps - old)[real]
-    assert ((ratio < 1 - CLIP_LOW) | (ratio > 1 + CLIP_HIGH)).any()  # the clip is exercised
+    log_ratio = np.where(real, trl_logps - old, 0.0)
+    if ratio == "sequence":  # one ratio per completion
+        log_ratio = np.broadcast_to(
+            log_ratio.sum(-1, keepdims=True) / real.sum(-1, keepdims=True), real.shape
+        )
+    ratios = np.exp(log_ratio)[real]
+    low, high = CLIPS[ratio]
+    clipped = (ratios < 1 - low) | (ratios > 1 + high)
+    assert clipped.any() and not clipped.all()  # the clip is exercised
     # at temperature 1 the log-probabilities would be another distribution's
     plain = load_config("tiny", [*GRPO, "train.seq_len=16"])
     at_one = _ours(plain, variables, prompt, completion, mask, advantages, old, ref)[1]

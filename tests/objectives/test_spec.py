@@ -124,12 +124,13 @@ def no_post_training(monkeypatch):
     """Every other objective's spec replaced by one whose parts fail if called, and the
     post-training modules' entry points made to fail too."""
     from zaya_jax.objectives import reference, rewards, rollouts
+    from zaya_jax.rewards import calls
 
     for name in ("score_pairs", "preference_references", "read_references"):
         monkeypatch.setattr(reference, name, _entered)
     for cls in (rollouts.Rollouts, rewards.PromptSet, rewards.HeldOutReward):
         monkeypatch.setattr(cls, "__init__", _entered)
-    monkeypatch.setattr(rewards, "load_reward", _entered)
+    monkeypatch.setattr(calls, "load_reward", _entered)
     saved = [objectives.spec_for(name) for name in objectives.registered() if name not in ("lm", "toy")]
     parts = ("loss", "check", "prepare", "producer", "held_out", "evaluate_saved")
     for spec in saved:

@@ -100,6 +100,25 @@ def test_the_trainer_takes_log_probabilities_of_the_distribution_sampled(tmp_pat
     assert main(["train", *args, f"run.dir={run}", "--no-progress"]) == 0
     first = next(r for r in _records(run) if "loss" in r)
     assert first["sampler_gap"] < 1e-5 and abs(first["ratio"] - 1) < 1e-5 and first["grad_norm"] > 0
+    # the mismatch metrics say the same: no distance between sampler and trainer
+    assert first["mismatch_kl"] < 1e-9 and abs(first["mismatch_chi2"]) < 1e-4
+    assert 1 - 1e-4 < first["min_ratio"] <= first["max_ratio"] < 1 + 1e-4
+
+
+def test_a_corrected_rollout_trained_twice_takes_its_ratio_against_the_rollouts_parameters(tmp_path):
+    """rl.tis_cap / rl.tis_mask with two steps per rollout: the rows carry the trainer's
+    log-probabilities at the rollout's parameters (pi_old). On the rollout's first step the
+    weights pi_old / pi_sampler are 1 (nothing truncated or masked) and so is the ratio; on its
+    second the policy has moved, and the ratio against pi_old (not against itself) shows it."""
+    run = tmp_path / "run"
+    args = [*GRPO, "rl.steps_per_rollout=2", "rl.tis_cap=2", "rl.tis_mask=4", "rl.tis_level=sequence"]
+    args += ["train.steps=2", "eval.every=5", "optim.warmup_steps=0"]
+    assert main(["train", *args, f"run.dir={run}", "--no-progress"]) == 0
+    first, second = (r for r in _records(run) if "loss" in r)
+    for step in (first, second):
+        assert step["tis_truncated"] == 0 and step["tis_masked"] == 0
+    assert abs(first["ratio"] - 1) < 1e-5 and first["sampler_gap"] < 1e-5
+    assert abs(second["ratio"] - 1) > 1e-4 and second["sampler_gap"] > 1e-4 and second["max_ratio"] > 1
 
 
 def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
@@ -184,3 +203,20 @@ def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
         (tmp_path / "empty.jsonl").write_text(path.read_text() + json.dumps({"messages": empty}) + "\n")
         with pytest.raises(DataError, match=r"empty\.jsonl:201: an empty prompt"):
             PromptSet(load_config("tiny", [*GRPO, f"rl.prompts={tmp_path / 'empty.jsonl'}"]))
+
+
+def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path):
+    """rl.dynamic_sampling (DAPO): a reward that ties every completion of half the prompts; the
+    rollouts replace those groups by further prompts' (every trained group has an advantage), log
+    the reward of everything sampled apart from the trained one's."""
+    args = [*GRPO, "rl.reward=tests.fixtures:half_tied_reward", "train.steps=3", "eval.every=5"]
+    plain, dynamic = tmp_path / "plain", tmp_path / "dynamic"
+    assert main(["train", *args, f"run.dir={plain}", "--no-progress"]) == 0
+    assert main(["train", *args, "rl.dynamic_sampling=4", f"run.dir={dynamic}", "--no-progress"]) == 0
+    before = [r for r in _records(plain) if "loss" in r]
+    after = [r for r in _records(dynamic) if "loss" in r]
+    assert sum(r["zero_advantage"] for r in before) > 0 and "reward_sampled" not in before[0]
+    assert all(r["zero_advantage"] == 0 for r in after)
+    assert sum(r["groups_replaced"] for r in after) > 0
+    assert all(r["groups_replaced"] == 2 * (r["sample_rounds"] - 1) for r in after)  # 2 groups a round
+    assert any(r["reward_sampled"] < r["reward"] for r in after)  # the tied groups' zeros are left out

@@ -38,7 +38,9 @@ class RLConfig:
     cache, capturing each token's log-probability and the class every layer's router chose; the
     reward function scores them, and each completion's advantage is its reward minus its group's
     mean, over the group's standard deviation. The step then minimises the clipped surrogate
-    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per completion token, r = pi / pi_sampler, plus
+    -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) per completion token, r = pi / pi_sampler (with
+    a sampler correction, ``tis_cap`` / ``tis_mask``, r = pi / pi_old weighted by pi_old / pi_sampler;
+    GSPO's per-completion r with ``ratio``), plus
     ``kl`` times the k3 estimate of KL(pi || reference), averaged over completion tokens; with
     ``replay_routes`` every layer selects the class the sampler chose (router replay). One sequence
     per row: ``train.seq_len`` must hold the longest prompt plus ``max_new_tokens``. Rollouts can
@@ -73,9 +75,27 @@ class RLConfig:
     # weighs more) or per completion, then over completions ("sequence", GRPO's original).
     loss_norm: Literal["token", "sequence"] = "token"
     steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
+    # DAPO's dynamic sampling: up to this many more rounds of prompts sampled per rollout to replace
+    # groups whose rewards all tie (advantage 0: nothing to learn); 0: off. metrics.jsonl then logs
+    # reward_sampled (every group drawn) apart from reward (the groups trained), groups_replaced
+    # and sample_rounds.
+    dynamic_sampling: int = 0
     replay_routes: bool = True  # force the sampler's routes in the training forward
     clip_low: float = 0.2  # the ratio's lower clip 1 - clip_low
     clip_high: float = 0.2  # the ratio's upper clip 1 + clip_high (DAPO's clip-higher: 0.28)
+    # The ratio the clip applies to: per token ("token", PPO/GRPO), or per completion ("sequence",
+    # GSPO, Zheng et al. 2025: exp of the mean over its tokens of log pi - log pi_old, one ratio
+    # for every token of a completion, steadier for MoE policies; GSPO clips at 3e-4 / 4e-4).
+    ratio: Literal["token", "sequence"] = "token"
+    # Off-policy correction between the sampler and the trainer (truncated / masked importance
+    # sampling, zaya_jax.loss.policy): with either set, the clipped ratio is taken against the
+    # trainer's own log-probabilities at the rollout's parameters (pi_old), and each token's loss is
+    # weighted by w = pi_old / pi_sampler, per token or per completion (tis_level), truncated at
+    # tis_cap (> 0; TIS) and set to 0 outside [1 / tis_mask, tis_mask] (> 1; MIS); 0: off. It
+    # corrects rollouts from another engine or older parameters (rl.rollouts, a stale sampler).
+    tis_cap: float = 0.0
+    tis_mask: float = 0.0  # masked importance sampling's bound M (> 1): w outside [1/M, M] set to 0
+    tis_level: Literal["token", "sequence"] = "token"  # sequence: w is the product over the completion
     # Weight of KL(pi || reference) per token (0: off). > 0 keeps a copy of the starting weights on
     # the device to score every rollout.
     kl: float = 0.0
@@ -93,7 +113,17 @@ class RLConfig:
     # run with its message and the prompt, or "skip" that prompt's group (advantage 0, counted as
     # reward_errors in metrics.jsonl, the first problem in a reward_error event).
     on_reward_error: Literal["stop", "skip"] = "stop"
+    # Seconds a reward call may take (0: no limit); past it the call is a reward error as above.
+    reward_timeout: float = 30.0
+    # Processes that score a rollout's completions in parallel (0: the trainer's, one by one): for
+    # rewards that take time (math-verify's symbolic checks, running code).
+    reward_workers: int = 0
     prompt_seed: int = 0  # seed of the built-in task's prompts (held-out ones come from seed + 1)
+
+    @property
+    def corrected(self) -> bool:
+        """Whether the loss corrects for the sampler (``tis_cap`` or ``tis_mask`` set)."""
+        return self.tis_cap > 0 or self.tis_mask > 0
 
     def validate(self) -> None:
         for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts", "slots"):
@@ -116,6 +146,20 @@ class RLConfig:
         if self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(
                 f"rl.top_k={self.top_k} must be >= 0 (0: off) and rl.top_p={self.top_p} in (0, 1] (1: off)"
+            )
+        if not (self.tis_cap == 0 or 1 <= self.tis_cap < math.inf) or not (
+            self.tis_mask == 0 or 1 < self.tis_mask < math.inf
+        ):
+            raise ConfigError(
+                f"rl.tis_cap={self.tis_cap} must be 0 (off) or a finite number >= 1 and rl.tis_mask="
+                f"{self.tis_mask} 0 (off) or a finite number > 1 (weights outside [1/tis_mask, tis_mask] are masked)"
+            )
+        if self.dynamic_sampling < 0:
+            raise ConfigError(f"rl.dynamic_sampling={self.dynamic_sampling} must be >= 0 (0: off)")
+        if not 0 <= self.reward_timeout < math.inf or self.reward_workers < 0:
+            raise ConfigError(
+                f"rl.reward_timeout={self.reward_timeout} must be a finite number >= 0 (0: no limit) and "
+                f"rl.reward_workers={self.reward_workers} >= 0 (0: score in the trainer's process)"
             )
         if not 0 <= self.max_sampler_gap < math.inf:
             raise ConfigError(

@@ -11,23 +11,25 @@ GRPO reward function (``rl.reward``) of the task.
 
 A second task, for GRPO on a task it was not tuned on (``bench/grpo_chat.py``): ``sort_chats(n,
 seed)`` asks to sort random letters, and :func:`sort_reward` gives partial credit (the fraction of
-characters in place).
+characters in place). A third, with an answer checked mathematically: ``add_chats(n, seed)`` asks
+for a sum (``"add: 37+48"`` -> ``"85"``), scored by :func:`zaya_jax.rewards.math_answer`.
 """
 
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from zaya_jax.rewards import reply_text
+
 _PREFIX = "reverse: "
 _SORT_PREFIX = "sort: "
+_ADD_PREFIX = "add: "
 _LETTERS = np.array(list("abcdefghijklmnopqrstuvwxyz"))
-_MARKER = re.compile(r"<\|?[\w/.-]+\|?>")
 
 
 def reverse_chats(
@@ -78,17 +80,10 @@ def reverse_answer(prompt: str) -> str:
     return prompt[len(_PREFIX) :][::-1]
 
 
-def reply_answer(reply: str) -> str:
-    """A reply as the reward receives it (the template's rendering, special tokens kept) cut at
-    the first end-of-turn marker (``<|end|>``, ``<|im_end|>``, ``</s>``, ``<end_of_turn>`` ...:
-    anything shaped ``<...>`` or ``<|...|>`` without spaces), surrounding whitespace stripped."""
-    return _MARKER.split(reply, maxsplit=1)[0].strip()
-
-
 def exact_match(prompt: str, reply: str) -> float:
-    """1.0 when ``reply`` (before any end-of-turn marker, stripped: :func:`reply_answer`) is the
+    """1.0 when ``reply`` (before any end-of-turn marker, stripped: :func:`zaya_jax.rewards.reply_text`) is the
     correct answer, else 0.0."""
-    return float(reply_answer(reply) == reverse_answer(prompt))
+    return float(reply_text(reply) == reverse_answer(prompt))
 
 
 def sort_chats(
@@ -112,15 +107,35 @@ def sort_chats(
 
 
 def sort_reward(record: dict[str, Any], completion: str) -> float:
-    """The sort task's partial-credit reward: the characters of the reply (:func:`reply_answer`: up
+    """The sort task's partial-credit reward: the characters of the reply (:func:`~zaya_jax.rewards.reply_text`: up
     to the end of turn) equal to the sorted letters at the same position, over the longer of the
     two (1.0 exactly for the right answer; a reply cut at ``rl.max_new_tokens`` before its end of
     turn is scored whole, so what follows the answer costs credit)."""
     prompt = next(m["content"] for m in record["messages"] if m["role"] == "user")
     if not prompt.startswith(_SORT_PREFIX):
         raise ValueError(f"not a sort-task prompt (it starts with {_SORT_PREFIX!r}): {prompt!r}")
-    answer, reply = "".join(sorted(prompt[len(_SORT_PREFIX) :])), reply_answer(completion)
+    answer, reply = "".join(sorted(prompt[len(_SORT_PREFIX) :])), reply_text(completion)
     return sum(a == b for a, b in zip(answer, reply, strict=False)) / max(len(answer), len(reply), 1)
+
+
+def add_chats(n: int, seed: int | Sequence[int] = 0, low: int = 10, high: int = 99) -> list[dict[str, Any]]:
+    """``n`` chat records of the addition task: the user asks for the sum of two integers in [low,
+    high] (``"add: 37+48"``) and the assistant answers it (``"85"``); the record's ``answer``
+    field holds it too, for :func:`zaya_jax.rewards.math_answer`."""
+    rng = np.random.default_rng(seed)
+    records = []
+    for _ in range(n):
+        a, b = (int(x) for x in rng.integers(low, high + 1, size=2))
+        records.append(
+            {
+                "messages": [
+                    {"role": "user", "content": f"{_ADD_PREFIX}{a}+{b}"},
+                    {"role": "assistant", "content": str(a + b)},
+                ],
+                "answer": str(a + b),
+            }
+        )
+    return records
 
 
 def write_jsonl(path: str | Path, records: list[dict[str, Any]]) -> Path:

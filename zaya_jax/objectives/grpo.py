@@ -11,9 +11,10 @@ from zaya_jax.config import Config, ConfigError
 from zaya_jax.loss import MetricBound, Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
-from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, RewardFunction, held_out_reward, load_reward
-from zaya_jax.objectives.rollouts import Rollouts, kl_reference, rollout_fields
+from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, reward_function
+from zaya_jax.objectives.rollouts import Rollouts, kl_reference, proximal_scorer, rollout_fields
 from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
+from zaya_jax.rewards.calls import load_reward
 
 
 def policy_gradient(cfg: Config) -> Objective:
@@ -44,6 +45,11 @@ def check_grpo(cfg: Config) -> None:
         raise ConfigError(
             "train.objective=grpo takes a fixed batch: remove train.stages and train.batch_ramp"
         )
+    if rl.rollouts and rl.dynamic_sampling:
+        raise ConfigError(
+            "rl.dynamic_sampling samples more prompts to replace tied groups; rollouts read from files "
+            "(rl.rollouts) are not sampled: set rl.dynamic_sampling=0"
+        )
     if rl.kl > 0 and not train.init_from:
         raise ConfigError(
             "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
@@ -55,7 +61,7 @@ def evaluate_saved(saved: SavedRun) -> dict[str, Any]:
     """The mean greedy reward of the run's held-out prompts (``eval_loss`` is its negation)."""
     cfg = saved.cfg
     prompts = PromptSet(cfg).held_out
-    reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
+    reward = reward_function(cfg)
     mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, reward)
     what = f"the run's held-out reward (step {saved.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
     return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
@@ -68,7 +74,7 @@ GRPO = register(
         check=check_grpo,
         prepare=lambda setup: PromptSet(setup.cfg),  # shared: the producer's and the held-out prompts
         producer=lambda setup, prompts: Rollouts(
-            setup.cfg, setup.tokenizer, kl_reference(setup), prompts, setup.event
+            setup.cfg, setup.tokenizer, kl_reference(setup), prompts, setup.event, proximal_scorer(setup)
         ),
         held_out=lambda setup, prompts: HeldOutReward(setup.cfg, setup.tokenizer, prompts, setup.beat),
         evaluate_saved=evaluate_saved,

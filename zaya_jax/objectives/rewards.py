@@ -12,14 +12,7 @@ every epoch.
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import math
-import numbers
-import os
-import sys
-import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,102 +28,15 @@ from zaya_jax.files import read_json
 from zaya_jax.generate import generate
 from zaya_jax.objectives.spec import TrainState
 from zaya_jax.parallel import process_local
+from zaya_jax.rewards.calls import RewardError, RewardFunction
 
 BLOCK = 1024
-Reward = Callable[[dict[str, Any], str], float]
 
 
-class RewardError(ValueError):
-    """The reward function failed, or returned something that is not a reward (``rl.on_reward_error: stop``)."""
-
-
-@contextlib.contextmanager
-def _working_directory_importable() -> Iterator[None]:
-    """The working directory at the end of ``sys.path`` while a reward module is imported: the
-    ``zaya`` command (a console script) does not put it there, ``python -m`` does."""
-    cwd = os.getcwd()
-    added = cwd not in sys.path and "" not in sys.path
-    if added:
-        sys.path.append(cwd)
-    try:
-        yield
-    finally:
-        if added and cwd in sys.path:
-            sys.path.remove(cwd)
-
-
-def _import_failure(spec: str, module_name: str, err: BaseException) -> ConfigError:
-    """One line for a reward module that cannot be imported: what failed, and where."""
-    if isinstance(err, ModuleNotFoundError) and err.name and module_name.startswith(err.name):
-        return ConfigError(
-            f"rl.reward={spec!r}: no module named {err.name!r}; a reward module is imported from the "
-            "working directory, PYTHONPATH or an installed package (rl.reward=MODULE:FUNCTION)"
-        )
-    frames = traceback.extract_tb(err.__traceback__)
-    where = (
-        f" ({frames[-1].filename}:{frames[-1].lineno})" if frames and not isinstance(err, SyntaxError) else ""
-    )
-    return ConfigError(
-        f"rl.reward={spec!r}: importing {module_name!r} failed{where}: {type(err).__name__}: {err}; fix the module"
-    )
-
-
-def load_reward(spec: str) -> Reward:
-    """``"module:function"`` -> the function (called as ``function(record, completion_text)``);
-    ``module`` is imported from ``sys.path`` and then the working directory. Any failure is one
-    :class:`ConfigError` naming ``rl.reward`` (a module that raises or does not compile included)."""
-    module_name, _, name = spec.partition(":")
-    try:
-        with _working_directory_importable():
-            module = importlib.import_module(module_name)
-    except Exception as err:  # anything the user's module raises at import, SyntaxError included
-        raise _import_failure(spec, module_name, err) from None
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"rl.reward={spec!r}: {module_name} has no function {name!r}")
-    return fn
-
-
-def _prompt_text(record: dict[str, Any]) -> str:
-    messages = prompt_messages(record) if isinstance(record.get("messages"), list) else []
-    text = " | ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
-    return text if len(text) <= 120 else text[:117] + "..."
-
-
-class RewardFunction:
-    """``rl.reward`` as the run calls it: ``reward(record, completion_text)`` is a finite float, or
-    None when the function raised or returned something that is not a finite number and
-    ``rl.on_reward_error`` is ``skip`` (counted in :attr:`errors`; the first problem kept in
-    :attr:`problem`). With ``stop`` (the default) that is a :class:`RewardError` naming the function,
-    what it did and the prompt."""
-
-    def __init__(self, spec: str, on_error: str = "stop"):
-        self.spec, self.on_error = spec, on_error
-        self.fn = load_reward(spec)
-        self.errors = 0
-        self.problem: str | None = None
-
-    def __call__(self, record: dict[str, Any], text: str) -> float | None:
-        try:
-            value = self.fn(record, text)
-        except (Exception, SystemExit) as err:  # the user's function: reported, never a traceback
-            problem = f"raised {type(err).__name__}: {err}"
-        else:
-            if isinstance(value, numbers.Real) and math.isfinite(value):
-                return float(value)
-            problem = f"returned {value!r} ({type(value).__name__}), not a finite number"
-        where = getattr(record, "where", None)
-        problem = f"rl.reward={self.spec} {problem} for the prompt {_prompt_text(record)!r}" + (
-            f" ({where})" if where else ""
-        )
-        if self.on_error == "stop":
-            raise RewardError(
-                f"{problem}; fix the function, or set rl.on_reward_error=skip to skip that prompt's group "
-                "(counted as reward_errors)"
-            )
-        self.errors += 1
-        self.problem = self.problem or problem
-        return None
+def reward_function(cfg: Config) -> RewardFunction:
+    """``rl.reward`` with the run's error policy, time limit and workers."""
+    rl = cfg.rl
+    return RewardFunction(rl.reward, rl.on_reward_error, rl.reward_timeout, rl.reward_workers)
 
 
 class PromptRecord(dict):
@@ -276,15 +182,16 @@ def completion_texts(tokenizer: Tokenizer, rows: list[list[int]]) -> list[str]:
     return [tokenizer.decode(row, skip_special_tokens=False) for row in rows]
 
 
-def held_out_reward(
+def held_out_scores(
     cfg: Config,
     variables: dict[str, Any],
     tokenizer: Tokenizer,
     records: Sequence[dict[str, Any]],
     reward: Callable[[dict[str, Any], str], float | None],
-) -> float:
-    """The mean reward of greedy completions (``rl.max_new_tokens``) of ``records``' prompts, over
-    the completions ``reward`` scored (None: skipped, see :class:`RewardFunction`)."""
+) -> list[float]:
+    """The rewards of greedy completions (``rl.max_new_tokens``) of ``records``' prompts that
+    ``reward`` scored (None: skipped, see :class:`RewardFunction`; a :class:`RewardFunction` scores
+    them in its workers)."""
     encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
     ids, mask, _ = encode(records)
     out = generate(
@@ -298,24 +205,49 @@ def held_out_reward(
         slots=cfg.rl.slots,
     )
     texts = completion_texts(tokenizer, out.rows())
-    scores = [score for r, t in zip(records, texts, strict=True) if (score := reward(r, t)) is not None]
+    if isinstance(reward, RewardFunction):
+        values = reward.score(records, texts)
+    else:
+        values = [reward(r, t) for r, t in zip(records, texts, strict=True)]
+    scores = [value for value in values if value is not None]
     if not scores:
         raise RewardError(f"no held-out completion could be scored: {getattr(reward, 'problem', '')}")
-    return float(np.mean(scores))
+    return scores
+
+
+def held_out_reward(
+    cfg: Config,
+    variables: dict[str, Any],
+    tokenizer: Tokenizer,
+    records: Sequence[dict[str, Any]],
+    reward: Callable[[dict[str, Any], str], float | None],
+) -> float:
+    """The mean reward of :func:`held_out_scores`."""
+    return float(np.mean(held_out_scores(cfg, variables, tokenizer, records, reward)))
+
+
+def unparsed_share(values: Sequence[Any]) -> float | None:
+    """The share of ``values`` that are :class:`zaya_jax.rewards.Score` marked unparsed, among those
+    that carry the mark (None when none does: the reward function does not parse answers)."""
+    marked = [value.parsed for value in values if hasattr(value, "parsed")]
+    return float(np.mean([not parsed for parsed in marked])) if marked else None
 
 
 class HeldOutReward:
     """A ``grpo`` run's held-out evaluation: the mean greedy reward of the held-out prompts
-    (``eval_reward``; ``eval_loss`` is its negation, so ``checkpoint.keep_best`` keeps the best)."""
+    (``eval_reward``; ``eval_loss`` is its negation, so ``checkpoint.keep_best`` keeps the best;
+    ``eval_reward_unparsed``: the share of replies whose answer the reward could not read, with a
+    reward that says so, :class:`zaya_jax.rewards.Score`)."""
 
     def __init__(
         self, cfg: Config, tokenizer: Tokenizer, prompts: PromptSet, beat: Callable[[int, str], None]
     ):
         self.cfg, self.tokenizer, self.prompts, self.beat = cfg, tokenizer, prompts, beat
-        self.reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
+        self.reward = reward_function(cfg)
 
     def __call__(self, step: int, state: TrainState) -> dict[str, float]:
         self.beat(step, "eval")
         variables = process_local({"params": state.params, "balancing": state.balancing})  # each process: all
-        mean = held_out_reward(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
-        return {"loss": -mean, "reward": mean}
+        scores = held_out_scores(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
+        mean, unparsed = float(np.mean(scores)), unparsed_share(scores)
+        return {"loss": -mean, "reward": mean, **({} if unparsed is None else {"reward_unparsed": unparsed})}

@@ -71,12 +71,16 @@ from zaya_jax.loss import FieldSpec
 from zaya_jax.objectives.rewards import (
     PromptEncoder,
     PromptSet,
-    RewardFunction,
     completion_texts,
+    reward_function,
     rollout_stop_ids,
 )
 from zaya_jax.objectives.spec import DataPosition, HostBatch, RunSetup, StepPlan, TrainState
 from zaya_jax.parallel import local_rows, process_local, put_batch
+
+Scorer = Callable[
+    [HostBatch, dict[str, Any] | None], np.ndarray
+]  # (batch, variables) -> (rows, seq) log-probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +103,7 @@ class Completion:
     logprobs: np.ndarray  # the sampler's log-probability of each completion token
     reward: float | None  # None: the reward function failed on it (rl.on_reward_error: skip)
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
+    parsed: bool | None = None  # whether the reward read an answer (zaya_jax.rewards.Score); None: not said
 
 
 def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:
@@ -116,6 +121,13 @@ def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True)
     return advantages, float(np.mean(stds))
 
 
+def needs_proximal(cfg: Config) -> bool:
+    """Whether rollout rows carry the trainer's log-probabilities at the rollout's parameters
+    (``proximal_logprobs``, :mod:`zaya_jax.loss.policy`): with a sampler correction when a rollout
+    trains several steps (with one, the step's own parameters are the rollout's)."""
+    return cfg.rl.corrected and cfg.rl.steps_per_rollout > 1
+
+
 def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
     """The fields a GRPO batch adds to the text fields (:mod:`zaya_jax.data.batch`)."""
     fields: dict[str, FieldSpec] = {
@@ -125,6 +137,8 @@ def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
     }
     if cfg.rl.kl > 0:
         fields["reference_logprobs"] = (np.float32, ())
+    if needs_proximal(cfg):
+        fields["proximal_logprobs"] = (np.float32, ())
     fields["routes"] = (np.int32, (cfg.model.num_layers,))
     return fields
 
@@ -146,7 +160,7 @@ def completion_row(
     row["inputs"][:n], row["targets"][:n] = sequence[:-1], sequence[1:]
     row["segment_ids"][:n], row["positions"][:n] = 1, np.arange(n)
     row["loss_mask"][first:n] = 1.0
-    for name in ("sampler_logprobs", "advantages", "reference_logprobs"):
+    for name in ("sampler_logprobs", "advantages", "reference_logprobs", "proximal_logprobs"):
         if name in fields:
             row[name] = np.zeros(seq_len, np.float32)
     row["sampler_logprobs"][first:n] = completion.logprobs
@@ -171,18 +185,24 @@ class Rollouts:
         self,
         cfg: Config,
         tokenizer: Tokenizer,
-        reference: Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None = None,
+        reference: Scorer | None = None,
         prompts: PromptSet | None = None,
         event: Callable[..., None] = lambda name, **detail: None,
+        proximal: Scorer | None = None,
     ):
         """``reference(host batch, sampled-from variables) -> (rows, seq)`` target log-probabilities of the reference
         weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
         prompt set (default: read from ``cfg.rl``); ``event(name, **detail)`` records what a
-        rollout skipped (``reward_error``)."""
+        rollout skipped (``reward_error``); ``proximal`` the trainer's log-probabilities at the
+        rollout's parameters (needed when :func:`needs_proximal`, see :func:`proximal_scorer`)."""
         if cfg.rl.kl > 0 and reference is None:
             raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
-        self.cfg, self.tokenizer, self.reference = cfg, tokenizer, reference
-        self.reward = RewardFunction(cfg.rl.reward, cfg.rl.on_reward_error)
+        if needs_proximal(cfg) and proximal is None:
+            raise ConfigError(
+                "rl.tis_* with rl.steps_per_rollout > 1 needs the trainer's scores: see proximal_scorer"
+            )
+        self.cfg, self.tokenizer, self.reference, self.proximal = cfg, tokenizer, reference, proximal
+        self.reward = reward_function(cfg)
         self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
@@ -191,6 +211,7 @@ class Rollouts:
         self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
         self.pending: list[dict[str, np.ndarray]] = []
         self.stats: tuple[tuple[str, float], ...] = ()
+        self.sampling: tuple[tuple[str, float], ...] = ()  # dynamic sampling's statistics
         self.params: dict[str, Any] | None = None
 
     def observe(self, state: TrainState) -> None:
@@ -229,11 +250,38 @@ class Rollouts:
         return plan, batch, self.get_state()
 
     def _sample(self) -> list[Completion]:
+        """A rollout's completions; with ``rl.dynamic_sampling`` (DAPO) groups whose rewards all tie
+        (no advantage, nothing to learn) are replaced by groups of further prompts, up to that many
+        more rounds, the rest filled with tied groups."""
         if self.params is None:
             raise RuntimeError("Rollouts.observe(state) must be called before a rollout is sampled")
+        rl = self.cfg.rl
+        wanted = self.size // rl.group_size
+        informative, tied, drawn = [], [], []
+        for attempt in range(1 + rl.dynamic_sampling):
+            completions = self._sample_round(wanted, attempt)
+            drawn += completions
+            for i in range(0, len(completions), rl.group_size):
+                members = completions[i : i + rl.group_size]
+                (informative if _learns(members) else tied).append(members)
+            if not rl.dynamic_sampling or len(informative) >= wanted:
+                break
+        if not rl.dynamic_sampling:
+            return drawn
+        chosen = (informative + tied)[:wanted]
+        scored = [c.reward for c in drawn if c.reward is not None]
+        self.sampling = (
+            ("reward_sampled", float(np.mean(scored)) if scored else float("nan")),  # every group drawn
+            ("groups_replaced", float(len(drawn) // rl.group_size - wanted)),
+            ("sample_rounds", float(attempt + 1)),
+        )
+        return [c for members in chosen for c in members]
+
+    def _sample_round(self, prompts: int, attempt: int) -> list[Completion]:
+        """``group_size`` completions of each of the next ``prompts`` prompts, in row order."""
         rl, group = self.cfg.rl, self.cfg.rl.group_size
         start = self.position["consumed"]
-        records = [self.prompts.record(start + i) for i in range(self.size // group)]
+        records = [self.prompts.record(start + i) for i in range(prompts)]
         self.position["consumed"] += len(records)
         ids, mask, prompts = self.encode([r for r in records for _ in range(group)])
         low, high = _share(len(prompts))  # this process samples rows [low, high) of the rollout
@@ -247,21 +295,22 @@ class Rollouts:
             top_k=rl.top_k,
             top_p=rl.top_p,
             stop_tokens=self.stop_ids,
-            seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"],
+            seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"] + attempt * 104_729,
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
             slots=rl.slots,
             first_stream=low,
         )
         texts = completion_texts(self.tokenizer, out.rows())
-        rewards = [self.reward(records[(low + i) // group], text) for i, text in enumerate(texts)]
+        rewards = self.reward.score([records[(low + i) // group] for i in range(len(texts))], texts)
         every = _gather_rows(out, rewards, self.cfg.train.seq_len)  # every process's rows, in row order
         completions = []
         for i, prompt in enumerate(prompts):
             n, reward = int(every["lengths"][i]), float(every["rewards"][i])
             routes = every["routes"][i, : len(prompt) + n - 1]
+            parsed = None if every["parsed"][i] < 0 else bool(every["parsed"][i])
             completions.append(
-                Completion(start + i // group, prompt, every["tokens"][i, :n], every["logprobs"][i, :n], None if math.isnan(reward) else reward, routes)
+                Completion(start + i // group, prompt, every["tokens"][i, :n], every["logprobs"][i, :n], None if math.isnan(reward) else reward, routes, parsed)
             )  # fmt: skip
         return completions
 
@@ -289,23 +338,42 @@ class Rollouts:
             for c, a in zip(completions, advantages, strict=True)
         ]
         if self.reference is not None:
-            self._score_reference(rows)
+            self._score(rows, "reference_logprobs", self.reference, BATCH_KEYS)
+        if self.proximal is not None:  # the trainer as the rollout's first step sees it: routes replayed
+            self._score(rows, "proximal_logprobs", self.proximal, (*BATCH_KEYS, "routes"))
         self.stats = (
             ("reward", float(rewards[scored].mean()) if scored.any() else float("nan")),
             ("reward_group_std", float(group_std)),
             ("completion_length", float(np.mean([len(c.tokens) for c in completions]))),
             ("zero_advantage", float(np.mean(advantages == 0))),
             *((("reward_errors", float(len(failed))),) if self.cfg.rl.on_reward_error == "skip" else ()),
+            *_unparsed_stat(completions),
+            *self.sampling,
         )
         return rows
 
-    def _score_reference(self, rows: list[dict[str, np.ndarray]]) -> None:
-        """Each completion token's log-probability under the reference weights (``rl.kl > 0``)."""
-        # the text and the sampled vocabulary: no routes (the reference routes as it does)
-        batch = {k: np.stack([row[k] for row in rows]) for k in (*BATCH_KEYS, "vocab_limit")}
-        logprobs = np.asarray(self.reference(batch, self.params))
+    def _score(
+        self, rows: list[dict[str, np.ndarray]], field: str, scorer: Scorer, keys: tuple[str, ...]
+    ) -> None:
+        """Each completion token's log-probability by ``scorer`` into ``field``: the text and the
+        sampled vocabulary (the reference routes as it does; the proximal pass replays the routes)."""
+        batch = {k: np.stack([row[k] for row in rows]) for k in (*keys, "vocab_limit")}
+        logprobs = np.asarray(scorer(batch, self.params))
         for row, values in zip(rows, logprobs, strict=True):
-            row["reference_logprobs"] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
+            row[field] = np.where(row["loss_mask"] > 0, values, 0.0).astype(np.float32)
+
+
+def _learns(group: list[Completion]) -> bool:
+    """Whether a group's rewards differ (an advantage to learn from): all scored, not all equal."""
+    rewards = [c.reward for c in group]
+    return None not in rewards and float(np.std(rewards)) >= 1e-6
+
+
+def _unparsed_stat(completions: list[Completion]) -> tuple[tuple[str, float], ...]:
+    """``reward_unparsed``: the share of completions whose answer the reward could not read, where
+    the reward says (:class:`zaya_jax.rewards.Score`)."""
+    marked = [c.parsed for c in completions if c.parsed is not None]
+    return (("reward_unparsed", float(np.mean([not p for p in marked]))),) if marked else ()
 
 
 def _share(rows: int) -> tuple[int, int]:
@@ -329,6 +397,8 @@ def _gather_rows(out: Generation, rewards: list[float | None], seq_len: int) -> 
         "lengths": out.lengths,
         "logprobs": out.logprobs,
         "rewards": np.asarray([np.nan if r is None else r for r in rewards], np.float32),
+        # 1 / 0: the reward read an answer / did not (zaya_jax.rewards.Score); -1: it does not say
+        "parsed": np.asarray([int(getattr(r, "parsed", -1)) for r in rewards], np.int32),
         "routes": routes,
     }
     if jax.process_count() == 1:
@@ -438,7 +508,26 @@ def _vllm_routes(record: dict[str, Any], layers: int, experts: int, read: int) -
     return np.where(skip, experts, routes)
 
 
-def kl_reference(setup: RunSetup) -> Callable[[HostBatch, dict[str, Any] | None], np.ndarray] | None:
+def proximal_scorer(setup: RunSetup) -> Scorer | None:
+    """``(host batch, sampled-from variables) -> (rows, seq)`` target log-probabilities of the
+    trainer at those parameters (routes replayed as the step replays them), or None when the run
+    does not need them (:func:`needs_proximal`)."""
+    if not needs_proximal(setup.cfg):
+        return None
+    programs, replay = setup.programs, setup.cfg.rl.replay_routes
+    step, layout = programs.token_logprobs_step, programs.layout
+
+    def score(batch: HostBatch, observed: dict[str, Any] | None) -> np.ndarray:
+        if observed is None:
+            raise RuntimeError("the proximal log-probabilities need the parameters a rollout was taken at")
+        batch = batch if replay else {k: v for k, v in batch.items() if k != "routes"}
+        placed = put_batch(local_rows(batch), layout.batch)
+        return np.asarray(step(observed["params"], observed["balancing"], placed))  # replicated
+
+    return score
+
+
+def kl_reference(setup: RunSetup) -> Scorer | None:
     """``(host batch, sampled-from variables or None) -> (rows, seq)`` target log-probabilities
     under the run's starting weights, or None when ``rl.kl`` is 0. With a frozen base the reference
     is the parameter plan's: the sampled-from parameters with their adapters switched off, the same

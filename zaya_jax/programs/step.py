@@ -165,13 +165,34 @@ def _accumulated_grads(
         return grad_fn(*arguments, batch)
     parts = jax.tree.map(lambda x: x.reshape(micro, x.shape[0] // micro, *x.shape[1:]), batch)
     first = jax.tree.map(lambda x: x[0], parts)
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(grad_fn, *arguments, first))
+    shapes = jax.eval_shape(grad_fn, *arguments, first)
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    for name, start in EXTREMES.items():  # a loss's extremes start from the identity of their reduction
+        if name in zeros[1]:
+            zeros[1][name] = jax.tree.map(
+                lambda s, start=start: jnp.full(s.shape, start, s.dtype), shapes[1][name]
+            )
 
     def accumulate(carry, micro_batch):
         grads, stats = grad_fn(*arguments, micro_batch)
-        return jax.tree.map(jnp.add, carry, (grads, stats)), None
+        summed = jax.tree.map(
+            jnp.add, (carry[0], _without_extremes(carry[1])), (grads, _without_extremes(stats))
+        )
+        extremes = {
+            name: jax.tree.map(reduce, carry[1][name], stats[name])
+            for name, reduce in (("maxima", jnp.maximum), ("minima", jnp.minimum))
+            if name in stats
+        }
+        return (summed[0], {**summed[1], **extremes}), None
 
     return jax.lax.scan(accumulate, zeros, parts)[0]
+
+
+EXTREMES = {"maxima": -jnp.inf, "minima": jnp.inf}  # stats reduced by max / min over micro-batches
+
+
+def _without_extremes(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if k not in EXTREMES}
 
 
 def _routing_health(
@@ -205,6 +226,8 @@ def _step_metrics(
     experts = load_fraction[:, :-1]
     return {
         **{name: total / weight for name, total in stats["sums"].items()},
+        **stats.get("maxima", {}),  # an objective's extremes over the batch (grpo: max_ratio)
+        **stats.get("minima", {}),
         "grad_norm": grad_norm,
         "expert_load": load_fraction.mean(0),  # (E+1,) averaged over layers
         # inf (null in metrics.jsonl) while some expert receives no token at all
