@@ -180,7 +180,7 @@ def main() -> None:
                                 f"run.name={run}", f"train.steps={args.grpo_steps}", f"eval.every={args.eval_every}",
                                 "log.every=1", *grpo, *overrides], legacy="legacy" in spec.split(","))  # fmt: skip
         records = [r for r in _metrics(work / "runs" / run)]
-        curve = [base, *(r["eval_reward"] for r in records if "eval_reward" in r)]
+        curve = [r["eval_reward"] for r in records if "eval_reward" in r]  # step 0 (eval.at_start) first
         steps = [r for r in records if "reward" in r]
 
         def mean(key: str, rows: list[dict]) -> float:

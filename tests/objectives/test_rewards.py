@@ -101,7 +101,7 @@ def test_a_skipped_group_trains_nothing_and_is_counted(module_dir):
     one = np.ones(2, np.int32)
     completions = [Completion(g, one, one, np.zeros(2, np.float32), r, None) for g, r in
                    [(0, 1.0), (0, 3.0), (1, None), (1, 5.0)]]  # fmt: skip
-    rows = rollouts._rows(completions)
+    rows, _ = rollouts._rows(completions)
     advantages = [float(row["advantages"][row["loss_mask"] > 0][0]) for row in rows]
     assert advantages[2:] == [0.0, 0.0] and advantages[0] < 0 < advantages[1]
     stats = dict(rollouts.stats)

@@ -75,6 +75,11 @@ class RLConfig:
     # weighs more) or per completion, then over completions ("sequence", GRPO's original).
     loss_norm: Literal["token", "sequence"] = "token"
     steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
+    # Completions packed several to a row of train.seq_len, each its own segment (attention,
+    # positions and per-completion sums stay within it): a step trains train.batch_size completions
+    # in as many rows as they fill (rounded up to an eighth of train.batch_size), not one row each
+    # padded to train.seq_len. Raise train.seq_len to pack more to a row.
+    pack: bool = False
     # DAPO's dynamic sampling: up to this many more rounds of prompts sampled per rollout to replace
     # groups whose rewards all tie (advantage 0: nothing to learn); 0: off. metrics.jsonl then logs
     # reward_sampled (every group drawn) apart from reward (the groups trained), groups_replaced

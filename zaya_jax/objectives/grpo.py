@@ -12,7 +12,13 @@ from zaya_jax.loss import MetricBound, Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
 from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, reward_function
-from zaya_jax.objectives.rollouts import Rollouts, kl_reference, proximal_scorer, rollout_fields
+from zaya_jax.objectives.rollouts import (
+    Rollouts,
+    batch_row_multiple,
+    kl_reference,
+    proximal_scorer,
+    rollout_fields,
+)
 from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
 from zaya_jax.rewards.calls import load_reward
 
@@ -74,7 +80,13 @@ GRPO = register(
         check=check_grpo,
         prepare=lambda setup: PromptSet(setup.cfg),  # shared: the producer's and the held-out prompts
         producer=lambda setup, prompts: Rollouts(
-            setup.cfg, setup.tokenizer, kl_reference(setup), prompts, setup.event, proximal_scorer(setup)
+            setup.cfg,
+            setup.tokenizer,
+            kl_reference(setup),
+            prompts,
+            setup.event,
+            proximal_scorer(setup),
+            batch_row_multiple(setup),
         ),
         held_out=lambda setup, prompts: HeldOutReward(setup.cfg, setup.tokenizer, prompts, setup.beat),
         evaluate_saved=evaluate_saved,

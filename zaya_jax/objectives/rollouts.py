@@ -143,34 +143,93 @@ def rollout_fields(cfg: Config) -> dict[str, FieldSpec]:
     return fields
 
 
+def _empty_rollout_row(cfg: Config, pad_id: int, vocab_limit: int) -> dict[str, np.ndarray]:
+    seq_len, fields = cfg.train.seq_len, rollout_fields(cfg)
+    row = empty_row(seq_len, pad_id)
+    for name in ("sampler_logprobs", "advantages", "reference_logprobs", "proximal_logprobs"):
+        if name in fields:
+            row[name] = np.zeros(seq_len, np.float32)
+    row["vocab_limit"] = np.full(seq_len, vocab_limit, np.int32)
+    if "routes" in fields:
+        row["routes"] = np.full((seq_len, cfg.model.num_layers), -1, np.int32)
+    return row
+
+
+def _read_length(cfg: Config, completion: Completion) -> int:
+    """The tokens a completion's segment reads (prompt + completion - 1), checked against ``train.seq_len``."""
+    n = len(completion.prompt) + len(completion.tokens) - 1
+    if n > cfg.train.seq_len:
+        raise ConfigError(
+            f"a rollout of {len(completion.prompt)} prompt + {len(completion.tokens)} completion tokens does not "
+            f"fit train.seq_len={cfg.train.seq_len}; raise train.seq_len or lower rl.max_new_tokens"
+        )
+    return n
+
+
+def _place(
+    row: dict[str, np.ndarray], at: int, segment: int, completion: Completion, advantage: float
+) -> int:
+    """Write ``completion`` (prompt + completion, its completion's targets trained) into ``row`` as
+    segment ``segment`` from position ``at``; the position after it."""
+    sequence = np.concatenate([completion.prompt, completion.tokens]).astype(np.int32)
+    n, first = len(sequence) - 1, at + len(completion.prompt) - 1
+    end = at + n
+    row["inputs"][at:end], row["targets"][at:end] = sequence[:-1], sequence[1:]
+    row["segment_ids"][at:end], row["positions"][at:end] = segment, np.arange(n)
+    row["loss_mask"][first:end] = 1.0
+    row["sampler_logprobs"][first:end] = completion.logprobs
+    row["advantages"][first:end] = advantage
+    if "routes" in row and completion.routes is not None:
+        row["routes"][at:end] = completion.routes[:n]
+    return end
+
+
 def completion_row(
     cfg: Config, completion: Completion, advantage: float, pad_id: int, vocab_limit: int
 ) -> dict[str, np.ndarray]:
     """One training row: prompt + completion as one segment, the completion's targets trained;
     ``vocab_limit``: the ids the sampler could draw (the tokenizer's vocabulary)."""
-    seq_len, fields = cfg.train.seq_len, rollout_fields(cfg)
-    sequence = np.concatenate([completion.prompt, completion.tokens]).astype(np.int32)
-    n, first = len(sequence) - 1, len(completion.prompt) - 1
-    if n > seq_len:
-        raise ConfigError(
-            f"a rollout of {len(completion.prompt)} prompt + {len(completion.tokens)} completion tokens does not "
-            f"fit train.seq_len={seq_len}; raise train.seq_len or lower rl.max_new_tokens"
-        )
-    row = empty_row(seq_len, pad_id)
-    row["inputs"][:n], row["targets"][:n] = sequence[:-1], sequence[1:]
-    row["segment_ids"][:n], row["positions"][:n] = 1, np.arange(n)
-    row["loss_mask"][first:n] = 1.0
-    for name in ("sampler_logprobs", "advantages", "reference_logprobs", "proximal_logprobs"):
-        if name in fields:
-            row[name] = np.zeros(seq_len, np.float32)
-    row["sampler_logprobs"][first:n] = completion.logprobs
-    row["vocab_limit"] = np.full(seq_len, vocab_limit, np.int32)
-    row["advantages"][first:n] = advantage
-    if "routes" in fields:
-        row["routes"] = np.full((seq_len, cfg.model.num_layers), -1, np.int32)
-        if completion.routes is not None:
-            row["routes"][:n] = completion.routes[:n]
+    _read_length(cfg, completion)
+    row = _empty_rollout_row(cfg, pad_id, vocab_limit)
+    _place(row, 0, 1, completion, advantage)
     return row
+
+
+def packed_rows(
+    cfg: Config,
+    completions: list[Completion],
+    advantages: np.ndarray,
+    pad_id: int,
+    vocab_limit: int,
+    multiple: int = 1,
+) -> list[dict[str, np.ndarray]]:
+    """The completions packed several to a row of ``train.seq_len`` (``rl.pack``), each its own
+    segment (attention, positions and the loss's per-completion sums stay within it): first fit,
+    longest first, so the rows are as few as that greedy packing makes them; the row count rounded
+    up to a multiple of ``multiple`` (or to ``train.batch_size``, where that is fewer) with empty
+    rows (the step's batch must split evenly)."""
+    lengths = [_read_length(cfg, c) for c in completions]
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(completions)), key=lambda i: (-lengths[i], i)):
+        slot = next((b for b, room in enumerate(free) if room >= lengths[i]), None)
+        if slot is None:
+            bins.append([])
+            free.append(cfg.train.seq_len)
+            slot = len(bins) - 1
+        bins[slot].append(i)
+        free[slot] -= lengths[i]
+    rows = []
+    for members in bins:
+        row, at = _empty_rollout_row(cfg, pad_id, vocab_limit), 0
+        for segment, i in enumerate(sorted(members), start=1):
+            at = _place(row, at, segment, completions[i], float(advantages[i]))
+        rows.append(row)
+    target = len(rows) + -len(rows) % multiple
+    if target > cfg.train.batch_size >= len(rows):  # train.batch_size splits evenly too
+        target = cfg.train.batch_size
+    rows += [_empty_rollout_row(cfg, pad_id, vocab_limit) for _ in range(target - len(rows))]
+    return rows
 
 
 class Rollouts:
@@ -189,12 +248,15 @@ class Rollouts:
         prompts: PromptSet | None = None,
         event: Callable[..., None] = lambda name, **detail: None,
         proximal: Scorer | None = None,
+        row_multiple: int = 1,
     ):
         """``reference(host batch, sampled-from variables) -> (rows, seq)`` target log-probabilities of the reference
         weights (needed when ``rl.kl > 0``, see :func:`kl_reference`); ``prompts`` the run's
         prompt set (default: read from ``cfg.rl``); ``event(name, **detail)`` records what a
         rollout skipped (``reward_error``); ``proximal`` the trainer's log-probabilities at the
-        rollout's parameters (needed when :func:`needs_proximal`, see :func:`proximal_scorer`)."""
+        rollout's parameters (needed when :func:`needs_proximal`, see :func:`proximal_scorer`);
+        ``row_multiple``: what a packed batch's row count must be a multiple of (the batch's shards
+        times ``train.micro_batches``, see :func:`batch_row_multiple`)."""
         if cfg.rl.kl > 0 and reference is None:
             raise ConfigError("rl.kl > 0 needs the reference weights to score rollouts: see kl_reference")
         if needs_proximal(cfg) and proximal is None:
@@ -202,6 +264,9 @@ class Rollouts:
                 "rl.tis_* with rl.steps_per_rollout > 1 needs the trainer's scores: see proximal_scorer"
             )
         self.cfg, self.tokenizer, self.reference, self.proximal = cfg, tokenizer, reference, proximal
+        # packed batches' row counts: a multiple of what the step's batch splits into, and of an
+        # eighth of train.batch_size, so that a run compiles its step for a few row counts, not many
+        self.row_multiple = math.lcm(row_multiple, max(1, cfg.train.batch_size // 8))
         self.reward = reward_function(cfg)
         self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
@@ -237,15 +302,13 @@ class Rollouts:
     def __call__(self) -> tuple[RolloutPlan, HostBatch, DataPosition]:
         if not self.pending:
             completions = self._read() if self.file_records is not None else self._sample()
-            self.pending = self._rows(completions)
+            self.pending = self._batches(completions)
             self.position["rollouts"] += 1
-        batch_rows, self.pending = (
-            self.pending[: self.cfg.train.batch_size],
-            self.pending[self.cfg.train.batch_size :],
-        )
+        batch_rows = self.pending.pop(0)
         batch = local_rows({k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]})
-        train = self.cfg.train
-        plan = RolloutPlan(train.batch_size, train.seq_len, 0, None, self.stats)
+        read = sum(int((row["segment_ids"] > 0).sum()) for row in batch_rows)
+        plan = RolloutPlan(len(batch_rows), self.cfg.train.seq_len, 0, None,
+                           (*self.stats, ("row_fill", read / (len(batch_rows) * self.cfg.train.seq_len))))  # fmt: skip
         self.position["tokens_seen"] += plan.tokens
         return plan, batch, self.get_state()
 
@@ -320,7 +383,23 @@ class Rollouts:
         self.position["consumed"] += self.size
         return [records[(start + i) % len(records)] for i in range(self.size)]
 
-    def _rows(self, completions: list[Completion]) -> list[dict[str, np.ndarray]]:
+    def _batches(self, completions: list[Completion]) -> list[list[dict[str, np.ndarray]]]:
+        """The rollout's steps' batches: ``train.batch_size`` completions each, one per row, or packed
+        (``rl.pack``) into as many rows as they fill, rounded up to :attr:`row_multiple`."""
+        rows, advantages = self._rows(completions)
+        size = self.cfg.train.batch_size
+        if not self.cfg.rl.pack:
+            return [rows[i : i + size] for i in range(0, len(rows), size)]
+        pad, vocab = self.tokenizer.pad_id, self.tokenizer.vocab_size
+        batches = [
+            packed_rows(self.cfg, completions[i : i + size], advantages[i : i + size], pad, vocab, self.row_multiple)
+            for i in range(0, len(completions), size)
+        ]  # fmt: skip
+        for batch in batches:
+            self._score_rows(batch)
+        return batches
+
+    def _rows(self, completions: list[Completion]) -> tuple[list[dict[str, np.ndarray]], np.ndarray]:
         failed = {json.dumps(c.group, sort_keys=True) for c in completions if c.reward is None}
         scored = np.asarray([json.dumps(c.group, sort_keys=True) not in failed for c in completions])
         # a group with an unscored completion trains nothing: equal rewards, advantage 0
@@ -333,14 +412,13 @@ class Rollouts:
         if failed:
             self.event("reward_error", groups=len(failed), first=self.reward.problem)
         pad = self.tokenizer.pad_id
-        rows = [
-            completion_row(self.cfg, c, float(a), pad, self.tokenizer.vocab_size)
-            for c, a in zip(completions, advantages, strict=True)
-        ]
-        if self.reference is not None:
-            self._score(rows, "reference_logprobs", self.reference, BATCH_KEYS)
-        if self.proximal is not None:  # the trainer as the rollout's first step sees it: routes replayed
-            self._score(rows, "proximal_logprobs", self.proximal, (*BATCH_KEYS, "routes"))
+        rows = []
+        if not self.cfg.rl.pack:
+            rows = [
+                completion_row(self.cfg, c, float(a), pad, self.tokenizer.vocab_size)
+                for c, a in zip(completions, advantages, strict=True)
+            ]
+            self._score_rows(rows)
         self.stats = (
             ("reward", float(rewards[scored].mean()) if scored.any() else float("nan")),
             ("reward_group_std", float(group_std)),
@@ -350,7 +428,13 @@ class Rollouts:
             *_unparsed_stat(completions),
             *self.sampling,
         )
-        return rows
+        return rows, advantages
+
+    def _score_rows(self, rows: list[dict[str, np.ndarray]]) -> None:
+        if self.reference is not None:
+            self._score(rows, "reference_logprobs", self.reference, BATCH_KEYS)
+        if self.proximal is not None:  # the trainer as the rollout's first step sees it: routes replayed
+            self._score(rows, "proximal_logprobs", self.proximal, (*BATCH_KEYS, "routes"))
 
     def _score(
         self, rows: list[dict[str, np.ndarray]], field: str, scorer: Scorer, keys: tuple[str, ...]
@@ -506,6 +590,15 @@ def _vllm_routes(record: dict[str, Any], layers: int, experts: int, read: int) -
             f"{routes[t, layer]} there (vLLM writes 0 for a skip): the mask does not line up with the routes"
         )
     return np.where(skip, experts, routes)
+
+
+def batch_row_multiple(setup: RunSetup) -> int:
+    """What a batch's row count must be a multiple of: the devices its rows are split over (the
+    layout's batch sharding) and ``train.micro_batches``."""
+    sharding = setup.programs.layout.batch
+    axes = sharding.spec[0] if len(sharding.spec) else None
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.lcm(math.prod(sharding.mesh.shape[a] for a in axes), setup.cfg.train.micro_batches)
 
 
 def proximal_scorer(setup: RunSetup) -> Scorer | None:
