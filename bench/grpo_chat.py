@@ -27,6 +27,7 @@ keeps to one core.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -45,6 +46,12 @@ CHATML = (
 )
 SPECIALS = ["<pad>", "</s>", "<s>", "<|im_start|>", "<|im_end|>"]  # ids 0-4: tiny's pad/eos/bos are 0/1/2
 VOCAB = 320
+# The tasks (--task): the records, the reward (rl.reward), and what it measures.
+TASKS = {
+    "sort": ("sort_chats", "zaya_jax.data.tasks:sort_reward", "partial credit: the letters in place"),
+    "reverse": ("reverse_chats", "zaya_jax.rewards:exact_match", "binary: the reversed word exactly"),
+    "add": ("add_chats", "zaya_jax.rewards:math_answer", "binary: the sum, checked by math-verify"),
+}
 # Without --variant: the grpo preset's settings (tuned on the reverse task) against grpo-chat's.
 DEFAULT_VARIANTS = {
     "the grpo preset's settings": "rl.temperature=1.0,optim.muon_lr=0.002,optim.adam_lr=2e-4",
@@ -108,13 +115,15 @@ def _metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def _held_out(step_dir: Path, cfg_overrides: list[str], work: Path) -> tuple[float, float]:
+def _held_out(step_dir: Path, cfg_overrides: list[str], work: Path, reward: str) -> tuple[float, float]:
     """(mean reward, exact match) of a saved model's greedy completions of the held-out prompts."""
     import zaya_jax
     from zaya_jax.config import load_config, to_dict
     from zaya_jax.data import load_tokenizer
-    from zaya_jax.data.tasks import sort_reward
     from zaya_jax.objectives.rewards import PromptSet, held_out_reward
+    from zaya_jax.rewards.calls import load_reward
+
+    score = load_reward(reward)
 
     cwd = os.getcwd()
     os.chdir(work)
@@ -123,10 +132,8 @@ def _held_out(step_dir: Path, cfg_overrides: list[str], work: Path) -> tuple[flo
         cfg = load_config(str(ROOT / "configs" / "grpo-chat.yaml"), cfg_overrides, model=to_dict(lm.config))
         tokenizer = load_tokenizer(cfg.data.tokenizer)
         prompts = PromptSet(cfg).held_out
-        mean = held_out_reward(cfg, lm.variables, tokenizer, prompts, sort_reward)
-        exact = held_out_reward(
-            cfg, lm.variables, tokenizer, prompts, lambda r, t: float(sort_reward(r, t) == 1)
-        )
+        mean = held_out_reward(cfg, lm.variables, tokenizer, prompts, score)
+        exact = held_out_reward(cfg, lm.variables, tokenizer, prompts, lambda r, t: float(score(r, t) == 1))
     finally:
         os.chdir(cwd)
     return mean, exact
@@ -142,57 +149,81 @@ def main() -> None:
     parser.add_argument("--sft-steps", type=int, default=120)
     parser.add_argument("--grpo-steps", type=int, default=100)
     parser.add_argument("--eval-every", type=int, default=10)
+    parser.add_argument("--task", choices=sorted(TASKS), default="sort")
+    parser.add_argument("--seeds", default="0", help="train.seed of each GRPO run, comma-separated")
+    parser.add_argument("--prompts", type=int, default=2000, help="GRPO prompts in the file (10%% held out)")
+    parser.add_argument("--eval-prompts", type=int, default=128, help="held-out prompts eval_reward scores")
     parser.add_argument(
         "--variant", action="append", default=[], help="NAME=OVERRIDE,OVERRIDE (or legacy); NAME without '='"
     )
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="zaya-grpo-chat-")).resolve()
     work.mkdir(parents=True, exist_ok=True)
-    from zaya_jax.data.tasks import sort_chats, write_jsonl
+    from zaya_jax.data import tasks
 
-    print(f"# {platform.node()} ({len(os.sched_getaffinity(0))} cores usable); {work}", flush=True)
-    sft_records = sort_chats(4000, seed=0)
+    chats, reward, shape = TASKS[args.task]
+    chats = getattr(tasks, chats)
+    print(f"# {platform.node()} ({len(os.sched_getaffinity(0))} cores usable); {work}; task {args.task} "
+          f"({shape}, rl.reward={reward})", flush=True)  # fmt: skip
+    sft_records = chats(4000, seed=0)
     if not (work / "tok" / "tokenizer.json").exists():
         build_tokenizer(work / "tok", sft_records)
-        write_jsonl(work / "chat.jsonl", sft_records)
+        tasks.write_jsonl(work / "chat.jsonl", sft_records)
         seen = {r["messages"][0]["content"] for r in sft_records}
-        prompts = [r for r in sort_chats(2600, seed=[0, 1]) if r["messages"][0]["content"] not in seen][:2000]
-        write_jsonl(work / "prompts.jsonl", prompts)
+        fresh = [r for r in chats(2 * args.prompts, seed=[0, 1]) if r["messages"][0]["content"] not in seen]
+        prompts = list({r["messages"][0]["content"]: r for r in fresh}.values())[: args.prompts]  # distinct
+        tasks.write_jsonl(work / "prompts.jsonl", prompts)
     data = [f"data.tokenizer={work / 'tok' / 'tokenizer.json'}", f"model.vocab_size={VOCAB}"]
-    sft = work / "runs" / "sft"
+    sft = work / "runs" / f"sft{args.sft_steps}"
     if not (sft / "summary.json").exists():
-        seconds = _train(work, ["sft", "run.name=sft", f"train.steps={args.sft_steps}", "eval.every=100000",
+        seconds = _train(work, ["sft", f"run.name={sft.name}", f"train.steps={args.sft_steps}", "eval.every=100000",
                                 "data.sources=[{name: chat, kind: chat, path: chat.jsonl}]", *data])  # fmt: skip
         print(f"SFT: {args.sft_steps} steps in {seconds:.0f} s", flush=True)
     start = sft / "checkpoints" / str(args.sft_steps)
-    grpo = [f"data.tokenizer={work / 'tok' / 'tokenizer.json'}", "rl.prompts=prompts.jsonl"]
-    base, exact = _held_out(start, grpo, work)
+    grpo = [
+        f"data.tokenizer={work / 'tok' / 'tokenizer.json'}",
+        "rl.prompts=prompts.jsonl",
+        f"rl.eval_prompts={args.eval_prompts}",
+        f"rl.reward={reward}",
+    ]
+    base, exact = _held_out(start, grpo, work, reward)
     print(
         f"start (SFT step {args.sft_steps}): held-out reward {base:.3f}, exact match {exact:.1%}", flush=True
     )
     variants = dict(v.split("=", 1) for v in args.variant) if args.variant else DEFAULT_VARIANTS
-    print("| variant | time | held-out reward, step 0 → every " f"{args.eval_every} | train reward first/last 10 | "
-          "zero-advantage rows | completion length | clip fraction |\n|---|---|---|---|---|---|---|")  # fmt: skip
-    for i, (name, spec) in enumerate(variants.items()):
-        overrides = [o for o in spec.split(",") if o and o != "legacy"]
-        run = f"grpo{i}-{abs(hash(spec)) % 10_000}"
+    print("| variant | seed | time | held-out reward, step 0 → every " f"{args.eval_every} | gain | train reward "
+          "first/last 10 | zero-advantage rows | completion length | clip fraction |\n"
+          "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for name, spec in variants.items():
+        for seed in (int(s) for s in args.seeds.split(",")):
+            _variant(work, args, start, grpo, name, spec, seed)
+
+
+def _variant(work: Path, args, start: Path, grpo: list[str], name: str, spec: str, seed: int) -> None:
+    """One GRPO run of a variant from ``start`` and its table row."""
+    overrides = [o for o in spec.split(",") if o and o != "legacy"]
+    run = f"grpo-{hashlib.sha256(spec.encode()).hexdigest()[:8]}-s{seed}-sft{start.name}-{args.grpo_steps}"
+    if not (work / "runs" / run / "summary.json").exists():
         seconds = _train(work, [str(ROOT / "configs" / "grpo-chat.yaml"), "--init-from", str(start),
                                 f"run.name={run}", f"train.steps={args.grpo_steps}", f"eval.every={args.eval_every}",
-                                "log.every=1", *grpo, *overrides], legacy="legacy" in spec.split(","))  # fmt: skip
-        records = [r for r in _metrics(work / "runs" / run)]
-        curve = [r["eval_reward"] for r in records if "eval_reward" in r]  # step 0 (eval.at_start) first
-        steps = [r for r in records if "reward" in r]
+                                "log.every=1", f"train.seed={seed}", *grpo, *overrides],
+                         legacy="legacy" in spec.split(","))  # fmt: skip
+    else:
+        seconds = float("nan")
+    records = [r for r in _metrics(work / "runs" / run)]
+    curve = [r["eval_reward"] for r in records if "eval_reward" in r]  # step 0 (eval.at_start) first
+    steps = [r for r in records if "reward" in r]
 
-        def mean(key: str, rows: list[dict]) -> float:
-            return float(np.mean([r[key] for r in rows if key in r]))
+    def mean(key: str, rows: list[dict]) -> float:
+        return float(np.mean([r[key] for r in rows if key in r]))
 
-        print(
-            f"| {name} | {seconds:.0f} s | {' → '.join(f'{v:.3f}' for v in curve)} | "
-            f"{mean('reward', steps[:10]):.3f} / {mean('reward', steps[-10:]):.3f} | "
-            f"{mean('zero_advantage', steps):.0%} | {mean('completion_length', steps[:10]):.1f} → "
-            f"{mean('completion_length', steps[-10:]):.1f} | {mean('clip_fraction', steps):.3f} |",
-            flush=True,
-        )
+    print(
+        f"| {name} | {seed} | {seconds:.0f} s | {' → '.join(f'{v:.3f}' for v in curve)} | {curve[-1] - curve[0]:+.3f} | "
+        f"{mean('reward', steps[:10]):.3f} / {mean('reward', steps[-10:]):.3f} | "
+        f"{mean('zero_advantage', steps):.0%} | {mean('completion_length', steps[:10]):.1f} → "
+        f"{mean('completion_length', steps[-10:]):.1f} | {mean('clip_fraction', steps):.3f} |",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -187,3 +187,34 @@ def test_a_sampled_tokens_log_probability_is_under_the_distribution_it_was_drawn
         assert abs(float(logprob[row]) - model_own) > 0.05  # not the temperature-1 value
     assert np.isclose(float(logprob[2]), float(jax.nn.log_softmax(logits[2])[token[2]]), atol=1e-6)
     assert int(token[2]) == int(jnp.argmax(logits[2][:45]))
+
+
+@pytest.mark.parametrize("slots", [16, 5], ids=["whole-groups", "groups-split-across-admissions"])
+def test_a_groups_prompt_read_once_and_forked_gives_what_each_row_reading_it_alone_gives(slots):
+    """share_prompts: the completions of one prompt read it once (the leader), the others get a copy
+    of its cache before its last token; tokens, log-probabilities and routes equal those of every
+    row reading its prompt itself, sampling included (each row its own stream), prompts longer than
+    a prefill chunk and slots too few for whole groups (a late follower reads its prompt alone)."""
+    cfg = tiny_config(layer_types=("hybrid", "hybrid_sliding"), sliding_window=3)
+    variables = varied_variables(cfg)
+    prompts = _prompts(cfg, 3, 19, seed=4) + [[7]]  # a one-token prompt has nothing to share
+    requests = [
+        Request(p, max_new_tokens=6, temperature=1.2, top_k=8, seed=3, stream=g * 4 + k)
+        for g, p in enumerate(prompts)
+        for k in range(4)
+    ]
+    runs = {}
+    for share in (False, True):
+        engine = Engine(cfg, variables, slots=slots, prefill_chunk=8, return_routes=True, share_prompts=share)
+        runs[share] = (engine.run(requests), engine.stats)
+    (alone, plain), (forked, shared) = runs[False], runs[True]
+    for a, b in zip(alone, forked, strict=True):
+        assert a.tokens.tolist() == b.tokens.tolist()
+        np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(b.routes, a.routes)
+    assert len({tuple(r.tokens.tolist()) for r in forked[:4]}) > 1  # a group's rows differ: own streams
+    assert plain.shared_prompt_tokens == 0 and plain.prompt_tokens == sum(len(r.prompt) for r in requests)
+    assert shared.shared_prompt_tokens > 0
+    assert shared.prompt_tokens + shared.shared_prompt_tokens == plain.prompt_tokens
+    if slots == 16:  # every follower forked: each prompt read once, plus each follower's last token
+        assert shared.prompt_tokens == sum(len(p) + 3 if len(p) > 1 else 4 * len(p) for p in prompts)

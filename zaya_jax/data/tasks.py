@@ -12,7 +12,7 @@ GRPO reward function (``rl.reward``) of the task.
 A second task, for GRPO on a task it was not tuned on (``bench/grpo_chat.py``): ``sort_chats(n,
 seed)`` asks to sort random letters, and :func:`sort_reward` gives partial credit (the fraction of
 characters in place). A third, with an answer checked mathematically: ``add_chats(n, seed)`` asks
-for a sum (``"add: 37+48"`` -> ``"85"``), scored by :func:`zaya_jax.rewards.math_answer`.
+for a sum (``"add: 17+28"`` -> ``"45"``), scored by :func:`zaya_jax.rewards.math_answer`.
 """
 
 from __future__ import annotations
@@ -118,9 +118,9 @@ def sort_reward(record: dict[str, Any], completion: str) -> float:
     return sum(a == b for a, b in zip(answer, reply, strict=False)) / max(len(answer), len(reply), 1)
 
 
-def add_chats(n: int, seed: int | Sequence[int] = 0, low: int = 10, high: int = 99) -> list[dict[str, Any]]:
+def add_chats(n: int, seed: int | Sequence[int] = 0, low: int = 0, high: int = 99) -> list[dict[str, Any]]:
     """``n`` chat records of the addition task: the user asks for the sum of two integers in [low,
-    high] (``"add: 37+48"``) and the assistant answers it (``"85"``); the record's ``answer``
+    high] (``"add: 17+28"``) and the assistant answers it (``"45"``); the record's ``answer``
     field holds it too, for :func:`zaya_jax.rewards.math_answer`."""
     rng = np.random.default_rng(seed)
     records = []

@@ -211,6 +211,27 @@ def prefill_program(cfg: ModelConfig, shape: Shape, bucket: int, width: int):
 
 
 @functools.lru_cache(maxsize=16)
+def fork_program(shape: Shape, bucket: int):
+    """``(state, sources (bucket,), targets (bucket,)) -> state``: each target slot's cache (and
+    routes) made a copy of its source slot's, a prompt read once for every slot that continues it
+    (``shape.slots`` pads the bucket and is dropped). Nothing else of the target changes: it keeps
+    its own sampling parameters and stream."""
+
+    def fork(state, sources, targets):
+        def copy(x, axis):
+            picked = jnp.take(x, sources, axis=axis, mode="clip")
+            return x.at[(slice(None),) * axis + (targets,)].set(picked, mode="drop")
+
+        cache = {k: copy(x, 0 if k in ROW_CACHE_KEYS else 1) for k, x in state["cache"].items()}
+        new = {**state, "cache": _constrained(cache, shape)}
+        if shape.routes:
+            new["routes"] = copy(state["routes"], 0)
+        return new
+
+    return jax.jit(fork, donate_argnums=0)
+
+
+@functools.lru_cache(maxsize=16)
 def decode_program(cfg: ModelConfig, shape: Shape):
     """``(variables, state, vocab_limit, max_steps, yield_on_finish) -> (state, steps run)``: one-token
     steps of every live, unfinished row, in a device loop."""

@@ -12,6 +12,14 @@ recompiles while requests come and go.
 Each row computes what it computes alone: prompts are not padded (a row's cache slot is its token's
 position), and a sampling row draws from its own random stream (:mod:`zaya_jax.engine.sampling`),
 so seeded sampling gives the same tokens whatever the arrival order, slot or batch.
+
+Requests with the same prompt (GRPO's group: ``group_size`` completions of one prompt) read it once
+(``share_prompts``): the first to hold a slot (the leader) reads all but the prompt's last token;
+each other holder of that prompt waiting in a slot then gets a copy of the leader's cache (the CCA
+keys and values of those positions, its conv and delay columns, positions and routes:
+:func:`~zaya_jax.engine.programs.fork_program`), and every one of them reads the last token itself,
+drawing its first token from its own stream. A request whose leader has already gone past that
+point (it entered a slot later) reads its prompt alone.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from zaya_jax.engine.programs import (
     admit_program,
     decode_program,
     empty_state_program,
+    fork_program,
     prefill_program,
     retire_program,
 )
@@ -76,6 +85,7 @@ class EngineStats:
 
     prefill_calls: int = 0
     prompt_tokens: int = 0
+    shared_prompt_tokens: int = 0  # prompt tokens not read: copied from a leader's cache (share_prompts)
     decode_calls: int = 0
     decode_steps: int = 0
     new_tokens: int = 0
@@ -119,6 +129,7 @@ class Engine:
     over which the cache slots are split (tree attention). ``return_routes``: record routes.
     ``capacity``: cache slots per row (a prompt and its new tokens) for every call, so that calls
     of any length share one program (default: the longest request's, rounded up to 64).
+    ``share_prompts``: requests with the same prompt read it once (see the module doc).
     """
 
     def __init__(
@@ -134,6 +145,7 @@ class Engine:
         mesh: Mesh | None = None,
         return_routes: bool = False,
         capacity: int | None = None,
+        share_prompts: bool = True,
     ):
         if slots < 1 or prefill_chunk < 1:
             raise ValueError(f"slots ({slots}) and prefill_chunk ({prefill_chunk}) must be >= 1")
@@ -148,7 +160,7 @@ class Engine:
         self.slots, self.chunk, self.max_rows = slots, prefill_chunk, min(slots, budget // prefill_chunk)
         self.vocab_limit = jnp.int32(vocab_limit or cfg.vocab_size)
         self.decode, self.mesh, self.return_routes = decode, mesh, return_routes
-        self.capacity, self.stats = capacity, EngineStats()
+        self.capacity, self.stats, self.share_prompts = capacity, EngineStats(), share_prompts
 
     def _shape(self, requests: Sequence[Request]) -> Shape:
         """Capacity and buffers rounded up (64 slots, 4 stop ids), so that similar calls share programs."""
@@ -195,6 +207,14 @@ class _Run:
         self.read = [0] * self.shape.slots  # prompt tokens read per slot
         self.results: list[Finished | None] = [None] * len(requests)
         self.pad = jnp.int32(cfg.pad_token_id)
+        # the first request of each prompt (of 2 tokens or more) leads the others that share it
+        self.leader: list[int | None] = [None] * len(requests)
+        if engine.share_prompts:
+            first: dict[tuple[int, ...], int] = {}
+            for i, request in enumerate(requests):
+                key = tuple(int(t) for t in request.prompt)
+                if len(key) > 1 and (leader := first.setdefault(key, i)) != i:
+                    self.leader[i] = leader
 
     def finish(self) -> list[Finished]:
         while self.queue or any(h is not None for h in self.holder):
@@ -227,14 +247,59 @@ class _Run:
         admit = admit_program(self.engine.cfg, self.shape)
         self.state = admit(self.state, jnp.asarray(admitted), rows, jnp.asarray(stops), self.pad)
 
+    def _leader_slot(self, slot: int) -> int | None:
+        """The slot of the leader of the request in ``slot`` while it still holds the prompt's cache
+        up to its last token unread (it stops there for its followers), else None."""
+        leader = self.leader[self.holder[slot]]
+        if leader is None:
+            return None
+        at = next((s for s, h in enumerate(self.holder) if h == leader), None)
+        if at is None or self.read[at] > len(self.requests[leader].prompt) - 1:
+            return None
+        return at
+
+    def _fork(self) -> None:
+        """Copy each waiting follower's leader's cache to it, where the leader has read all but the
+        prompt's last token."""
+        pairs = [
+            (at, s)
+            for s, h in enumerate(self.holder)
+            if h is not None and self.read[s] == 0 and (at := self._leader_slot(s)) is not None
+            and self.read[at] == len(self.requests[h].prompt) - 1
+        ]  # fmt: skip
+        if not pairs:
+            return
+        bucket = 1 << (len(pairs) - 1).bit_length()
+        sources = np.full(bucket, self.shape.slots, np.int32)
+        targets = np.full(bucket, self.shape.slots, np.int32)
+        for i, (at, slot) in enumerate(pairs):
+            sources[i], targets[i] = at, slot
+            self.read[slot] = self.read[at]
+            self.engine.stats.shared_prompt_tokens += self.read[at]
+        self.state = fork_program(self.shape, bucket)(self.state, jnp.asarray(sources), jnp.asarray(targets))
+
+    def _end(self, slot: int) -> int:
+        """Where this prefill step stops reading the prompt in ``slot``: its end, or the token before
+        its last while followers wait in slots for a copy of its cache."""
+        request = self.holder[slot]
+        end = len(self.requests[request].prompt)
+        waiting = any(
+            h is not None and self.leader[h] == request and self.read[s] == 0
+            for s, h in enumerate(self.holder)
+        )
+        return end - 1 if waiting and self.read[slot] < end - 1 else end
+
     def _prefill(self) -> bool:
-        """One prefill step of the slots whose prompts are not fully read; False if there are none."""
+        """One prefill step of the slots whose prompts are not fully read; False if there are none.
+        A follower waits while its leader reads (then gets a copy of its cache: :meth:`_fork`)."""
         engine = self.engine
+        self._fork()
         waiting = [
             s
             for s, h in enumerate(self.holder)
             if h is not None and self.read[s] < len(self.requests[h].prompt)
-        ]
+            and not (self.read[s] == 0 and self._leader_slot(s) is not None)
+        ]  # fmt: skip
         if not waiting:
             return False
         waiting = waiting[: engine.max_rows]
@@ -245,7 +310,9 @@ class _Run:
         n, sample = np.zeros(bucket, np.int32), np.zeros(bucket, bool)
         for i, slot in enumerate(waiting):
             prompt = self.requests[self.holder[slot]].prompt
-            piece = np.asarray(prompt[self.read[slot] : self.read[slot] + width], np.int32)
+            piece = np.asarray(
+                prompt[self.read[slot] : min(self.read[slot] + width, self._end(slot))], np.int32
+            )
             rows[i], n[i] = slot, len(piece)
             tokens[i, : len(piece)] = piece
             self.read[slot] += len(piece)
