@@ -6,7 +6,8 @@ made repeatable). One model (the ``--config`` preset's shapes, ``tiny`` by defau
 ``save_pretrained``; each variant loads those files in its own process, runs the whole workload once
 to compile (JAX) or warm up (PyTorch), then once timed, greedy:
 
-- ``engine``: :class:`zaya_jax.engine.Engine`, 64 slots, each row stopping at its own length;
+- ``engine``: :class:`zaya_jax.engine.Engine`, 64 slots, each row stopping at its own length, a
+  group's prompt read once (``share_prompts``); ``engine, prompts unshared``: each row reads its own;
 - ``static``: :func:`zaya_jax.generate.static_generate`, batches of 64 rows, each batch decoding
   until its longest row is done (rows truncated to their own lengths afterwards);
 - ``hf``: ``ZayaForCausalLM.generate`` with its cache, the same batches of 64, left-padded.
@@ -48,14 +49,19 @@ def _batches(n: int, size: int):
     return [range(start, min(start + size, n)) for start in range(0, n, size)]
 
 
-def run_engine(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
+def run_engine(directory: Path, rows, lengths, slots: int, share_prompts: bool = True) -> list[list[int]]:
     from zaya_jax.engine import Engine, Request
     from zaya_jax.interop.hf import load_hf_directory
 
     cfg, variables = load_hf_directory(directory)
-    engine = Engine(cfg, variables, slots=slots, prefill_chunk=128)
+    engine = Engine(cfg, variables, slots=slots, prefill_chunk=128, share_prompts=share_prompts)
     results = engine.run([Request(p, n) for p, n in zip(rows, lengths, strict=True)])
     return [r.tokens.tolist() for r in results]
+
+
+def run_engine_unshared(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
+    """The engine with every row reading its own prompt (``share_prompts=False``)."""
+    return run_engine(directory, rows, lengths, slots, share_prompts=False)
 
 
 def run_static(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
@@ -104,7 +110,12 @@ def run_hf(directory: Path, rows, lengths, slots: int) -> list[list[int]]:
     return out
 
 
-PARTS = {"engine": run_engine, "static": run_static, "hf": run_hf}
+PARTS = {
+    "engine": run_engine,
+    "engine, prompts unshared": run_engine_unshared,
+    "static": run_static,
+    "hf": run_hf,
+}
 
 
 def part(args: argparse.Namespace) -> None:
@@ -155,8 +166,10 @@ def main() -> None:
                 best[name] = min(best.get(name, float("inf")), result["seconds"])
                 tokens[name] = result["tokens"]
                 print(f"{name}: {result['seconds']:.2f} s", file=sys.stderr)
-    if tokens["engine"] != tokens["static"]:
-        raise SystemExit("the engine's greedy tokens differ from the static sampler's")
+    if tokens["engine"] != tokens["static"] or tokens["engine"] != tokens["engine, prompts unshared"]:
+        raise SystemExit(
+            "the engine's greedy tokens differ from the static sampler's or the unshared engine's"
+        )
     same_hf = np.mean([a == b for a, b in zip(tokens["engine"], tokens["hf"], strict=True)])
     new = sum(lengths)
     print(
