@@ -197,7 +197,7 @@ def test_a_groups_prompt_read_once_and_forked_gives_what_each_row_reading_it_alo
     a prefill chunk and slots too few for whole groups (a late follower reads its prompt alone)."""
     cfg = tiny_config(layer_types=("hybrid", "hybrid_sliding"), sliding_window=3)
     variables = varied_variables(cfg)
-    prompts = _prompts(cfg, 3, 19, seed=4) + [[7]]  # a one-token prompt has nothing to share
+    prompts = [*_prompts(cfg, 3, 19, seed=4), [7]]  # a one-token prompt has nothing to share
     requests = [
         Request(p, max_new_tokens=6, temperature=1.2, top_k=8, seed=3, stream=g * 4 + k)
         for g, p in enumerate(prompts)
