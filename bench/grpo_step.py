@@ -25,7 +25,7 @@ import numpy as np
 
 import zaya_jax
 from zaya_jax.objectives import build_programs
-from zaya_jax.objectives.rollouts import Completion, completion_row, packed_rows
+from zaya_jax.objectives.rollout_rows import Completion, completion_row, packed_rows
 
 SEQ = 384
 

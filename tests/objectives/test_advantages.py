@@ -10,7 +10,7 @@ import pytest
 
 from zaya_jax.config import load_config
 from zaya_jax.loss import policy
-from zaya_jax.objectives.rollouts import group_advantages
+from zaya_jax.objectives.rollout_rows import group_advantages
 
 
 def test_unscaled_advantages_keep_the_rewards_differences():

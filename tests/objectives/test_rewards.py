@@ -15,7 +15,8 @@ from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.data import DataError, load_tokenizer
 from zaya_jax.objectives.rewards import PromptEncoder, PromptSet
-from zaya_jax.objectives.rollouts import Completion, Rollouts, _read_rollout_files
+from zaya_jax.objectives.rollout_rows import Completion
+from zaya_jax.objectives.rollouts import Rollouts, _read_rollout_files
 from zaya_jax.rewards.calls import RewardError, RewardFunction, load_reward
 
 RECORD = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}

@@ -16,7 +16,7 @@ from zaya_jax.config import load_config
 from zaya_jax.data import load_tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import init_variables
-from zaya_jax.objectives.rollouts import Completion, completion_row, group_advantages
+from zaya_jax.objectives.rollout_rows import Completion, completion_row, group_advantages
 
 
 def _records(run):
@@ -231,7 +231,7 @@ def test_a_packed_batch_has_the_loss_and_gradient_of_the_unpacked_one(settings):
 
     from zaya_jax.loss.policy import grpo_loss_and_stats
     from zaya_jax.model import BALANCING, Zaya
-    from zaya_jax.objectives.rollouts import packed_rows
+    from zaya_jax.objectives.rollout_rows import packed_rows
 
     cfg = load_config("tiny", [*GRPO, "train.seq_len=40", "rl.clip_low=0.01", "rl.clip_high=0.01", *settings])
     rng = np.random.default_rng(0)

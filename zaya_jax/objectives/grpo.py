@@ -12,13 +12,8 @@ from zaya_jax.loss import MetricBound, Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
 from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, reward_function
-from zaya_jax.objectives.rollouts import (
-    Rollouts,
-    batch_row_multiple,
-    kl_reference,
-    proximal_scorer,
-    rollout_fields,
-)
+from zaya_jax.objectives.rollout_rows import rollout_fields
+from zaya_jax.objectives.rollouts import Rollouts, batch_row_multiple, kl_reference, proximal_scorer
 from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
 from zaya_jax.rewards.calls import load_reward
 
