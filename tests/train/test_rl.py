@@ -207,17 +207,14 @@ def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
 
 def test_dynamic_sampling_replaces_groups_whose_rewards_tie(tmp_path):
     """rl.dynamic_sampling (DAPO): a reward that ties every completion of half the prompts; the
-    rollouts replace those groups by further prompts' (every trained group has an advantage), log
-    the reward of everything sampled apart from the trained one's."""
+    rollouts replace those groups by further prompts' (every trained group has an advantage), and
+    log the reward of everything sampled apart from the trained one's."""
     args = [*GRPO, "rl.reward=tests.fixtures:half_tied_reward", "train.steps=3", "eval.every=5"]
-    plain, dynamic = tmp_path / "plain", tmp_path / "dynamic"
-    assert main(["train", *args, f"run.dir={plain}", "--no-progress"]) == 0
+    dynamic = tmp_path / "dynamic"
     assert main(["train", *args, "rl.dynamic_sampling=4", f"run.dir={dynamic}", "--no-progress"]) == 0
-    before = [r for r in _records(plain) if "loss" in r]
     after = [r for r in _records(dynamic) if "loss" in r]
-    assert sum(r["zero_advantage"] for r in before) > 0 and "reward_sampled" not in before[0]
     assert all(r["zero_advantage"] == 0 for r in after)
-    assert sum(r["groups_replaced"] for r in after) > 0
+    assert sum(r["groups_replaced"] for r in after) > 0  # tied groups were drawn, and replaced
     assert all(r["groups_replaced"] == 2 * (r["sample_rounds"] - 1) for r in after)  # 2 groups a round
     assert any(r["reward_sampled"] < r["reward"] for r in after)  # the tied groups' zeros are left out
 
