@@ -103,6 +103,7 @@ def _run(hf: Path, work: Path, evaluate: _HeldOut, reward: str, lr: float, seed:
         max_completion_length=args.max_new_tokens, temperature=args.temperature, beta=0.0,
         max_steps=args.steps, warmup_steps=5, lr_scheduler_type="constant_with_warmup", logging_steps=10,
         save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=seed, optim="adamw_torch",
+        **({} if args.router_aux_loss_coef is None else {"router_aux_loss_coef": args.router_aux_loss_coef}),
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32)
     tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
@@ -138,6 +139,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.5)
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--eval-prompts", type=int, default=128, help="as bench/grpo_chat.py's")
+    parser.add_argument(
+        "--router-aux-loss-coef", type=float, default=None,
+        help="TRL's router auxiliary loss weight (default: TRL's, from the model config; zaya adds none)",
+    )  # fmt: skip
     args = parser.parse_args()
     import torch
 
