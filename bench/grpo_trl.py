@@ -81,7 +81,7 @@ def _run(hf: Path, work: Path, evaluate: _HeldOut, reward: str, lr: float, seed:
     import transformers
     import trl
 
-    from zaya_jax.objectives.rewards import prompt_messages
+    from zaya_jax.rewards import prompt_messages
     from zaya_jax.rewards.calls import load_reward
 
     torch.manual_seed(seed)

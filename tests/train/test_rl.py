@@ -166,7 +166,8 @@ def test_rollouts_with_routes_are_read_from_files(tmp_path, capsys):
 def test_prompts_from_a_file_split_reshuffle_and_name_bad_records(tmp_path):
     from zaya_jax.data import DataError
     from zaya_jax.data.tasks import reverse_chats, write_jsonl
-    from zaya_jax.objectives.rewards import PromptSet, prompt_messages
+    from zaya_jax.objectives.rewards import PromptSet
+    from zaya_jax.rewards import prompt_messages
 
     path = write_jsonl(tmp_path / "prompts.jsonl", reverse_chats(200, seed=4))
     cfg = load_config(

@@ -98,7 +98,9 @@ def policy_terms(
     segments = batch["segment_ids"]
     on = mask > 0
     weights = mask  # "token": every completion token counts once
-    lengths = _completion_sums(mask, segments)
+    # each completion's token count, for the per-completion norm and GSPO's mean only
+    needs_lengths = rl.loss_norm == "sequence" or rl.ratio == "sequence"
+    lengths = _completion_sums(mask, segments) if needs_lengths else None
     if rl.loss_norm == "sequence":  # each completion's tokens share one unit of weight
         weights = mask / jnp.maximum(lengths, 1.0)
     sampler = batch["sampler_logprobs"]

@@ -28,6 +28,7 @@ from zaya_jax.files import read_json
 from zaya_jax.generate import generate
 from zaya_jax.objectives.spec import TrainState
 from zaya_jax.parallel import process_local
+from zaya_jax.rewards import prompt_messages
 from zaya_jax.rewards.calls import RewardError, RewardFunction
 
 BLOCK = 1024
@@ -44,12 +45,6 @@ class PromptRecord(dict):
     knowing where it was read (``file:line``), which a reward error names."""
 
     where: str | None = None
-
-
-def prompt_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The messages a model is asked to continue: the record's, without a trailing assistant one."""
-    messages = record["messages"]
-    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
 
 
 class PromptSet:

@@ -52,6 +52,13 @@ def reply_text(completion: str) -> str:
     return _MARKER.split(completion, maxsplit=1)[0].strip()
 
 
+def prompt_messages(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages a model is asked to continue: the record's, without a trailing assistant one
+    (the reference answer)."""
+    messages = record["messages"]
+    return messages[:-1] if messages and messages[-1].get("role") == "assistant" else messages
+
+
 def reference_answer(record: dict[str, Any]) -> str:
     """The record's reference answer: its ``"answer"`` field, else the content of its final
     assistant message; a ``ValueError`` naming both when it has neither."""

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from zaya_jax.config import ConfigError
+from zaya_jax.rewards import prompt_messages
 
 Reward = Callable[[dict[str, Any], str], float]
 
@@ -91,9 +92,7 @@ def load_reward(spec: str) -> Reward:
 
 
 def _prompt_text(record: dict[str, Any]) -> str:
-    messages = record.get("messages") if isinstance(record.get("messages"), list) else []
-    if messages and isinstance(messages[-1], dict) and messages[-1].get("role") == "assistant":
-        messages = messages[:-1]
+    messages = prompt_messages(record) if isinstance(record.get("messages"), list) else []
     text = " | ".join(str(m.get("content", "")) for m in messages if isinstance(m, dict))
     return text if len(text) <= 120 else text[:117] + "..."
 
