@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import os
 import platform
@@ -191,11 +192,11 @@ def main() -> None:
         f"start (SFT step {args.sft_steps}): held-out reward {base:.3f}, exact match {exact:.1%}", flush=True
     )
     variants = dict(v.split("=", 1) for v in args.variant) if args.variant else DEFAULT_VARIANTS
-    print("| variant | seed | time | held-out reward, step 0 → every " f"{args.eval_every} | gain | train reward "
-          "first/last 10 | zero-advantage rows | completion length | clip fraction |\n"
-          "|---|---|---|---|---|---|---|---|---|")  # fmt: skip
-    for name, spec in variants.items():
-        for seed in (int(s) for s in args.seeds.split(",")):
+    print("| variant | seed | time | s/step | held-out reward, step 0 → every " f"{args.eval_every} | gain | "
+          "train reward first/last 10 | zero-advantage rows | completion length | clip fraction |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    for seed in (int(s) for s in args.seeds.split(",")):  # the variants interleaved: seed by seed
+        for name, spec in variants.items():
             _variant(work, args, start, grpo, name, spec, seed)
 
 
@@ -217,8 +218,13 @@ def _variant(work: Path, args, start: Path, grpo: list[str], name: str, spec: st
     def mean(key: str, rows: list[dict]) -> float:
         return float(np.mean([r[key] for r in rows if key in r]))
 
+    # a step's wall time (sampling, scoring and training; evaluations left out): its tokens over
+    # its tokens/s (log.every=1); step 1 (compiling) left out
+    seconds_per_step = float(np.mean([(b["tokens_seen"] - a["tokens_seen"]) / b["tokens_per_s"]
+                                      for a, b in itertools.pairwise(steps)]))  # fmt: skip
+
     print(
-        f"| {name} | {seed} | {seconds:.0f} s | {' → '.join(f'{v:.3f}' for v in curve)} | {curve[-1] - curve[0]:+.3f} | "
+        f"| {name} | {seed} | {seconds:.0f} s | {seconds_per_step:.2f} | {' → '.join(f'{v:.3f}' for v in curve)} | {curve[-1] - curve[0]:+.3f} | "
         f"{mean('reward', steps[:10]):.3f} / {mean('reward', steps[-10:]):.3f} | "
         f"{mean('zero_advantage', steps):.0%} | {mean('completion_length', steps[:10]):.1f} → "
         f"{mean('completion_length', steps[-10:]):.1f} | {mean('clip_fraction', steps):.3f} |",

@@ -18,7 +18,7 @@ from zaya_jax.config import load_config
 from zaya_jax.data import DataError, load_tokenizer
 from zaya_jax.generate import generate
 from zaya_jax.model import init_variables
-from zaya_jax.objectives.rollouts import _read_rollout_files
+from zaya_jax.objectives.rollout_files import read_rollout_files
 
 RECORD = {"group": 0, "prompt_ids": [5, 6], "completion_ids": [7, 2], "logprobs": [-0.5, -0.1], "reward": 1.0}
 EXPERTS = [[[0], [1]], [[0], [0]], [[1], [-1]]]  # 3 tokens read x 2 layers x top_k 1 (MINI: E = 2)
@@ -29,7 +29,7 @@ def _read(tmp_path, **fields):
     path = tmp_path / "rollouts.jsonl"
     path.write_text(json.dumps({**RECORD, **fields}) + "\n")
     cfg = load_config("tiny", [*MINI, "model.vocab_size=512", "train.objective=grpo", f"rl.rollouts={path}"])
-    return _read_rollout_files(cfg)
+    return read_rollout_files(cfg)
 
 
 def test_vllm_routes_with_the_skip_mask_become_zaya_classes(tmp_path):
@@ -135,7 +135,7 @@ def test_vllm_routes_replay_exactly_and_a_gap_past_the_bound_stops_or_skips(tmp_
     cfg, variables, model = _skipping_model(tmp_path)
     records, routes = _vllm_records(cfg, variables)
     path = _write(tmp_path / "vllm.jsonl", records)
-    read = _read_rollout_files(load_config("tiny", [*GRPO, f"rl.rollouts={path}"]))
+    read = read_rollout_files(load_config("tiny", [*GRPO, f"rl.rollouts={path}"]))
     for completion, expected in zip(read, routes, strict=True):
         np.testing.assert_array_equal(completion.routes, expected)  # zaya's own capture, class for class
     every = np.concatenate(routes)

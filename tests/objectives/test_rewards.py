@@ -15,8 +15,9 @@ from zaya_jax.cli import main
 from zaya_jax.config import ConfigError, load_config
 from zaya_jax.data import DataError, load_tokenizer
 from zaya_jax.objectives.rewards import PromptEncoder, PromptSet
+from zaya_jax.objectives.rollout_files import read_rollout_files
 from zaya_jax.objectives.rollout_rows import Completion
-from zaya_jax.objectives.rollouts import Rollouts, _read_rollout_files
+from zaya_jax.objectives.rollouts import Rollouts
 from zaya_jax.rewards.calls import RewardError, RewardFunction, load_reward
 
 RECORD = {"messages": [{"role": "user", "content": "reverse: abc"}, {"role": "assistant", "content": "cba"}]}
@@ -141,7 +142,7 @@ def test_a_rollout_record_with_impossible_values_is_refused_with_its_line(tmp_pa
     path = _rollout_file(tmp_path / "rollouts.jsonl", **changes)
     cfg = load_config("tiny", [*MINI, "model.vocab_size=512", "train.objective=grpo", f"rl.rollouts={path}"])
     with pytest.raises(DataError, match=rf"rollouts\.jsonl:1: not a rollout record \(.*{problem}"):
-        _read_rollout_files(cfg)
+        read_rollout_files(cfg)
 
 
 @pytest.mark.parametrize(

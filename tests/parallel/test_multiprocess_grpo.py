@@ -6,7 +6,8 @@ process samples it), and a run stopped (SIGTERM) and saved by two processes, res
 continues the same prompt stream and ends with the uninterrupted run's losses and rewards. With
 parameters split across the processes (fsdp spanning them: the sampler gets them gathered), a
 rollback (an injected NaN) with rollouts scored against reference weights (rl.kl) goes as in one
-process."""
+process. Sampling ahead (rl.max_staleness), two processes stopped and resumed by one end as one
+process does."""
 
 from __future__ import annotations
 
@@ -115,3 +116,24 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
     assert_same_training(ours, theirs, list(range(1, STEPS + 1)))
     assert _positions(two, STEPS)[0] == _positions(one, STEPS)[0]
     _assert_same_weights(two, one)
+
+
+def test_two_processes_sampling_ahead_resumed_by_one_equal_the_one_process_run(tmp_path):
+    """rl.max_staleness=1 on two processes: each samples its rows of the next rollout on a thread
+    while the current one trains (the rows gathered on the main thread). Stopped (SIGTERM, agreed
+    at step 2, the end of the first rollout) and saved by both with the weights of the rollout in flight (version 0: rollout 1 of 2
+    steps each is sampled from rollout 0's weights), resumed by one process, the run samples that
+    rollout again from them and ends as the one-process run sampling ahead does."""
+    ahead = ["rl.max_staleness=1", "rl.tis_cap=2"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    one_process(reference, STEPS, *ahead)
+    procs = start_two_processes(run, STEPS, *GRPO, *ahead, fault=("pause_at_step=1",))
+    faults.signal_while_paused(run, 1, procs, {0: signal.SIGTERM, 1: signal.SIGTERM}, processes=2)
+    finish(procs)
+    assert [p["ahead"] for p in _positions(run, 2)] == [[0], [0]]
+    one_process(run, STEPS, *ahead)
+    ours, theirs = train_metrics(run), train_metrics(reference)
+    assert [theirs[s]["staleness"] for s in range(1, STEPS + 1)] == [0, 0, 2, 2]
+    assert_same_training(ours, theirs, list(range(1, STEPS + 1)))
+    assert [ours[s]["staleness"] for s in range(1, STEPS + 1)] == [0, 0, 2, 2]
+    _assert_same_weights(run, reference)

@@ -44,7 +44,13 @@ from zaya_jax.checkpoint.store import (
     quarantine,
     verify,
 )
-from zaya_jax.checkpoint.training import CheckpointSaveError, TrainingSaver, restore_training, save_training
+from zaya_jax.checkpoint.training import (
+    CheckpointSaveError,
+    TrainingSaver,
+    restore_ahead,
+    restore_training,
+    save_training,
+)
 
 __all__ = [
     "CHECKPOINTS",
@@ -60,6 +66,7 @@ __all__ = [
     "manager",
     "quarantine",
     "read_config",
+    "restore_ahead",
     "restore_model",
     "restore_training",
     "same_model_run",

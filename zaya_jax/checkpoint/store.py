@@ -43,6 +43,8 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
         "config": ocp.JsonCheckpointHandler(),
         "fingerprints": ocp.JsonCheckpointHandler(),
         "train": ocp.StandardCheckpointHandler(),
+        # GRPO's rollouts sampled ahead (rl.max_staleness): the weights each is sampled from.
+        "ahead": ocp.StandardCheckpointHandler(),
         # Every process saves and restores its own data position (its share of the rows).
         "data": ocp.JsonCheckpointHandler(
             filename=data_filename(),

@@ -52,11 +52,14 @@ def save_training(
     eval_loss: float | None = None,
     base: dict[str, Any] | None = None,
     parameters: ParameterPlan = EVERY_PARAMETER,
+    ahead: list[dict[str, Any]] | None = None,
 ) -> None:
     """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState;
     ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``.
     With a frozen base (``parameters``) only what trains is saved, with ``base``
-    (:func:`~zaya_jax.checkpoint.base.base_record`) saying which base it belongs to."""
+    (:func:`~zaya_jax.checkpoint.base.base_record`) saying which base it belongs to. ``ahead``:
+    weights the data position needs (``{"params", "balancing"}`` each: GRPO's rollouts sampled
+    ahead), saved as the ``ahead`` item (:func:`restore_ahead`)."""
     if parameters.frozen_base and base is None:
         raise ValueError("a checkpoint of adapters needs the record of their base (base_record)")
     arrays = {
@@ -64,6 +67,8 @@ def save_training(
         "balancing": state.balancing,
         "train": {"step": state.step, "opt_state": state.opt_state, "controller": state.controller},
     }
+    if ahead:
+        arrays["ahead"] = {str(i): _saved_weights(w, parameters) for i, w in enumerate(ahead)}
     mgr.save(
         step,
         args=ocp.args.Composite(
@@ -155,7 +160,13 @@ class TrainingSaver:
             raise self._fail(err) from err
 
     def save(
-        self, step: int, cfg: Config, state: Any, data_state: dict[str, Any], eval_loss: float | None = None
+        self,
+        step: int,
+        cfg: Config,
+        state: Any,
+        data_state: dict[str, Any],
+        eval_loss: float | None = None,
+        ahead: list[dict[str, Any]] | None = None,
     ) -> None:
         """Start saving ``step`` once the previous save has completed (raising if it failed)."""
         self.finish()  # Orbax would wait for the previous save anyway; this names its step on failure
@@ -165,7 +176,9 @@ class TrainingSaver:
         self._written.clear()  # before Orbax starts the thread that sets it
         self._in_flight = self._listener is not None
         try:
-            save_training(self.mgr, step, cfg, state, data_state, eval_loss, self._base, self.parameters)
+            save_training(
+                self.mgr, step, cfg, state, data_state, eval_loss, self._base, self.parameters, ahead
+            )
         except Exception as err:
             raise self._fail(err) from err
 
@@ -195,6 +208,47 @@ class TrainingSaver:
             if self._listener is not None:
                 jax.monitoring.unregister_event_duration_listener(self._listener)
                 self._listener = None
+
+
+def _saved_weights(weights: dict[str, Any], parameters: ParameterPlan) -> dict[str, Any]:
+    return {"params": parameters.saved(weights["params"]), "balancing": weights["balancing"]}
+
+
+def restore_ahead(
+    checkpoints_dir: str | Path,
+    step: int,
+    like: Any,
+    count: int,
+    *,
+    verify_arrays: bool = True,
+    parameters: ParameterPlan = EVERY_PARAMETER,
+) -> list[dict[str, Any]] | None:
+    """The ``count`` weights (``{"params", "balancing"}``, in the layout of the TrainState ``like``;
+    a frozen base taken from it) saved as step ``step``'s ``ahead`` item, or None when the step
+    holds another number of them or none."""
+    step_dir = Path(checkpoints_dir) / str(step)
+    if "ahead" not in saved_items(step_dir):
+        return None
+    weights = {"params": like.params, "balancing": like.balancing}
+    abstract = {str(i): _abstract(_saved_weights(weights, parameters)) for i in range(count)}
+    mgr = manager(checkpoints_dir)
+    try:
+        args = ocp.args.Composite(ahead=ocp.args.StandardRestore(abstract))
+        try:
+            restored = mgr.restore(step, args=args)["ahead"]
+        except (ValueError, KeyError):  # saved with another rl.max_staleness: another tree
+            return None
+        if verify_arrays:
+            verify(step_dir, saved_fingerprints(mgr, step_dir, step), {"ahead": restored})
+    finally:
+        mgr.close()
+    return [
+        {
+            "params": parameters.restored(restored[str(i)]["params"], like.params),
+            "balancing": restored[str(i)]["balancing"],
+        }
+        for i in range(count)
+    ]
 
 
 def _abstract(tree: Any) -> Any:

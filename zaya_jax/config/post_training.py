@@ -75,6 +75,14 @@ class RLConfig:
     # weighs more) or per completion, then over completions ("sequence", GRPO's original).
     loss_norm: Literal["token", "sequence"] = "token"
     steps_per_rollout: int = 1  # optimizer steps on each rollout (> 1: later steps train off-policy)
+    # Rollouts sampled ahead on a background thread while earlier ones train (0: synchronous, each
+    # rollout sampled from the weights it trains). With k > 0, rollout j is sampled from the weights
+    # rollout j - k started training with (k = 1: one-step off-policy, as PipelineRL / AReaL / verl's
+    # async recipes); every completion carries that parameter version (metrics.jsonl: staleness, in
+    # optimizer steps). Pair it with rl.tis_cap: the clipped ratio is then taken against the
+    # trainer's weights (pi_old) and the sampler's lag is weighted out. Checkpoints also hold the k
+    # sampling weights in flight, so a resumed run samples the rollouts the uninterrupted one did.
+    max_staleness: int = 0
     # Completions packed several to a row of train.seq_len, each its own segment (attention,
     # positions and per-completion sums stay within it): a step trains train.batch_size completions
     # in as many rows as they fill (rounded up to an eighth of train.batch_size), not one row each
@@ -158,6 +166,13 @@ class RLConfig:
             raise ConfigError(
                 f"rl.tis_cap={self.tis_cap} must be 0 (off) or a finite number >= 1 and rl.tis_mask="
                 f"{self.tis_mask} 0 (off) or a finite number > 1 (weights outside [1/tis_mask, tis_mask] are masked)"
+            )
+        if self.max_staleness < 0:
+            raise ConfigError(f"rl.max_staleness={self.max_staleness} must be >= 0 (0: synchronous)")
+        if self.max_staleness and self.rollouts:
+            raise ConfigError(
+                "rl.max_staleness samples rollouts ahead; rollouts read from files (rl.rollouts) are not "
+                "sampled: set rl.max_staleness=0"
             )
         if self.dynamic_sampling < 0:
             raise ConfigError(f"rl.dynamic_sampling={self.dynamic_sampling} must be >= 0 (0: off)")

@@ -34,10 +34,13 @@ from zaya_jax.rewards.calls import RewardError, RewardFunction
 BLOCK = 1024
 
 
-def reward_function(cfg: Config) -> RewardFunction:
-    """``rl.reward`` with the run's error policy, time limit and workers."""
+def reward_function(cfg: Config, workers: int | None = None) -> RewardFunction:
+    """``rl.reward`` with the run's error policy, time limit and workers (``rl.reward_workers``
+    unless ``workers`` is given)."""
     rl = cfg.rl
-    return RewardFunction(rl.reward, rl.on_reward_error, rl.reward_timeout, rl.reward_workers)
+    return RewardFunction(
+        rl.reward, rl.on_reward_error, rl.reward_timeout, rl.reward_workers if workers is None else workers
+    )
 
 
 class PromptRecord(dict):

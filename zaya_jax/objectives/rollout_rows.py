@@ -28,6 +28,7 @@ class Completion:
     reward: float | None  # None: the reward function failed on it (rl.on_reward_error: skip)
     routes: np.ndarray | None  # (prompt + completion - 1, layers): the classes of every token read
     parsed: bool | None = None  # whether the reward read an answer (zaya_jax.rewards.Score); None: not said
+    version: int | None = None  # the optimizer steps of the weights that sampled it; None: read from a file
 
 
 def group_advantages(groups: list[Any], rewards: np.ndarray, scale: bool = True) -> tuple[np.ndarray, float]:

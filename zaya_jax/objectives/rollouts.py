@@ -11,25 +11,7 @@ reward function, normalises the rewards within each group (reward minus the grou
 group's standard deviation; 0 when all are equal) and builds one row per completion. The rollout's
 rows are then trained ``train.batch_size`` at a time.
 
-Rollouts from files (``rl.rollouts``): JSONL records, one completion each, ``{"group": any JSON
-value naming the prompt's group, "prompt_ids": [...], "completion_ids": [...], "logprobs": [...]
-(one per completion token, under the distribution sampled: ``rl.temperature``, ``rl.top_k``,
-``rl.top_p`` over the tokenizer's vocabulary, as vLLM's ``logprobs_mode="processed_logprobs"``
-gives them), "reward": float}`` and optionally the routes the
-sampler took, for router replay, for every token read (``len(prompt_ids) + len(completion_ids) -
-1`` of them: every token but the last), in one of two layouts:
-
-- zaya's: ``"routes": [[class per layer] per token read]``, a class being an expert index in
-  [0, E), E (``model.num_experts``) for the skip class, or -1 where unknown (the router chooses);
-- vLLM's capture (vllm-project/vllm#28284): ``"routed_experts": [[[expert] per layer] per token
-  read]`` (shape tokens read x layers x top_k, top_k = 1 for ZAYA) with ``"routed_skip": [[bool
-  per layer] per token read]``, true where the router chose the skip class. vLLM (upstream and
-  Zyphra's ``zaya.py``) rewrites a skip choice to expert 0 with weight 0 before its fused MoE, so
-  ``routed_experts`` alone cannot tell a skipped token from one routed to expert 0; every ZAYA
-  router has the skip class, so a record with ``routed_experts`` and no ``routed_skip`` is refused
-  (drop both to let the trainer's router choose). The mask's tokens become class E.
-
-They are read in order, ``steps_per_rollout * train.batch_size`` at a time, advantages normalised
+Rollouts can be read from files instead (``rl.rollouts``, :mod:`.rollout_files`). They are read in order, ``steps_per_rollout * train.batch_size`` at a time, advantages normalised
 within the groups of each read, and the files repeat. Every batch is checked before its update is
 kept: the trainer's log-probabilities (routes replayed) against the recorded ones, ``sampler_gap``
 (mean |log pi - log pi_sampler| over completion tokens) at most ``rl.max_sampler_gap``, else the
@@ -54,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -62,10 +43,11 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from zaya_jax.config import Config, ConfigError, ModelConfig
-from zaya_jax.data import BATCH_KEYS, BadDocuments, DataError, jsonl_records
+from zaya_jax.config import Config, ConfigError
+from zaya_jax.data import BATCH_KEYS, DataError
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.generate import Generation, generate
+from zaya_jax.objectives.ahead import Ahead
 from zaya_jax.objectives.rewards import (
     PromptEncoder,
     PromptSet,
@@ -73,6 +55,7 @@ from zaya_jax.objectives.rewards import (
     reward_function,
     rollout_stop_ids,
 )
+from zaya_jax.objectives.rollout_files import read_rollout_files
 from zaya_jax.objectives.rollout_rows import (
     Completion,
     completion_row,
@@ -85,6 +68,34 @@ from zaya_jax.parallel import local_rows, process_local, put_batch
 
 # (host batch, variables) -> (rows, seq) target log-probabilities
 Scorer = Callable[[HostBatch, dict[str, Any] | None], np.ndarray]
+# (count) -> the weights of the ``count`` rollouts in flight at the checkpoint resumed, or None
+AheadReader = Callable[[int], list[dict[str, Any]] | None]
+
+
+@dataclasses.dataclass(frozen=True)
+class Round:
+    """One round of a rollout as this process sampled it: every row's prompt ids (every
+    process's), this process's generation and rewards, the rows' first prompt position and the
+    weights' version."""
+
+    start: int
+    prompts: list[np.ndarray]
+    out: Generation
+    rewards: list[float | None]
+    version: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+    """A sampled rollout: its completions (or, sampled ahead on several processes, the ``local``
+    round left to gather on the main thread), the prompt position after it, the version of the
+    weights that sampled it and dynamic sampling's statistics."""
+
+    completions: list[Completion] | None
+    consumed: int
+    version: int
+    stats: tuple[tuple[str, float], ...] = ()
+    local: Round | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,33 +143,70 @@ class Rollouts:
         # packed batches' row counts: a multiple of what the step's batch splits into, and of an
         # eighth of train.batch_size, so that a run compiles its step for a few row counts, not many
         self.row_multiple = math.lcm(row_multiple, max(1, cfg.train.batch_size // 8))
-        self.reward = reward_function(cfg)
+        rl = cfg.rl
+        if rl.max_staleness and rl.dynamic_sampling and jax.process_count() > 1:
+            raise ConfigError(
+                "rl.dynamic_sampling decides each round on every process's rewards, which rollouts "
+                "sampled ahead (rl.max_staleness) gather on the main thread only: on several processes "
+                "set one of them to 0"
+            )
+        # off the main thread no timer can cut a reward call: a time limit there needs a worker process
+        timed = rl.max_staleness and rl.reward_timeout and not rl.reward_workers
+        self.reward = reward_function(cfg, workers=1 if timed else None)
         self.event = event
         self.prompts = prompts or PromptSet(cfg)  # held-out prompts are evaluated with file rollouts too
         self.encode = PromptEncoder(cfg, tokenizer, cfg.train.seq_len - cfg.rl.max_new_tokens)
         self.stop_ids = rollout_stop_ids(cfg, tokenizer, self.encode.chat)
-        self.file_records = _read_rollout_files(cfg) if cfg.rl.rollouts else None
+        self.file_records = read_rollout_files(cfg) if cfg.rl.rollouts else None
         self.position = {"rollouts": 0, "consumed": 0, "tokens_seen": 0}
         self.pending: list[dict[str, np.ndarray]] = []
         self.stats: tuple[tuple[str, float], ...] = ()
         self.sampling: tuple[tuple[str, float], ...] = ()  # dynamic sampling's statistics
         self.params: dict[str, Any] | None = None
+        self.version = 0  # the optimizer steps of self.params
+        self.saved_versions: list[int] = []  # of the rollouts in flight at the checkpoint resumed
+        self.ahead = Ahead(rl.max_staleness, self._sample) if rl.max_staleness else None
 
     def observe(self, state: TrainState) -> None:
         self.params = {"params": state.params, "balancing": state.balancing}
+        self.version = int(state.step)  # the previous step is finished (on policy): no wait
 
     def get_state(self) -> DataPosition:
-        return dict(self.position)
+        ahead = {"ahead": self.ahead.versions()} if self.ahead is not None else {}
+        return {**self.position, **ahead}
+
+    def ahead_weights(self) -> list[dict[str, Any]] | None:
+        """The weights of the rollouts sampled ahead and not yet trained (saved with a checkpoint)."""
+        return self.ahead.weights() if self.ahead is not None else None
 
     def set_state(self, saved: list[DataPosition]) -> None:
         """Continue from the positions every process of the run saved (any number of processes: the
         position is global, the same in each)."""
         keys = ("rollouts", "consumed", "tokens_seen")
-        positions = {tuple(int(state[k]) for k in keys) for state in saved}
+        positions = {(*(int(state[k]) for k in keys), tuple(state.get("ahead", ()))) for state in saved}
         if len(positions) != 1:
             raise DataError(f"the saved rollout positions disagree on {keys}: {sorted(positions)}")
-        self.position = dict(zip(keys, positions.pop(), strict=True))
-        self.pending = []
+        *position, versions = positions.pop()
+        self.position = dict(zip(keys, position, strict=True))
+        self.pending, self.saved_versions = [], list(versions)
+
+    def resume_ahead(self, read: AheadReader) -> None:
+        """After :meth:`set_state`: sample the rollouts that were in flight at the checkpoint again
+        from their weights, ``read(count)`` from it (``rl.max_staleness``)."""
+        versions = self.saved_versions
+        if self.ahead is None or not versions:
+            return
+        weights = read(len(versions)) if len(versions) == self.ahead.depth else None
+        if weights is None:  # another rl.max_staleness, or no weights saved: sampled from the resumed ones
+            self.event("rollouts_resampled", versions=versions, max_staleness=self.ahead.depth)
+            return
+        self.ahead.restore(versions, weights)
+
+    def close(self) -> None:
+        """Stop sampling ahead (waits for the rollout being sampled) and end the reward's workers."""
+        if self.ahead is not None:
+            self.ahead.close()
+        self.reward.close()
 
     @property
     def size(self) -> int:
@@ -166,8 +214,7 @@ class Rollouts:
 
     def __call__(self) -> tuple[RolloutPlan, HostBatch, DataPosition]:
         if not self.pending:
-            completions = self._read() if self.file_records is not None else self._sample()
-            self.pending = self._batches(completions)
+            self.pending = self._batches(self._next_rollout())
             self.position["rollouts"] += 1
         batch_rows = self.pending.pop(0)
         batch = local_rows({k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]})
@@ -177,45 +224,74 @@ class Rollouts:
         self.position["tokens_seen"] += plan.tokens
         return plan, batch, self.get_state()
 
-    def _sample(self) -> list[Completion]:
-        """A rollout's completions; with ``rl.dynamic_sampling`` (DAPO) groups whose rewards all tie
-        (no advantage, nothing to learn) are replaced by groups of further prompts, up to that many
-        more rounds, the rest filled with tied groups."""
+    def _next_rollout(self) -> list[Completion]:
+        """The next rollout's completions: read from files, sampled now (synchronous) or taken
+        from those sampled ahead, and the prompt position after it."""
+        if self.file_records is not None:
+            return self._read()
         if self.params is None:
             raise RuntimeError("Rollouts.observe(state) must be called before a rollout is sampled")
+        index, consumed = self.position["rollouts"], self.position["consumed"]
+        if self.ahead is None:
+            sampled = self._sample(index, consumed, process_local(self.params), self.version)
+        else:
+            sampled = self.ahead.next(index, consumed, self.params, self.version)
+        completions = sampled.completions
+        if sampled.local is not None:  # sampled ahead on several processes: gathered here
+            completions = self._gathered(sampled.local)
+        self.position["consumed"] = sampled.consumed
+        self.sampling = sampled.stats
+        if self.ahead is not None:
+            self.sampling += (("staleness", float(self.version - sampled.version)),)
+        return completions
+
+    def _sample(self, index: int, start: int, variables: dict[str, Any], version: int) -> Sampled:
+        """Rollout ``index``'s completions, its prompts from position ``start``, sampled from this
+        process's ``variables`` (optimizer step ``version``); with ``rl.dynamic_sampling`` (DAPO)
+        groups whose rewards all tie (no advantage, nothing to learn) are replaced by groups of
+        further prompts, up to that many more rounds, the rest filled with tied groups. Sampled
+        ahead on several processes, the one round's rows are left to gather (:meth:`_gathered`)."""
         rl = self.cfg.rl
         wanted = self.size // rl.group_size
         informative, tied, drawn = [], [], []
         for attempt in range(1 + rl.dynamic_sampling):
-            completions = self._sample_round(wanted, attempt)
+            round_ = self._sample_round(
+                index, start + len(drawn) // rl.group_size, wanted, attempt, variables, version
+            )
+            if self.ahead is not None and jax.process_count() > 1:  # no dynamic sampling (see __init__)
+                return Sampled(None, start + wanted, version, local=round_)
+            completions = self._gathered(round_)
             drawn += completions
             for i in range(0, len(completions), rl.group_size):
                 members = completions[i : i + rl.group_size]
                 (informative if _learns(members) else tied).append(members)
             if not rl.dynamic_sampling or len(informative) >= wanted:
                 break
+        consumed = start + len(drawn) // rl.group_size
         if not rl.dynamic_sampling:
-            return drawn
+            return Sampled(drawn, consumed, version)
         chosen = (informative + tied)[:wanted]
         scored = [c.reward for c in drawn if c.reward is not None]
-        self.sampling = (
+        stats = (
             ("reward_sampled", float(np.mean(scored)) if scored else float("nan")),  # every group drawn
             ("groups_replaced", float(len(drawn) // rl.group_size - wanted)),
             ("sample_rounds", float(attempt + 1)),
         )
-        return [c for members in chosen for c in members]
+        return Sampled([c for members in chosen for c in members], consumed, version, stats)
 
-    def _sample_round(self, prompts: int, attempt: int) -> list[Completion]:
-        """``group_size`` completions of each of the next ``prompts`` prompts, in row order."""
+    def _sample_round(
+        self, index: int, start: int, prompts: int, attempt: int, variables: dict[str, Any], version: int
+    ) -> Round:
+        """``group_size`` completions of each of the ``prompts`` prompts from position ``start``,
+        this process's share of the rows sampled and scored (no collective: it may run on the
+        sampling thread)."""
         rl, group = self.cfg.rl, self.cfg.rl.group_size
-        start = self.position["consumed"]
         records = [self.prompts.record(start + i) for i in range(prompts)]
-        self.position["consumed"] += len(records)
-        ids, mask, prompts = self.encode([r for r in records for _ in range(group)])
-        low, high = _share(len(prompts))  # this process samples rows [low, high) of the rollout
+        ids, mask, encoded = self.encode([r for r in records for _ in range(group)])
+        low, high = _share(len(encoded))  # this process samples rows [low, high) of the rollout
         out = generate(
             self.cfg.model,
-            process_local(self.params),
+            variables,
             ids[low:high],
             attention_mask=mask[low:high],
             max_new_tokens=rl.max_new_tokens,
@@ -223,7 +299,7 @@ class Rollouts:
             top_k=rl.top_k,
             top_p=rl.top_p,
             stop_tokens=self.stop_ids,
-            seed=self.cfg.train.seed * 1_000_003 + self.position["rollouts"] + attempt * 104_729,
+            seed=self.cfg.train.seed * 1_000_003 + index + attempt * 104_729,
             vocab_limit=self.tokenizer.vocab_size,
             return_routes=True,
             slots=rl.slots,
@@ -231,14 +307,19 @@ class Rollouts:
         )
         texts = completion_texts(self.tokenizer, out.rows())
         rewards = self.reward.score([records[(low + i) // group] for i in range(len(texts))], texts)
-        every = _gather_rows(out, rewards, self.cfg.train.seq_len)  # every process's rows, in row order
-        completions = []
-        for i, prompt in enumerate(prompts):
+        return Round(start, encoded, out, rewards, version)
+
+    def _gathered(self, round_: Round) -> list[Completion]:
+        """A round's completions, every process's rows gathered (a collective: the main thread's)."""
+        every = _gather_rows(round_.out, round_.rewards, self.cfg.train.seq_len)  # in row order
+        completions, group = [], self.cfg.rl.group_size
+        for i, prompt in enumerate(round_.prompts):
             n, reward = int(every["lengths"][i]), float(every["rewards"][i])
             routes = every["routes"][i, : len(prompt) + n - 1]
             parsed = None if every["parsed"][i] < 0 else bool(every["parsed"][i])
             completions.append(
-                Completion(start + i // group, prompt, every["tokens"][i, :n], every["logprobs"][i, :n], None if math.isnan(reward) else reward, routes, parsed)
+                Completion(round_.start + i // group, prompt, every["tokens"][i, :n], every["logprobs"][i, :n],
+                           None if math.isnan(reward) else reward, routes, parsed, round_.version)
             )  # fmt: skip
         return completions
 
@@ -353,108 +434,6 @@ def _gather_rows(out: Generation, rewards: list[float | None], seq_len: int) -> 
     if jax.process_count() == 1:
         return mine
     return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(mine, tiled=True).items()}
-
-
-def _read_rollout_files(cfg: Config) -> list[Completion]:
-    """Every record of ``rl.rollouts``, checked (see the module doc for the format)."""
-    out = []
-    for _, where, record in jsonl_records(cfg.rl.rollouts, BadDocuments("error"), name="rollouts"):
-        try:
-            out.append(_completion_from_record(record, cfg.model))
-        except (KeyError, TypeError, ValueError) as err:
-            raise DataError(
-                f"{where}: not a rollout record ({err}); see zaya_jax.objectives.rollouts for the format"
-            ) from None
-    if not out:
-        raise DataError(f"rl.rollouts={cfg.rl.rollouts} holds no rollout records")
-    print(f"zaya train: {len(out)} rollouts read from {cfg.rl.rollouts}", file=sys.stderr)
-    return out
-
-
-def _token_ids(value: Any, name: str, vocab: int) -> np.ndarray:
-    ids = np.asarray(value)
-    if ids.ndim != 1 or not len(ids) or ids.dtype.kind not in "iu":
-        raise ValueError(f"{name} must be a non-empty list of token ids")
-    bad = ids[(ids < 0) | (ids >= vocab)]
-    if len(bad):
-        raise ValueError(f"{name} holds id {int(bad[0])}, outside the model's vocabulary [0, {vocab})")
-    return ids.astype(np.int32)
-
-
-def _completion_from_record(record: dict[str, Any], model: ModelConfig) -> Completion:
-    prompt = _token_ids(record["prompt_ids"], "prompt_ids", model.vocab_size)
-    tokens = _token_ids(record["completion_ids"], "completion_ids", model.vocab_size)
-    logprobs = np.asarray(record["logprobs"], np.float32)
-    if logprobs.shape != tokens.shape:
-        raise ValueError(f"{len(logprobs)} logprobs for {len(tokens)} completion tokens")
-    if not np.isfinite(logprobs).all() or logprobs.max() > 1e-4:
-        raise ValueError("logprobs must be finite log-probabilities (<= 0)")
-    reward = float(record["reward"])
-    if not math.isfinite(reward):
-        raise ValueError(f"reward {reward} is not a finite number")
-    routes = _routes_from_record(record, model, len(prompt) + len(tokens) - 1)
-    return Completion(record["group"], prompt, tokens, logprobs, reward, routes)
-
-
-def _routes_from_record(record: dict[str, Any], model: ModelConfig, read: int) -> np.ndarray | None:
-    """The record's routes as zaya classes, (tokens read, layers), or None: ``routes`` as they are,
-    or vLLM's ``routed_experts`` with its ``routed_skip`` mask converted (skip -> E)."""
-    layers, experts = model.num_layers, model.num_experts
-    given = [name for name in ("routes", "routed_experts") if record.get(name) is not None]
-    if len(given) == 2:
-        raise ValueError("routes and routed_experts are two layouts of the same routes: give one")
-    if record.get("routed_skip") is not None and given != ["routed_experts"]:
-        raise ValueError("routed_skip is the skip mask of routed_experts, which the record lacks")
-    if not given:
-        return None
-    if given == ["routes"]:
-        routes = np.asarray(record["routes"])
-        if routes.shape != (read, layers):
-            raise ValueError(
-                f"routes have shape {routes.shape}, expected {(read, layers)} (tokens read x layers)"
-            )
-        if routes.dtype.kind not in "iu" or routes.min() < -1 or routes.max() > experts:
-            raise ValueError(f"routes must be classes in [-1, {experts}] (the skip class is {experts})")
-        return routes.astype(np.int32)
-    return _vllm_routes(record, layers, experts, read)
-
-
-def _vllm_routes(record: dict[str, Any], layers: int, experts: int, read: int) -> np.ndarray:
-    """vLLM's ``routed_experts`` (tokens read, layers, top_k) expert indices and the ``routed_skip``
-    (tokens read, layers) mask -> zaya classes: the expert, E where the mask is set, -1 kept."""
-    routed = np.asarray(record["routed_experts"])
-    if routed.ndim != 3 or routed.shape[:2] != (read, layers):
-        raise ValueError(
-            f"routed_experts have shape {routed.shape}, expected {(read, layers, 1)} (tokens read x layers x top_k)"
-        )
-    if routed.shape[2] != 1:
-        raise ValueError(
-            f"routed_experts hold top_k={routed.shape[2]} experts per token; ZAYA routes each token to one "
-            "class (top_k=1), so only top_k=1 is supported"
-        )
-    if routed.dtype.kind not in "iu" or routed.min() < -1 or routed.max() >= experts:
-        raise ValueError(f"routed_experts must be expert indices in [0, {experts}) (-1: not recorded)")
-    if record.get("routed_skip") is None:  # every ZAYA model has the skip class (E + 1 router classes)
-        raise ValueError(
-            f"routed_experts without routed_skip: this model's router has a skip class besides its {experts} "
-            "experts, and vLLM rewrites a skip choice to expert 0 (with weight 0), so these routes cannot "
-            "tell a skipped token from one routed to expert 0 and replaying them would train a path the "
-            "sampler never took. Supply routed_skip ([tokens read][layers] booleans, true where the router "
-            "chose the skip class), or drop routed_experts to let the trainer's router choose"
-        )
-    skip = np.asarray(record["routed_skip"])
-    if skip.shape != (read, layers) or skip.dtype.kind not in "biu" or not np.isin(skip, (0, 1)).all():
-        raise ValueError(
-            f"routed_skip must be {(read, layers)} booleans (tokens read x layers), got shape {skip.shape}"
-        )
-    routes, skip = routed[..., 0].astype(np.int32), skip.astype(bool)
-    if (skip & (routes > 0)).any():
-        t, layer = (int(i[0]) for i in np.nonzero(skip & (routes > 0)))
-        raise ValueError(
-            f"routed_skip marks token {t} layer {layer} as skipped but routed_experts holds expert "
-            f"{routes[t, layer]} there (vLLM writes 0 for a skip): the mask does not line up with the routes"
-        )
-    return np.where(skip, experts, routes)
 
 
 def batch_row_multiple(setup: RunSetup) -> int:

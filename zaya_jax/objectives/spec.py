@@ -53,6 +53,12 @@ class Producer(Protocol):
     - ``on_policy``: each batch is made from the weights of the step before it (GRPO samples its
       rollouts from them), so every step is finished before the next is dispatched and
       :meth:`observe` receives the current state before each batch is drawn.
+
+    Optional methods, used where a producer has them: ``ahead_weights() -> list | None``, weights
+    it holds beyond its data position (GRPO's rollouts sampled ahead, ``rl.max_staleness``), saved
+    with each checkpoint; ``resume_ahead(read)``, called after :meth:`set_state` on a resumed run,
+    ``read(count)`` giving those weights back (None when the checkpoint holds none); ``close()``,
+    at the run's end (a thread to stop, workers to end).
     """
 
     prefetch: int

@@ -57,6 +57,14 @@ class Checkpointing:
             self.saved_step = restored[2]
         return restored, unreadable
 
+    def restore_ahead(self, like: TrainState, count: int) -> list[dict[str, Any]] | None:
+        """The ``count`` weights the producer saved beside its position (``ahead_weights``) in the
+        checkpoint last restored, in ``like``'s layout; None when it holds none."""
+        return checkpoint.restore_ahead(
+            self.run.checkpoints, self.saved_step, like, count,
+            verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters,
+        )  # fmt: skip
+
     def wants_save(self, step: int) -> bool:
         """Whether this process's clock says a ``checkpoint.every_minutes`` save is due (a proposal:
         the loop acts on the value agreed by every process)."""
@@ -79,7 +87,9 @@ class Checkpointing:
 
     def save(self, record: StepRecord) -> None:
         self.watchdog.beat(record.step, "save")
-        self.saver.save(record.step, self.cfg, record.state, record.data_state, record.eval_loss)
+        self.saver.save(
+            record.step, self.cfg, record.state, record.data_state, record.eval_loss, record.ahead
+        )
         self.saved_step, self.last_save = record.step, self.clock()
 
     def written(self) -> bool:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import sys
@@ -95,6 +96,7 @@ def train(
     finally:
         r.watchdog.close()
         r.batches.close()
+        _close(r.producer)
         stop.restore()
         for closing in (r.checkpoints, *r.hooks):
             closing.close()
@@ -160,8 +162,11 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
             lambda: starting_weights(cfg, fresh, programs.layout.parameters), writer.event, watchdog.beat,
         )  # fmt: skip
         producer, held_out = _objective_parts(setup)
+        cleanup.callback(_close, producer)  # a producer sampling ahead has a thread to stop
         if resumed.data_states is not None:
             producer.set_state(resumed.data_states)
+            if hasattr(producer, "resume_ahead"):
+                producer.resume_ahead(functools.partial(checkpoints.restore_ahead, resumed.state))
         resumed.position = producer.get_state()
         meter = Throughput(peak)
         every = [Logging(cfg, writer, meter), Profiling(cfg, run), *hooks]
@@ -174,6 +179,12 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         )  # fmt: skip
         cleanup.pop_all()
     return run, resumed, collaborators
+
+
+def _close(producer: Producer) -> None:
+    """The producer's optional ``close`` (see :class:`~zaya_jax.objectives.Producer`)."""
+    if hasattr(producer, "close"):
+        producer.close()
 
 
 def _objective_parts(setup: RunSetup) -> tuple[Producer, Evaluator]:

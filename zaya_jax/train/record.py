@@ -24,6 +24,9 @@ class StepRecord:
     eval: dict[str, float] | None = None  # the held-out metrics, when this step was evaluated
     saved: bool = False  # a checkpoint of this step was written (or is being written)
     save_written: bool = False  # the save in flight has finished its writes on every process (agreed)
+    ahead: list[dict[str, Any]] | None = (
+        None  # the producer's weights saved with the position (ahead_weights)
+    )
 
     @property
     def eval_loss(self) -> float | None:

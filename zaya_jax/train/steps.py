@@ -46,6 +46,7 @@ class Drawn:
     plan: StepPlan
     host_batch: HostBatch
     data_state: dict[str, Any]
+    ahead: list[dict[str, Any]] | None = None  # the producer's ahead_weights() with data_state
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +116,8 @@ class TrainingSteps:
             r.producer.observe(state)  # the batch is sampled from these weights
         plan, host_batch, data_state = next(r.batches)
         r.meter.data_wait += time.perf_counter() - wait_start
-        return Drawn(plan, host_batch, data_state)
+        ahead = getattr(r.producer, "ahead_weights", None)  # optional (see Producer)
+        return Drawn(plan, host_batch, data_state, ahead() if ahead is not None else None)
 
     def dispatch(self, step: int, state: TrainState, drawn: Drawn) -> tuple[TrainState, Dispatched]:
         """Run the hooks' ``before_step`` and start step ``step``; returns its (future) state."""
@@ -147,7 +149,7 @@ class TrainingSteps:
             done.step, state, done.drawn.data_state, done.metrics, done.drawn.plan, dict(self.counts),
             done.step == r.cfg.train.steps,
             time_save or (agreed.time_save and state is not None),  # else taken at the next step
-            save_written=agreed.save_written,
+            save_written=agreed.save_written, ahead=done.drawn.ahead,
         )  # fmt: skip
         record = self.notify(record)
         return Finished(
