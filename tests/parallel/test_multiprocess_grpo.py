@@ -2,12 +2,11 @@
 samples its half of every rollout's rows on its own devices, the completions are gathered so that
 both build the same global rollout, and each trains its rows of every batch. The losses equal a
 one-process run's with the same seeds (row i of a rollout draws from the stream (seed, i) whichever
-process samples it), and a run stopped (SIGTERM) and saved by two processes, resumed by one,
-continues the same prompt stream and ends with the uninterrupted run's losses and rewards. With
-parameters split across the processes (fsdp spanning them: the sampler gets them gathered), a
-rollback (an injected NaN) with rollouts scored against reference weights (rl.kl) goes as in one
-process. Sampling ahead (rl.max_staleness), two processes stopped and resumed by one end as one
-process does."""
+process samples it). A run sampling ahead (rl.max_staleness), stopped (SIGTERM) and saved by two
+processes, resumed by one, continues the same prompt stream and the rollout in flight and ends with
+the uninterrupted one-process run's losses and rewards. With parameters split across the processes
+(fsdp spanning them: the sampler gets them gathered), a rollback (an injected NaN) with rollouts
+scored against reference weights (rl.kl) goes as in one process."""
 
 from __future__ import annotations
 
@@ -73,21 +72,6 @@ def test_two_processes_train_the_one_process_run(tmp_path, reference):
     )  # 16 rows: 4 groups
 
 
-def test_two_process_run_resumed_by_one_continues_the_prompt_stream(tmp_path, reference):
-    run = tmp_path / "run"
-    procs = start_two_processes(run, STEPS, *GRPO, fault=("pause_at_step=1",))
-    faults.signal_while_paused(run, 1, procs, {0: signal.SIGTERM, 1: signal.SIGTERM}, processes=2)
-    summaries = [json.loads(r.stdout[r.stdout.index("{") :]) for r in finish(procs)]
-    assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] == 2
-    assert len(_positions(run, 2)) == 2 and _positions(run, 2)[0]["consumed"] == 4
-    one_process(run, STEPS)  # the same run directory, continued by one process
-    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
-    assert_same_training(train_metrics(run), train_metrics(reference), list(range(1, STEPS + 1)))
-    assert _positions(run, STEPS) == _positions(reference, STEPS)  # one process's position now
-    _assert_same_weights(run, reference)
-
-
 def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_one(tmp_path, reference):
     """With the parameters split across the processes (fsdp over 4 devices, 2 in each process: the
     sampler gets them gathered), a NaN injected into step 3's batch rolls both processes back to
@@ -118,22 +102,28 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
     _assert_same_weights(two, one)
 
 
-def test_two_processes_sampling_ahead_resumed_by_one_equal_the_one_process_run(tmp_path):
+def test_two_processes_sampling_ahead_resumed_by_one_continue_the_prompt_stream(tmp_path):
     """rl.max_staleness=1 on two processes: each samples its rows of the next rollout on a thread
     while the current one trains (the rows gathered on the main thread). Stopped (SIGTERM, agreed
-    at step 2, the end of the first rollout) and saved by both with the weights of the rollout in flight (version 0: rollout 1 of 2
-    steps each is sampled from rollout 0's weights), resumed by one process, the run samples that
-    rollout again from them and ends as the one-process run sampling ahead does."""
+    at step 2, the end of the first rollout) and saved by both with the weights of the rollout in
+    flight (version 0: rollout 1 of 2 steps each is sampled from rollout 0's weights), resumed by
+    one process, the run continues the prompt stream, samples that rollout again from those weights
+    and ends as the one-process run sampling ahead does."""
     ahead = ["rl.max_staleness=1", "rl.tis_cap=2"]
     reference, run = tmp_path / "reference", tmp_path / "run"
     one_process(reference, STEPS, *ahead)
     procs = start_two_processes(run, STEPS, *GRPO, *ahead, fault=("pause_at_step=1",))
     faults.signal_while_paused(run, 1, procs, {0: signal.SIGTERM, 1: signal.SIGTERM}, processes=2)
-    finish(procs)
-    assert [p["ahead"] for p in _positions(run, 2)] == [[0], [0]]
-    one_process(run, STEPS, *ahead)
+    summaries = [json.loads(r.stdout[r.stdout.index("{") :]) for r in finish(procs)]
+    assert summaries[0]["interrupted"] and summaries[0]["steps"] == summaries[1]["steps"] == 2
+    positions = _positions(run, 2)
+    assert len(positions) == 2 and positions[0] == positions[1] == _positions(reference, 2)[0]
+    assert positions[0]["consumed"] == 4 and positions[0]["ahead"] == [0]
+    one_process(run, STEPS, *ahead)  # the same run directory, continued by one process
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
     ours, theirs = train_metrics(run), train_metrics(reference)
-    assert [theirs[s]["staleness"] for s in range(1, STEPS + 1)] == [0, 0, 2, 2]
     assert_same_training(ours, theirs, list(range(1, STEPS + 1)))
     assert [ours[s]["staleness"] for s in range(1, STEPS + 1)] == [0, 0, 2, 2]
+    assert _positions(run, STEPS) == _positions(reference, STEPS)  # one process's position now
     _assert_same_weights(run, reference)

@@ -11,8 +11,13 @@ reward function, normalises the rewards within each group (reward minus the grou
 group's standard deviation; 0 when all are equal) and builds one row per completion. The rollout's
 rows are then trained ``train.batch_size`` at a time.
 
-Rollouts can be read from files instead (``rl.rollouts``, :mod:`.rollout_files`). They are read in order, ``steps_per_rollout * train.batch_size`` at a time, advantages normalised
-within the groups of each read, and the files repeat. Every batch is checked before its update is
+With ``rl.max_staleness = k`` rollout j is sampled on a background thread from the weights of
+rollout j - k's first step while earlier rollouts train (:mod:`.ahead`); every completion carries
+that parameter version.
+
+Rollouts can be read from files instead (``rl.rollouts``, :mod:`.rollout_files`): in order,
+``steps_per_rollout * train.batch_size`` at a time, advantages normalised within the groups of each
+read, and the files repeat. Every batch is checked before its update is
 kept: the trainer's log-probabilities (routes replayed) against the recorded ones, ``sampler_gap``
 (mean |log pi - log pi_sampler| over completion tokens) at most ``rl.max_sampler_gap``, else the
 step is skipped or the run stops (``resilience.on_metric_bound``).
