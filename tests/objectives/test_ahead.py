@@ -129,9 +129,9 @@ def _metrics(run) -> dict[int, dict]:
 
 
 def test_a_run_killed_while_sampling_ahead_resumes_bit_identical(tmp_path):
-    """Checkpoints every 2 steps, killed (SIGKILL) after step 3 with rollout 4 being sampled: the
-    run resumes from step 2, samples rollout 3 again from the weights saved with it (version 1),
-    and ends with the uninterrupted run's every metric and weight."""
+    """Checkpoints every 2 steps, killed (SIGKILL) after step 3 with the next rollout being sampled:
+    the run resumes from step 2, samples the rollout of step 3 again from the weights saved with it
+    (version 1), and ends with the uninterrupted run's every metric and weight."""
     args = [*GRPO, "rl.max_staleness=1", "rl.tis_cap=2", "train.steps=4", "checkpoint.every_steps=2"]
     args += ["checkpoint.async_save=false"]  # step 2 is committed before the kill, whatever the timing
     args += ["eval.every=4", "--no-progress"]
@@ -150,6 +150,9 @@ def test_a_run_killed_while_sampling_ahead_resumes_bit_identical(tmp_path):
     for step in (3, 4):  # trained after the resume: every number as the uninterrupted run's
         keep = ("loss", "reward", "sampler_gap", "ratio", "grad_norm", "staleness", "mismatch_kl")
         assert {k: ours[step][k] for k in keep} == {k: theirs[step][k] for k in keep}, step
+    # nothing is sampled past the final step's rollout: the last checkpoint holds no weights ahead
+    final = json.loads((run / "checkpoints" / "4" / "data" / "process_0-of-1.json").read_text())
+    assert final["ahead"] == [] and not (run / "checkpoints" / "4" / "ahead").exists()
     ours_w, theirs_w = (restore_model(r / "checkpoints" / "4")[1] for r in (run, reference))
     for a, b in zip(jax.tree.leaves(ours_w), jax.tree.leaves(theirs_w), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

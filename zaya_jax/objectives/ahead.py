@@ -56,10 +56,10 @@ class InFlight:
 class Ahead:
     """Rollouts ``depth`` ahead of the one training, sampled in order on one background thread by
     ``sample(index, prompt position, weights, version)``, whose result has the prompt position after
-    it as ``consumed``."""
+    it as ``consumed``; none after rollout ``last`` (the run's final one)."""
 
-    def __init__(self, depth: int, sample: Sample):
-        self.depth, self.sample = depth, sample
+    def __init__(self, depth: int, sample: Sample, last: int):
+        self.depth, self.sample, self.last = depth, sample, last
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="zaya-rollouts")
         self.queue: deque[InFlight] = deque()
         self.cursor = 0  # the prompt position of the next rollout the worker samples (its own)
@@ -69,10 +69,10 @@ class Ahead:
         """Rollout ``index`` (its prompts start at ``consumed``), once sampled; before waiting for
         it, rollout ``index + depth`` starts from ``variables`` (version ``version``). The first
         call of a run starts the ``depth`` rollouts before that one too: from the weights saved with
-        the checkpoint resumed, else (a new run) from ``variables``."""
+        the checkpoint resumed (as many as it holds), the others from ``variables``."""
         if not self.queue:
             self.cursor = consumed  # nothing is running: the worker's cursor is free to set
-            earlier = self.restored or [(version, variables)] * self.depth
+            earlier = self.restored + [(version, variables)] * (self.depth - len(self.restored))
             self.restored = []
             for offset, (at, weights) in enumerate(earlier):
                 self._launch(index + offset, at, weights)
@@ -83,6 +83,8 @@ class Ahead:
         return head.future.result()  # the worker's exception (a reward error, ...) is raised here
 
     def _launch(self, index: int, version: int, variables: Variables) -> None:
+        if index > self.last:  # past the run's end: nothing would train it
+            return
         weights = jax.tree.map(jnp.copy, variables)  # dispatched before the next step donates them
         local = process_local(weights)  # may gather: a collective, here on the main thread
         future = self.executor.submit(self._run, index, version, local)

@@ -170,7 +170,8 @@ class Rollouts:
         self.params: dict[str, Any] | None = None
         self.version = 0  # the optimizer steps of self.params
         self.saved_versions: list[int] = []  # of the rollouts in flight at the checkpoint resumed
-        self.ahead = Ahead(rl.max_staleness, self._sample) if rl.max_staleness else None
+        last = -(-cfg.train.steps // rl.steps_per_rollout) - 1  # the rollout of the final step
+        self.ahead = Ahead(rl.max_staleness, self._sample, last) if rl.max_staleness else None
 
     def observe(self, state: TrainState) -> None:
         self.params = {"params": state.params, "balancing": state.balancing}
@@ -201,7 +202,7 @@ class Rollouts:
         versions = self.saved_versions
         if self.ahead is None or not versions:
             return
-        weights = read(len(versions)) if len(versions) == self.ahead.depth else None
+        weights = read(len(versions)) if len(versions) <= self.ahead.depth else None
         if weights is None:  # another rl.max_staleness, or no weights saved: sampled from the resumed ones
             self.event("rollouts_resampled", versions=versions, max_staleness=self.ahead.depth)
             return
