@@ -58,6 +58,15 @@ def half_tied_reward(record, completion: str) -> float:
     return ascii_reward(record, completion) if word[0] >= "n" else 0.0
 
 
+def even_first_character(record, completion: str) -> float:
+    """A checker an untrained byte model's sampled answers pass about half the time: 1.0 when the
+    reply's first character has an even code point, 0.0 when odd, and an empty reply unparsed."""
+    from zaya_jax.rewards import Score, reply_text
+
+    reply = reply_text(completion)
+    return Score(float(ord(reply[0]) % 2 == 0)) if reply else Score(0.0, parsed=False)
+
+
 def tiny_train_config(**train) -> Config:
     """The randomised-model tests' ``TINY`` model in a train config (rows of 16 tokens, 60 steps,
     5 warm-up steps); ``train`` overrides TrainConfig's fields."""

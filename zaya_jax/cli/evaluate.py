@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from zaya_jax.cli.output import print_json
@@ -49,7 +50,34 @@ def _add_eval_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="at most this many batches (default: the run's eval.batches, else 16)",
     )
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    _add_reasoning_options(evaluate)
     evaluate.set_defaults(func=_cmd_eval)
+
+
+def _add_reasoning_options(evaluate: argparse.ArgumentParser) -> None:
+    """``zaya eval PATH --task ...``: sampled answers checked and scored (zaya_jax.eval.reasoning)."""
+    group = evaluate.add_argument_group("reasoning evaluation (--task): sampled answers, checked and scored")
+    group.add_argument(
+        "--task",
+        help="a JSONL file of chat records with answers, or a built-in task (add, reverse, sort; NAME:PROMPTS)",
+    )
+    group.add_argument("--samples", type=int, default=8, help="answers sampled per prompt (n, default 8)")
+    group.add_argument("--k", help="the k of pass@k and maj@k, comma-separated (default: 1 and --samples)")
+    group.add_argument(
+        "--check", help="module:function scoring an answer (default: the task's, else math_answer)"
+    )
+    group.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (0: greedy)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--max-new-tokens", type=int, default=512, help="the token budget of an answer")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--slots", type=int, default=64, help="answers in flight at once in the rollout engine"
+    )
+    group.add_argument(
+        "--out",
+        help="where scores.json and samples.jsonl go (default: RUN/evals/TASK/step-N, else evals/TASK)",
+    )
 
 
 def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,6 +104,8 @@ def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
 def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya_jax.lm import evaluate_path
 
+    if args.task:
+        return _cmd_reasoning(args)
     result = evaluate_path(
         args.path,
         args.data,
@@ -100,6 +130,51 @@ def _cmd_eval(args: argparse.Namespace) -> int:
             f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"
         )
     return 0
+
+
+def _cmd_reasoning(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from zaya_jax.eval.metrics import check_k
+    from zaya_jax.eval.reasoning import evaluate_reasoning, read_task
+    from zaya_jax.lm import load
+
+    name, records, default_check = read_task(args.task)
+    ks = [int(k) for k in args.k.split(",")] if args.k else sorted({1, args.samples})
+    for k in ks:  # before the model loads
+        check_k(args.samples, k)
+    lm = load(args.path, args.tokenizer)
+    bar = tqdm(total=len(records) * args.samples, unit="answer", disable=not sys.stderr.isatty())
+
+    def advance(done: int, _total: int) -> None:
+        bar.update(done - bar.n)
+
+    result = evaluate_reasoning(
+        lm, records, check=args.check or default_check or "zaya_jax.rewards:math_answer", samples=args.samples,
+        ks=ks, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        max_new_tokens=args.max_new_tokens, seed=args.seed, slots=args.slots, task=name, on_finish=advance,
+    )  # fmt: skip
+    bar.close()
+    out = result.write(args.out or _eval_directory(args.path, name, lm.step))
+    print(f"zaya eval: {args.path} on {name}: {len(records):,} prompts x {args.samples} samples -> {out}",
+          file=sys.stderr)  # fmt: skip
+    if args.json:
+        print_json(result.summary())
+        return 0
+    for metric, value in result.metrics.items():
+        print(f"{metric:>8} {value}")
+    print(f"truncated {result.truncated:.1%} of answers (no stop within {args.max_new_tokens} tokens), "
+          f"unparsed {result.unparsed:.1%}")  # fmt: skip
+    return 0
+
+
+def _eval_directory(path: str, task: str, step: int | None) -> Path:
+    """A run's (or its checkpoint's) ``evals/TASK/step-N``; else ``evals/TASK`` here."""
+    where = Path(path)
+    run = where if (where / "checkpoints").is_dir() else where.parent.parent
+    if where.parent.name == "checkpoints" or (where / "checkpoints").is_dir():
+        return run / "evals" / task / f"step-{step}"
+    return Path("evals") / task
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

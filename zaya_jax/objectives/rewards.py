@@ -60,7 +60,9 @@ class PromptSet:
             self._records: list[dict[str, Any]] | None = None
             self.held_out = reverse_chats(rl.eval_prompts, seed=[rl.prompt_seed, 1])
             return
-        train, held_out = _read_prompt_file(rl.prompts, cfg.data.held_out_fraction, cfg.data.on_bad_document)
+        train, held_out = read_prompt_records(
+            rl.prompts, cfg.data.held_out_fraction, cfg.data.on_bad_document
+        )
         if not train or not held_out:
             raise DataError(
                 f"rl.prompts {rl.prompts} gives {len(train)} training and {len(held_out)} held-out prompts; each "
@@ -94,7 +96,12 @@ def _reverse_block(seed: int, block: int) -> list[dict[str, Any]]:
     return _BLOCKS[seed, block]
 
 
-def _read_prompt_file(path: str, fraction: float, on_bad: str) -> tuple[list[dict], list[dict]]:
+def read_prompt_records(
+    path: str, fraction: float = 0.0, on_bad: str = "error"
+) -> tuple[list[dict], list[dict]]:
+    """(training, held-out) chat records of a JSONL prompt file (a file, directory or glob), split by
+    each record's key (``fraction`` held out); a line that is not a usable prompt is reported as
+    ``on_bad`` says (``error``: one error naming file and line; ``skip``)."""
     bad = BadDocuments(on_bad)  # type: ignore[arg-type]
     train, held_out = [], []
     for key, where, record in jsonl_records(path, bad, name="prompts", kind="chat"):

@@ -1,0 +1,112 @@
+"""Reasoning evaluation (``zaya eval RUN --task``, :mod:`zaya_jax.eval.reasoning`) on a miniature
+model: n sampled answers per prompt through the rollout engine, every verdict the checker's on the
+answer with its reasoning removed, the cut and unparsed answers counted, the scores recomputed here
+by brute force from the samples it wrote, the same samples whatever the slots; and from the
+command line, a damaged task file and a k past the samples each one line naming what to change."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from tests.fixtures import MINI, even_first_character
+from zaya_jax.cli import main
+from zaya_jax.data.tasks import add_chats, write_jsonl
+from zaya_jax.eval.reasoning import answer_key, evaluate_reasoning, strip_reasoning
+
+CHECK = "tests.fixtures:even_first_character"
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reasoning") / "run"
+    assert main(["train", *MINI, f"run.dir={path}", "train.steps=2", "--no-progress"]) == 0
+    return path
+
+
+def _brute_pass(correct: list[bool], k: int) -> float:
+    subsets = list(itertools.combinations(correct, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_reasoning_blocks_are_removed_and_an_open_one_leaves_no_answer():
+    assert strip_reasoning("<think>2+2 is 5?\nno</think>The answer is 4") == ("The answer is 4", False)
+    assert strip_reasoning("<think>a</think>x<think>b</think>y") == ("xy", False)
+    assert strip_reasoning("<think>still thinking when the budget ran") == ("", True)
+    assert strip_reasoning("done <think>again") == ("done ", True)
+    assert answer_key("so \\boxed{\\frac{1}{2}} and then \\boxed{ 3 }") == "3"
+    assert answer_key(" 4 2 ") == "42"
+
+
+def test_samples_are_checked_counted_and_scored_as_written(run, tmp_path):
+    import zaya_jax
+
+    lm = zaya_jax.load(run)
+    records = add_chats(6, seed=5)
+    settings = dict(check=CHECK, samples=4, ks=[1, 2, 4], temperature=1.0, max_new_tokens=6, seed=3)
+    result = evaluate_reasoning(lm, records, slots=8, **settings)
+    samples = result.samples
+    assert [(s.prompt, s.sample) for s in samples] == [(i, j) for i in range(6) for j in range(4)]
+    stops = set(lm.stop_token_ids)
+    for s in samples:  # each verdict is the checker's on the completion the sample holds
+        value = even_first_character(records[s.prompt], s.completion)
+        assert (s.score, s.correct, s.parsed) == (float(value), float(value) == 1.0, value.parsed)
+        assert s.tokens <= 6 and s.truncated == (s.tokens == 6 and not s.completion.endswith("</s>"))
+    correct = [[s.correct for s in samples[4 * i : 4 * i + 4]] for i in range(6)]
+    assert 0 < np.mean(correct) < 1  # the scores below are of a mixed set, not all of one kind
+    for k in (1, 2, 4):
+        assert result.metrics[f"pass@{k}"].value == pytest.approx(
+            np.mean([_brute_pass(c, k) for c in correct])
+        )
+    assert result.metrics["avg@4"].value == pytest.approx(np.mean(correct))
+    assert result.truncated == np.mean([s.truncated for s in samples]) > 0
+    assert result.unparsed == np.mean([not s.parsed for s in samples])
+    assert stops  # the model stops somewhere
+
+    # the same samples whatever the engine's slots: sample j of prompt i has its own random stream
+    again = evaluate_reasoning(lm, records, slots=3, **settings)
+    assert [s.completion for s in again.samples] == [s.completion for s in samples]
+
+    out = result.write(tmp_path / "eval")
+    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 24 and lines[5]["answer"] == records[1]["answer"]
+    assert (
+        lines[5]["messages"] == records[1]["messages"][:1] and lines[5]["completion"] == samples[5].completion
+    )
+    scores = json.loads((out / "scores.json").read_text())
+    assert scores["pass@2"] == result.metrics["pass@2"].value and scores["prompts"] == 6
+    assert scores["settings"]["samples"] == 4 and "pass@2_stderr" in scores
+
+
+def test_zaya_eval_task_writes_beside_the_run_and_refuses_bad_input(run, tmp_path, capsys):
+    task = write_jsonl(tmp_path / "sums.jsonl", add_chats(3, seed=9))
+    argv = [
+        "eval",
+        str(run),
+        "--task",
+        str(task),
+        "--samples",
+        "2",
+        "--max-new-tokens",
+        "4",
+        "--check",
+        CHECK,
+    ]
+    assert main([*argv, "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["prompts"] == 3 and {"pass@1", "pass@2", "maj@2", "avg@2", "truncated"} <= set(summary)
+    written = run / "evals" / "sums" / "step-2"
+    assert json.loads((written / "scores.json").read_text())["pass@2"] == summary["pass@2"]
+    assert len((written / "samples.jsonl").read_text().splitlines()) == 6
+
+    assert main([*argv, "--k", "3"]) == 2
+    assert "k=3 needs at least 3 samples per prompt, and there are 2" in capsys.readouterr().err
+
+    damaged = tmp_path / "damaged.jsonl"
+    damaged.write_text(task.read_text().splitlines()[0] + "\n{not json\n")
+    assert main(["eval", str(run), "--task", str(damaged)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{damaged}:2" in err[0]
