@@ -95,7 +95,12 @@ def _train(work: Path, args: list[str], legacy: bool = False) -> float:
 
 
 def _child(argv: list[str]) -> None:
-    """``zaya ARGV`` in this process; with ``--legacy`` first, rollouts as before issue 40's fix."""
+    """``zaya ARGV`` in this process, under the allocator the ``zaya`` command runs with (mimalloc,
+    :mod:`zaya_jax.allocator`: without it a GRPO step takes about twice as long); with ``--legacy``
+    first, rollouts as before issue 40's fix."""
+    from zaya_jax.allocator import reexec_with_allocator
+
+    reexec_with_allocator()  # before JAX is imported: the same command, re-executed once
     if argv and argv[0] == "--legacy":
         argv = argv[1:]
         from zaya_jax.objectives import rollouts

@@ -15,6 +15,8 @@ import numpy as np
 import numpy.typing as npt
 
 from zaya_jax.config import Config, DataConfig, DataSource, ModelConfig, RuntimeConfig
+from zaya_jax.data import DataError
+from zaya_jax.data.chat import ChatEncoder, ChatTemplate, tokenizer_chat_template
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.engine import Engine
@@ -27,6 +29,7 @@ from zaya_jax.model import Zaya
 from zaya_jax.model.lowrank import merged
 from zaya_jax.objectives import GivenData, SavedRun, registered, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer
+from zaya_jax.objectives.rewards import generation_config_eos
 from zaya_jax.parallel.distributed import enable_compilation_cache
 from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files
@@ -325,8 +328,15 @@ def export_hf(
     else:
         variables = {**variables, "params": merged(variables["params"])}
     with StagedDirectory(destination, "zaya convert zaya-to-hf") as staged:
-        save_hf_directory(staged.path, files.model, variables, dtype=dtype)
         tok, _ = find_tokenizer(path, files.run)
+        template = _run_chat_template(tok, files.run) if tok is not None else None
+        model = files.model
+        if tok is not None:  # generation stops where the run's rollouts and zaya's sampling stop
+            chat = ChatEncoder(tok, template) if template is not None else None
+            turn_end = chat.turn_end_ids() if chat else ()
+            stops = (*model.stop_token_ids, tok.eos_id, *generation_config_eos(tok), *turn_end)
+            model = dataclasses.replace(model, eos_token_ids=tuple(dict.fromkeys(int(t) for t in stops)))
+        save_hf_directory(staged.path, model, variables, dtype=dtype)
         if isinstance(tok, HFTokenizer):
             write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())
             names = {
@@ -336,7 +346,18 @@ def export_hf(
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "model_max_length": files.model.max_position_embeddings,
                 **names,
+                **({"chat_template": template.source} if template is not None else {}),
             }
             write_atomic(staged.path / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
         staged.publish_or_match(same_files)
     return destination, files.step
+
+
+def _run_chat_template(tok: Tokenizer, run: Config | None) -> ChatTemplate | None:
+    """The chat template the run rendered its conversations with (a chat or preference source's
+    ``chat_template`` file, else the tokenizer's own), None when it has none."""
+    files = [s.chat_template for s in (run.data.sources if run is not None else ()) if s.chat_template]
+    try:
+        return tokenizer_chat_template(tok, files[0] if files else None)
+    except DataError:
+        return None

@@ -159,5 +159,12 @@ def model_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
         "lm_head_bias": cfg.lm_head_bias,
         "pad_token_id": cfg.pad_token_id,
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
+        "eos_token_id": hf_eos(cfg),
     }
+
+
+def hf_eos(cfg: ModelConfig) -> int | list[int]:
+    """HF's ``eos_token_id`` for ``cfg``: every id generation stops on (``eos_token_id`` joined with
+    ``eos_token_ids``, so a list of extra stops never drops the EOS), one id as an int."""
+    stops = cfg.stop_token_ids
+    return list(stops) if len(stops) > 1 else stops[0]

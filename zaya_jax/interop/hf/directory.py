@@ -16,7 +16,7 @@ import numpy as np
 
 from zaya_jax.config import ConfigError, ModelConfig
 from zaya_jax.files import read_json, write_atomic
-from zaya_jax.interop.hf.config import hf_config_to_model, model_to_hf_config, token_id_list
+from zaya_jax.interop.hf.config import hf_config_to_model, hf_eos, model_to_hf_config, token_id_list
 from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
 from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
@@ -170,7 +170,7 @@ def save_hf_directory(
     write_directory(directory, tensors, max_shard_bytes)
     generation = {
         "bos_token_id": cfg.bos_token_id,
-        "eos_token_id": list(cfg.eos_token_ids) if cfg.eos_token_ids else cfg.eos_token_id,
+        "eos_token_id": hf_eos(cfg),
         "pad_token_id": cfg.pad_token_id,
     }
     write_atomic(directory / "generation_config.json", json.dumps(generation, indent=2) + "\n")
