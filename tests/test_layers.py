@@ -23,7 +23,7 @@ LAYERS: list[set[str]] = [
     {"parallel", "checkpoint"},
     {"programs", "pretrained"},
     {"engine"},
-    {"generate"},
+    {"generate", "scoring"},
     {"objectives"},
     {"train", "eval"},
     {"lm", "config_reference"},

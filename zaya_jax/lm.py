@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from zaya_jax.config import Config, DataConfig, DataSource, ModelConfig, RuntimeConfig
 from zaya_jax.data import DataError
-from zaya_jax.data.chat import ChatEncoder, ChatTemplate, tokenizer_chat_template
+from zaya_jax.data.chat import ChatEncoder, ChatTemplate, generation_config_eos, tokenizer_chat_template
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.engine import Engine
@@ -29,7 +29,6 @@ from zaya_jax.model import Zaya
 from zaya_jax.model.lowrank import merged
 from zaya_jax.objectives import GivenData, SavedRun, registered, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer
-from zaya_jax.objectives.rewards import generation_config_eos
 from zaya_jax.parallel.distributed import enable_compilation_cache
 from zaya_jax.pretrained import find_tokenizer, load_model, model_format
 from zaya_jax.staging import StagedDirectory, is_empty_dir, same_files

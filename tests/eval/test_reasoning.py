@@ -2,7 +2,9 @@
 model: n sampled answers per prompt through the rollout engine, every verdict the checker's on the
 answer with its reasoning removed, the cut and unparsed answers counted, the scores recomputed here
 by brute force from the samples it wrote, the same samples whatever the slots; and from the
-command line, a damaged task file and a k past the samples each one line naming what to change."""
+command line, a damaged task file and a k past the samples each one line naming what to change, and
+every checkpoint of the run into one curve, an interrupted evaluation resumed without evaluating a
+finished step again."""
 
 from __future__ import annotations
 
@@ -15,7 +17,8 @@ import pytest
 from tests.fixtures import MINI, even_first_character
 from zaya_jax.cli import main
 from zaya_jax.data.tasks import add_chats, write_jsonl
-from zaya_jax.eval.reasoning import answer_key, evaluate_reasoning, strip_reasoning
+from zaya_jax.eval.reasoning import evaluate_reasoning
+from zaya_jax.scoring.answers import answer_key, strip_reasoning
 
 CHECK = "tests.fixtures:even_first_character"
 
@@ -23,7 +26,8 @@ CHECK = "tests.fixtures:even_first_character"
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     path = tmp_path_factory.mktemp("reasoning") / "run"
-    assert main(["train", *MINI, f"run.dir={path}", "train.steps=2", "--no-progress"]) == 0
+    overrides = [*MINI, f"run.dir={path}", "train.steps=2", "checkpoint.every_steps=1", "checkpoint.keep=5"]
+    assert main(["train", *overrides, "--no-progress"]) == 0
     return path
 
 
@@ -98,7 +102,7 @@ def test_zaya_eval_task_writes_beside_the_run_and_refuses_bad_input(run, tmp_pat
     assert main([*argv, "--json"]) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["prompts"] == 3 and {"pass@1", "pass@2", "maj@2", "avg@2", "truncated"} <= set(summary)
-    written = run / "evals" / "sums" / "step-2"
+    written = run / "evals" / "sums" / "step-2"  # the run's latest step
     assert json.loads((written / "scores.json").read_text())["pass@2"] == summary["pass@2"]
     assert len((written / "samples.jsonl").read_text().splitlines()) == 6
 
@@ -110,3 +114,32 @@ def test_zaya_eval_task_writes_beside_the_run_and_refuses_bad_input(run, tmp_pat
     assert main(["eval", str(run), "--task", str(damaged)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{damaged}:2" in err[0]
+
+
+def test_every_checkpoint_into_one_curve_resumed_without_evaluating_a_finished_step_again(
+    run, tmp_path, capsys
+):
+    task = write_jsonl(tmp_path / "sums.jsonl", add_chats(2, seed=11))
+    argv = ["eval", str(run), "--task", str(task), "--samples", "2", "--max-new-tokens", "4", "--check", CHECK,
+            "--checkpoints", "all", "--out", str(tmp_path / "curve")]  # fmt: skip
+    assert main([*argv, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert [line["step"] for line in first] == [1, 2]
+    curve = [json.loads(line) for line in (tmp_path / "curve" / "curve.jsonl").read_text().splitlines()]
+    assert curve == first
+
+    # killed while evaluating step 2: its samples written, its scores (written last) not
+    done = tmp_path / "curve" / "step-1" / "scores.json"
+    stamp = done.stat().st_mtime_ns
+    (tmp_path / "curve" / "step-2" / "scores.json").unlink()
+    assert main([*argv, "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "step 1: evaluated already" in captured.err and "step 2: evaluating" in captured.err
+    assert done.stat().st_mtime_ns == stamp  # step 1 was not evaluated again
+    assert json.loads(captured.out) == first  # step 2 again: the same samples, the same scores
+
+    # another setting is refused, not mixed into the curve
+    assert main([*argv[:5], "3", *argv[6:], "--k", "1"]) == 2
+    assert "evaluated with other settings (ks, samples)" in capsys.readouterr().err
+    assert main([*argv[:-4], "--checkpoints", "7"]) == 2
+    assert "step(s) 7 are not kept" in capsys.readouterr().err

@@ -78,6 +78,11 @@ def _add_reasoning_options(evaluate: argparse.ArgumentParser) -> None:
         "--out",
         help="where scores.json and samples.jsonl go (default: RUN/evals/TASK/step-N, else evals/TASK)",
     )
+    group.add_argument(
+        "--checkpoints",
+        help="evaluate every kept step of the run (all), every K-th (every:K) or a list (S,S): one curve in "
+        "RUN/evals/TASK/curve.jsonl; steps evaluated already are skipped",
+    )
 
 
 def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -106,6 +111,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.task:
         return _cmd_reasoning(args)
+    if args.checkpoints:
+        raise ValueError("--checkpoints evaluates a --task over a run's steps; give --task FILE_OR_NAME")
     result = evaluate_path(
         args.path,
         args.data,
@@ -120,6 +127,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print_json(result)
     elif "reward" in result:
         print(f"mean reward {result['reward']:.4f} over {result['prompts']:,} held-out prompts")
+        for name in (k for k in result if "@" in k):  # rl.eval_samples: the sampled scores
+            print(f"{name:>8} {result[name]:.4f}")
     elif "pair_accuracy" in result:
         print(
             f"loss {result['loss']:.4f} per pair, pair accuracy {result['pair_accuracy']:.1%}, reward margin "
@@ -133,47 +142,88 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _cmd_reasoning(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    from zaya_jax.eval.metrics import check_k
-    from zaya_jax.eval.reasoning import evaluate_reasoning, read_task
-    from zaya_jax.lm import load
+    from zaya_jax.eval.reasoning import read_task
+    from zaya_jax.scoring.metrics import check_k
 
     name, records, default_check = read_task(args.task)
     ks = [int(k) for k in args.k.split(",")] if args.k else sorted({1, args.samples})
     for k in ks:  # before the model loads
         check_k(args.samples, k)
-    lm = load(args.path, args.tokenizer)
+    check = args.check or default_check or "zaya_jax.rewards:math_answer"
+    settings = {"task": args.task, "samples": args.samples, "ks": sorted(set(ks)), "temperature": args.temperature,
+                "top_p": args.top_p, "top_k": args.top_k, "max_new_tokens": args.max_new_tokens,
+                "seed": args.seed, "check": check}  # fmt: skip
+
+    def evaluate(path: Path, out: Path | None) -> dict[str, Any]:
+        return _reasoning_step(args, path, out, name, records, settings)
+
+    if args.checkpoints:
+        return _over_checkpoints(args, name, settings, evaluate)
+    summary = evaluate(Path(args.path), Path(args.out) if args.out else None)
+    if args.json:
+        print_json(summary)
+        return 0
+    for metric in summary["metrics"]:
+        print(f"{metric:>8} {summary[metric]:.4f} ± {summary[metric + '_stderr']:.4f}")
+    print(f"truncated {summary['truncated']:.1%} of answers (no stop within {args.max_new_tokens} tokens), "
+          f"unparsed {summary['unparsed']:.1%}")  # fmt: skip
+    return 0
+
+
+def _reasoning_step(
+    args: argparse.Namespace, path: Path, out: Path | None, name: str, records: list, settings: dict[str, Any]
+) -> dict[str, Any]:
+    """One model's reasoning evaluation, written to ``out`` (default: beside the run)."""
+    from tqdm import tqdm
+
+    from zaya_jax.eval.reasoning import evaluate_reasoning
+    from zaya_jax.lm import load
+
+    lm = load(path, args.tokenizer)
     bar = tqdm(total=len(records) * args.samples, unit="answer", disable=not sys.stderr.isatty())
 
     def advance(done: int, _total: int) -> None:
         bar.update(done - bar.n)
 
-    result = evaluate_reasoning(
-        lm, records, check=args.check or default_check or "zaya_jax.rewards:math_answer", samples=args.samples,
-        ks=ks, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        max_new_tokens=args.max_new_tokens, seed=args.seed, slots=args.slots, task=name, on_finish=advance,
-    )  # fmt: skip
+    options = {k: v for k, v in settings.items() if k != "task"}
+    result = evaluate_reasoning(lm, records, slots=args.slots, task=name, on_finish=advance, **options)
+    result.settings = settings
     bar.close()
-    out = result.write(args.out or _eval_directory(args.path, name, lm.step))
-    print(f"zaya eval: {args.path} on {name}: {len(records):,} prompts x {args.samples} samples -> {out}",
+    out = result.write(out or _eval_directory(path, name, lm.step))
+    print(f"zaya eval: {path} on {name}: {len(records):,} prompts x {args.samples} samples -> {out}",
           file=sys.stderr)  # fmt: skip
+    return result.summary()
+
+
+def _over_checkpoints(args: argparse.Namespace, name: str, settings: dict[str, Any], evaluate: Any) -> int:
+    """``--checkpoints``: each chosen step evaluated (finished ones skipped), then the curve."""
+    from zaya_jax.eval.checkpoints import CURVE, evaluate_checkpoints, select_steps
+
+    steps = select_steps(args.path, args.checkpoints)
+    out = Path(args.out) if args.out else Path(args.path) / "evals" / name
+    curve = evaluate_checkpoints(args.path, steps, out, settings, evaluate,
+                                 say=lambda line: print(f"zaya eval: {line}", file=sys.stderr))  # fmt: skip
+    print(f"zaya eval: {len(steps)} steps -> {out / CURVE}", file=sys.stderr)
     if args.json:
-        print_json(result.summary())
+        print_json([{"step": step, **scores} for step, scores in zip(steps, curve, strict=True)])
         return 0
-    for metric, value in result.metrics.items():
-        print(f"{metric:>8} {value}")
-    print(f"truncated {result.truncated:.1%} of answers (no stop within {args.max_new_tokens} tokens), "
-          f"unparsed {result.unparsed:.1%}")  # fmt: skip
+    metrics = curve[0]["metrics"]
+    print("| step | " + " | ".join(metrics) + " | truncated | unparsed |")
+    print("|---" * (len(metrics) + 3) + "|")
+    for step, scores in zip(steps, curve, strict=True):
+        cells = [f"{scores[m]:.4f} ± {scores[m + '_stderr']:.4f}" for m in metrics]
+        print(
+            f"| {step} | " + " | ".join(cells) + f" | {scores['truncated']:.1%} | {scores['unparsed']:.1%} |"
+        )
     return 0
 
 
-def _eval_directory(path: str, task: str, step: int | None) -> Path:
+def _eval_directory(path: Path, task: str, step: int | None) -> Path:
     """A run's (or its checkpoint's) ``evals/TASK/step-N``; else ``evals/TASK`` here."""
-    where = Path(path)
-    run = where if (where / "checkpoints").is_dir() else where.parent.parent
-    if where.parent.name == "checkpoints" or (where / "checkpoints").is_dir():
-        return run / "evals" / task / f"step-{step}"
+    if (path / "checkpoints").is_dir():
+        return path / "evals" / task / f"step-{step}"
+    if path.parent.name == "checkpoints":
+        return path.parent.parent / "evals" / task / f"step-{step}"
     return Path("evals") / task
 
 

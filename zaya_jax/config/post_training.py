@@ -122,6 +122,12 @@ class RLConfig:
     # is far past the ratio's clip (0.2), where a batch hardly trains its policy any more.
     max_sampler_gap: float = 0.5
     eval_prompts: int = 64  # held-out prompts whose mean greedy reward is eval_reward
+    # Sampled answers per held-out prompt (0: one greedy answer each). With n > 0 each prompt is
+    # sampled n times as rollouts are (rl.temperature, top_k, top_p, seed train.seed) and the
+    # evaluation logs, beside eval_reward (the samples' mean reward), eval_pass@1, eval_pass@n,
+    # eval_maj@n and eval_avg@n (an answer correct when its reward is 1) and eval_truncated (the
+    # share cut at rl.max_new_tokens), as `zaya eval RUN --task FILE` scores them (zaya_jax.scoring).
+    eval_samples: int = 0
     # When the reward function raises or returns something that is not a finite number: "stop" the
     # run with its message and the prompt, or "skip" that prompt's group (advantage 0, counted as
     # reward_errors in metrics.jsonl, the first problem in a reward_error event).
@@ -142,6 +148,10 @@ class RLConfig:
         for name in ("group_size", "max_new_tokens", "steps_per_rollout", "eval_prompts", "slots"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"rl.{name}={getattr(self, name)} must be a positive integer")
+        if self.eval_samples < 0:
+            raise ConfigError(
+                f"rl.eval_samples={self.eval_samples} must be >= 0 (0: one greedy answer per prompt)"
+            )
         if self.group_size < 2 and not self.rollouts:
             raise ConfigError(
                 f"rl.group_size={self.group_size}: a group needs >= 2 completions for an advantage"

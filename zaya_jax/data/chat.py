@@ -44,9 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from zaya_jax.config import DataSource
+from zaya_jax.config import Config, DataSource
 from zaya_jax.data.sources import BadDocuments, DataError, iter_records, resolve_files
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.files import read_json
 
 ROLES = ("system", "user", "assistant", "tool")
 # The byte tokenizer's template: each message as ``<|role|>\n`` + content + ``<|end|>\n``, the
@@ -354,3 +355,34 @@ def tokenizer_chat_template(tokenizer: Tokenizer, template_file: str | None = No
     """``template_file``'s template, else the loaded ``tokenizer``'s own (see :func:`find_chat_template`)."""
     spec = tokenizer.spec
     return find_chat_template("byte" if spec["kind"] == "byte" else spec["path"], template_file)
+
+
+def generation_config_eos(tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list) of ``generation_config.json`` beside an HF
+    tokenizer's file, () when there is none."""
+    if tokenizer.spec["kind"] != "hf":
+        return ()
+    path = Path(tokenizer.spec["path"]).parent / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = read_json(path, "the generation config", "fix it or remove it").get("eos_token_id")
+    listed = eos if isinstance(eos, list) else [eos] if eos is not None else []
+    if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in listed):
+        raise DataError(f"{path}: eos_token_id {eos!r} is not a token id of the tokenizer or a list of them")
+    return tuple(listed)
+
+
+def rollout_stop_ids(cfg: Config, tokenizer: Tokenizer, chat: ChatEncoder | None = None) -> tuple[int, ...]:
+    """The ids a rollout (and the held-out reward's greedy completion) stops on: the model's
+    ``stop_token_ids`` (``model.eos_token_id``, ``model.eos_token_ids``), the tokenizer's EOS, the
+    EOS list of ``generation_config.json`` beside the tokenizer, and the chat template's end of
+    turn (:meth:`ChatEncoder.turn_end_ids`: ``<|im_end|>`` for ChatML), so a chat model stops where
+    its reply ends without ``model.eos_token_ids`` set by hand."""
+    chat = chat or ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
+    ids = (
+        *cfg.model.stop_token_ids,
+        tokenizer.eos_id,
+        *generation_config_eos(tokenizer),
+        *chat.turn_end_ids(),
+    )
+    return tuple(dict.fromkeys(int(i) for i in ids))

@@ -1,42 +1,21 @@
-"""Reasoning evaluation: ``n`` sampled answers to each prompt of a task, checked and scored as
-reasoning models are reported (:mod:`zaya_jax.eval.metrics`: pass@k, avg@n, maj@k with standard
-errors), with the failures that silently move such scores counted apart: answers cut by the token
-budget (``truncated``: no stop token within ``max_new_tokens``) and answers the checker could not
-read (``unparsed``: a checker's :class:`zaya_jax.rewards.Score` marked so, or a reasoning block
-that never closed).
-
-A task is a JSONL file of chat records (``{"messages": [...], "answer": ...}``, read as
-``rl.prompts`` files are: a damaged line is one error naming file and line) or a built-in task
-(``add``, ``reverse``, ``sort``, optionally ``:N`` prompts; drawn from seeds no training set of
-:mod:`zaya_jax.data.tasks` uses). Each prompt is rendered with the model's chat template and
-sampled ``n`` times through the rollout engine (one prompt read once for its ``n`` samples), each
-stopping at the model's and tokenizer's EOS, ``generation_config.json``'s and the template's end
-of turn, as GRPO's rollouts do. Reasoning blocks (``<think>...</think>``) are removed before the
-checker reads an answer; a block left open is an answer that never came (unparsed). The checker
-is a reward function (``module:function``, as ``rl.reward``: :func:`zaya_jax.rewards.math_answer`,
-:func:`~zaya_jax.rewards.exact_match`, or a user's), an answer correct when it scores 1.
+"""Reasoning evaluation of a saved model (``zaya eval PATH --task``): a task's prompts (a JSONL file
+of chat records, ``{"messages": [...], "answer": ...}``, read as ``rl.prompts`` files are: a
+damaged line is one error naming file and line; or a built-in task, ``add``, ``reverse``, ``sort``,
+optionally ``:N`` prompts, drawn from seeds no training set of :mod:`zaya_jax.data.tasks` uses),
+answered ``n`` times each and scored by :func:`zaya_jax.scoring.answers.score_answers`, the code
+GRPO's held-out evaluation scores ``rl.eval_samples`` with.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from zaya_jax.config import Config, ConfigError
+from zaya_jax.config import ConfigError
 from zaya_jax.data import tasks
-from zaya_jax.data.chat import ChatEncoder, tokenizer_chat_template
-from zaya_jax.engine import Request
-from zaya_jax.eval.metrics import Estimate, check_k, estimate, score_samples
-from zaya_jax.files import write_atomic
-from zaya_jax.objectives.rewards import read_prompt_records, rollout_stop_ids
-from zaya_jax.rewards import Score, prompt_messages, reference_answer, reply_text
-from zaya_jax.rewards.calls import RewardFunction
+from zaya_jax.objectives.rewards import read_prompt_records
+from zaya_jax.scoring.answers import ScoredAnswers, score_answers
 
 # Built-in tasks: records, and the checker they are scored with by default.
 BUILTIN = {
@@ -45,8 +24,6 @@ BUILTIN = {
     "sort": (tasks.sort_chats, "zaya_jax.rewards:exact_match"),
 }
 _BUILTIN_SEED = [53, 1]  # none of tasks' training or held-out draws use it
-_THINK = re.compile(r"<think>.*?</think>", re.S)
-_BOXED = re.compile(r"\\boxed\{")
 
 
 def read_task(spec: str) -> tuple[str, list[dict[str, Any]], str | None]:
@@ -71,193 +48,16 @@ def read_task(spec: str) -> tuple[str, list[dict[str, Any]], str | None]:
     return Path(spec).stem, records, None
 
 
-def strip_reasoning(text: str) -> tuple[str, bool]:
-    """(``text`` without its closed ``<think>...</think>`` blocks, whether a block was left open:
-    then everything from its ``<think>`` is reasoning, and no answer follows)."""
-    text = _THINK.sub("", text)
-    opened = text.find("<think>")
-    return (text[:opened], True) if opened >= 0 else (text, False)
-
-
-def answer_key(reply: str) -> str:
-    """What majority voting groups answers by: the last ``\\boxed{...}``'s content if the reply has
-    one, else the reply, with whitespace removed."""
-    starts = [m.end() for m in _BOXED.finditer(reply)]
-    if starts:
-        depth, i = 1, starts[-1]
-        while i < len(reply) and depth:
-            depth += {"{": 1, "}": -1}.get(reply[i], 0)
-            i += 1
-        reply = reply[starts[-1] : i - 1]
-    return "".join(reply.split())
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-    """One sampled answer: its prompt's and its own index, the completion as the template renders it
-    (special tokens kept), the score the checker gave, whether it counts as correct (score 1),
-    whether an answer could be read (False: the checker found none, or a reasoning block never
-    closed; a checker that does not say reads every answer), whether the token budget cut it, and
-    its length in tokens."""
-
-    prompt: int
-    sample: int
-    completion: str
-    score: float
-    correct: bool
-    parsed: bool
-    truncated: bool
-    tokens: int
-    key: str | None  # what majority voting groups it by (None: no answer read)
-
-
-@dataclasses.dataclass
-class ReasoningResult:
-    """A task's scores: ``metrics`` (pass@k, avg@n, maj@k, ``score``: the mean checker score), the
-    shares of samples ``truncated`` and ``unparsed``, and every sample."""
-
-    task: str
-    metrics: dict[str, Estimate]
-    truncated: float
-    unparsed: float
-    samples: list[Sample]
-    settings: dict[str, Any]
-    records: list[dict[str, Any]] = dataclasses.field(default_factory=list, repr=False)
-
-    def summary(self) -> dict[str, Any]:
-        """The scores as JSON: each metric's value and standard error, the shares, the settings."""
-        return {
-            "task": self.task,
-            "prompts": len({s.prompt for s in self.samples}),
-            **{name: e.value for name, e in self.metrics.items()},
-            **{f"{name}_stderr": e.stderr for name, e in self.metrics.items()},
-            "truncated": self.truncated,
-            "unparsed": self.unparsed,
-            "settings": self.settings,
-        }
-
-    def write(self, directory: str | Path) -> Path:
-        """``scores.json`` and ``samples.jsonl`` (one line per sample: the prompt's messages, the
-        reference answer, the completion and its verdict) in ``directory``; returns it."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        lines = []
-        for s in self.samples:
-            record = self.records[s.prompt] if self.records else None
-            context = {"messages": prompt_messages(record), "answer": _answer(record)} if record else {}
-            lines.append(json.dumps({**context, **dataclasses.asdict(s)}) + "\n")
-        write_atomic(directory / "samples.jsonl", "".join(lines))
-        write_atomic(directory / "scores.json", json.dumps(self.summary(), indent=2) + "\n")
-        return directory
-
-
-def _answer(record: dict[str, Any]) -> str | None:
-    try:
-        return reference_answer(record)
-    except ValueError:
-        return None
-
-
 def evaluate_reasoning(
     lm: Any,
     records: Sequence[dict[str, Any]],
     *,
-    check: str,
-    samples: int = 8,
-    ks: Sequence[int] = (1,),
-    temperature: float = 0.6,
-    top_p: float = 1.0,
-    top_k: int = 0,
-    max_new_tokens: int = 512,
-    seed: int = 0,
-    slots: int = 64,
-    task: str = "task",
-    check_timeout: float = 30.0,
     on_finish: Callable[[int, int], None] | None = None,
-) -> ReasoningResult:
-    """Sample ``samples`` answers to each record's prompt from ``lm`` (a
-    :class:`zaya_jax.lm.LanguageModel` with a tokenizer), check each with the reward function
-    ``check`` (``module:function``, each call held to ``check_timeout`` seconds; one that fails
-    stops the evaluation naming the prompt) and score them. ``ks``: the k of pass@k and maj@k (each
-    at most ``samples``); ``temperature`` 0 samples greedily (every sample the same). Sample j of
-    prompt i draws from the random stream ``i * samples + j`` of ``seed``, whatever ``slots``.
-    ``on_finish(done, total)`` reports progress."""
+    **options: Any,
+) -> ScoredAnswers:
+    """:func:`~zaya_jax.scoring.answers.score_answers` of ``lm`` (a :class:`zaya_jax.lm.LanguageModel`
+    with a tokenizer) on ``records``; ``options``: its settings (``check``, ``samples``, ``ks``,
+    ``temperature``, ``top_p``, ``top_k``, ``max_new_tokens``, ``seed``, ``slots``, ``task``)."""
     if lm.tokenizer is None:
         raise ConfigError(f"a reasoning evaluation needs the model's tokenizer: {lm.tokenizer_problem}")
-    for k in ks:  # refused before anything is sampled
-        check_k(samples, k)
-    checker = RewardFunction(check, "stop", check_timeout)
-    settings = {"samples": samples, "ks": sorted(set(ks)), "temperature": temperature, "top_p": top_p,
-                "top_k": top_k, "max_new_tokens": max_new_tokens, "seed": seed, "check": check}  # fmt: skip
-    requests = _requests(lm, records, settings)
-    done = [0]
-
-    def finished(_index: int, _result: Any) -> None:
-        done[0] += 1
-        if on_finish is not None:
-            on_finish(done[0], len(requests))
-
-    try:
-        results = lm.engine(slots=slots).run(requests, finished)
-        out = _judged(lm.tokenizer, records, results, samples, checker)
-    finally:
-        checker.close()
-    correct = [[s.correct for s in out[i * samples : (i + 1) * samples]] for i in range(len(records))]
-    keys = [[s.key for s in out[i * samples : (i + 1) * samples]] for i in range(len(records))]
-    metrics = score_samples(correct, ks, keys)
-    metrics["score"] = estimate([float(np.mean([s.score for s in out[i * samples : (i + 1) * samples]]))
-                                 for i in range(len(records))])  # fmt: skip
-    return ReasoningResult(
-        task=task,
-        metrics=metrics,
-        truncated=float(np.mean([s.truncated for s in out])),
-        unparsed=float(np.mean([not s.parsed for s in out])),
-        samples=out,
-        settings=settings,
-        records=list(records),
-    )
-
-
-def _requests(lm: Any, records: Sequence[dict[str, Any]], settings: dict[str, Any]) -> list[Request]:
-    """Each record's prompt, rendered with the model's chat template, ``samples`` times."""
-    tok = lm.tokenizer
-    chat = ChatEncoder(tok, tokenizer_chat_template(tok))
-    stops = rollout_stop_ids(Config(model=lm.config), tok, chat)
-    requests = []
-    for i, record in enumerate(records):
-        prompt = tok.encode(chat.prompt(prompt_messages(record), record.get("tools"))).tolist()
-        for j in range(settings["samples"]):
-            requests.append(
-                Request(
-                    prompt,
-                    settings["max_new_tokens"],
-                    settings["temperature"],
-                    settings["top_k"],
-                    settings["top_p"],
-                    seed=settings["seed"],
-                    stream=i * settings["samples"] + j,
-                    stop_tokens=stops,
-                )
-            )
-    return requests
-
-
-def _judged(
-    tok: Any, records: Sequence[dict[str, Any]], results: Sequence[Any], samples: int, checker: RewardFunction
-) -> list[Sample]:
-    """Every result decoded (special tokens kept), its reasoning removed, and checked."""
-    texts = [tok.decode(r.tokens.tolist(), skip_special_tokens=False) for r in results]
-    answers = [strip_reasoning(text) for text in texts]
-    owners = [records[index // samples] for index in range(len(results))]
-    values = checker.score(owners, [answer for answer, _ in answers])
-    out = []
-    for index, (result, text, (answer, unfinished), value) in enumerate(
-        zip(results, texts, answers, values, strict=True)
-    ):
-        value = Score(0.0, parsed=False) if unfinished else value
-        parsed = bool(getattr(value, "parsed", True))
-        key = answer_key(reply_text(answer)) if parsed else None
-        prompt, sample = divmod(index, samples)
-        out.append(Sample(prompt, sample, text, float(value), float(value) >= 1.0, parsed,
-                          not result.stopped, len(result.tokens), key))  # fmt: skip
-    return out
+    return score_answers(lm.config, lm.variables, lm.tokenizer, records, on_finish=on_finish, **options)

@@ -11,7 +11,13 @@ from zaya_jax.config import Config, ConfigError
 from zaya_jax.loss import MetricBound, Objective
 from zaya_jax.loss.policy import grpo_loss_and_stats
 from zaya_jax.objectives.lm import no_preference_sources
-from zaya_jax.objectives.rewards import HeldOutReward, PromptSet, held_out_reward, reward_function
+from zaya_jax.objectives.rewards import (
+    HeldOutReward,
+    PromptSet,
+    held_out_reward,
+    reward_function,
+    sampled_held_out,
+)
 from zaya_jax.objectives.rollout_rows import rollout_fields
 from zaya_jax.objectives.rollouts import Rollouts, batch_row_multiple, kl_reference, proximal_scorer
 from zaya_jax.objectives.spec import ObjectiveSpec, SavedRun, register
@@ -63,9 +69,18 @@ def evaluate_saved(saved: SavedRun) -> dict[str, Any]:
     cfg = saved.cfg
     prompts = PromptSet(cfg).held_out
     reward = reward_function(cfg)
-    mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, reward)
-    what = f"the run's held-out reward (step {saved.step}): {len(prompts)} prompts, greedy, {cfg.rl.reward}"
-    return {"loss": -mean, "reward": mean, "prompts": len(prompts), "evaluated": what}
+    n = cfg.rl.eval_samples
+    how = f"{n} samples each at temperature {cfg.rl.temperature}" if n else "greedy"
+    what = f"the run's held-out reward (step {saved.step}): {len(prompts)} prompts, {how}, {cfg.rl.reward}"
+    try:
+        if n:
+            scores = sampled_held_out(cfg, saved.model.variables, saved.tokenizer, prompts, reward)
+        else:
+            mean = held_out_reward(cfg, saved.model.variables, saved.tokenizer, prompts, reward)
+            scores = {"loss": -mean, "reward": mean}
+    finally:
+        reward.close()
+    return {**scores, "prompts": len(prompts), "evaluated": what}
 
 
 GRPO = register(

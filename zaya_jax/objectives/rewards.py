@@ -13,23 +13,22 @@ every epoch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from zaya_jax.config import Config, ConfigError
 from zaya_jax.data import BadDocuments, DataError, jsonl_records
-from zaya_jax.data.chat import ChatEncoder, check_record, tokenizer_chat_template
+from zaya_jax.data.chat import ChatEncoder, check_record, rollout_stop_ids, tokenizer_chat_template
 from zaya_jax.data.corpus import held_out_key
 from zaya_jax.data.tasks import reverse_chats
 from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.files import read_json
 from zaya_jax.generate import generate
 from zaya_jax.objectives.spec import TrainState
 from zaya_jax.parallel import process_local
 from zaya_jax.rewards import prompt_messages
 from zaya_jax.rewards.calls import RewardError, RewardFunction
+from zaya_jax.scoring.answers import score_answers
 
 BLOCK = 1024
 
@@ -148,37 +147,6 @@ class PromptEncoder:
         return ids, mask, prompts
 
 
-def generation_config_eos(tokenizer: Tokenizer) -> tuple[int, ...]:
-    """The ``eos_token_id`` (an id or a list) of ``generation_config.json`` beside an HF
-    tokenizer's file, () when there is none."""
-    if tokenizer.spec["kind"] != "hf":
-        return ()
-    path = Path(tokenizer.spec["path"]).parent / "generation_config.json"
-    if not path.is_file():
-        return ()
-    eos = read_json(path, "the generation config", "fix it or remove it").get("eos_token_id")
-    listed = eos if isinstance(eos, list) else [eos] if eos is not None else []
-    if not all(isinstance(t, int) and 0 <= t < tokenizer.vocab_size for t in listed):
-        raise DataError(f"{path}: eos_token_id {eos!r} is not a token id of the tokenizer or a list of them")
-    return tuple(listed)
-
-
-def rollout_stop_ids(cfg: Config, tokenizer: Tokenizer, chat: ChatEncoder | None = None) -> tuple[int, ...]:
-    """The ids a rollout (and the held-out reward's greedy completion) stops on: the model's
-    ``stop_token_ids`` (``model.eos_token_id``, ``model.eos_token_ids``), the tokenizer's EOS, the
-    EOS list of ``generation_config.json`` beside the tokenizer, and the chat template's end of
-    turn (:meth:`ChatEncoder.turn_end_ids`: ``<|im_end|>`` for ChatML), so a chat model stops where
-    its reply ends without ``model.eos_token_ids`` set by hand."""
-    chat = chat or ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
-    ids = (
-        *cfg.model.stop_token_ids,
-        tokenizer.eos_id,
-        *generation_config_eos(tokenizer),
-        *chat.turn_end_ids(),
-    )
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
 def completion_texts(tokenizer: Tokenizer, rows: list[list[int]]) -> list[str]:
     """Generated ids -> the text the reward function receives: the completion as the chat template
     renders it, special tokens kept as their text (the stop token included: ``"cba<|im_end|>"``
@@ -238,6 +206,32 @@ def unparsed_share(values: Sequence[Any]) -> float | None:
     return float(np.mean([not parsed for parsed in marked])) if marked else None
 
 
+def sampled_held_out(
+    cfg: Config,
+    variables: dict[str, Any],
+    tokenizer: Tokenizer,
+    records: Sequence[dict[str, Any]],
+    reward: Any,
+) -> dict[str, float]:
+    """The held-out prompts sampled ``rl.eval_samples`` times each, as rollouts are sampled, and
+    scored by :func:`zaya_jax.scoring.answers.score_answers` (as ``zaya eval --task`` scores): ``reward`` (the samples' mean),
+    ``pass@1``, ``pass@n``, ``maj@n``, ``avg@n``, ``truncated`` and ``reward_unparsed``."""
+    rl, n = cfg.rl, cfg.rl.eval_samples
+    result = score_answers(
+        cfg.model, variables, tokenizer, records, check=reward, samples=n, ks=sorted({1, n}), temperature=rl.temperature, top_p=rl.top_p,
+        top_k=rl.top_k, max_new_tokens=rl.max_new_tokens, seed=cfg.train.seed, slots=rl.slots,
+    )  # fmt: skip
+    scores = {name: e.value for name, e in result.metrics.items() if name != "score"}
+    mean = result.metrics["score"].value
+    return {
+        "loss": -mean,
+        "reward": mean,
+        **scores,
+        "truncated": result.truncated,
+        "reward_unparsed": result.unparsed,
+    }
+
+
 class HeldOutReward:
     """A ``grpo`` run's held-out evaluation: the mean greedy reward of the held-out prompts
     (``eval_reward``; ``eval_loss`` is its negation, so ``checkpoint.keep_best`` keeps the best;
@@ -253,6 +247,8 @@ class HeldOutReward:
     def __call__(self, step: int, state: TrainState) -> dict[str, float]:
         self.beat(step, "eval")
         variables = process_local({"params": state.params, "balancing": state.balancing})  # each process: all
+        if self.cfg.rl.eval_samples:
+            return sampled_held_out(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
         scores = held_out_scores(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)
         mean, unparsed = float(np.mean(scores)), unparsed_share(scores)
         return {"loss": -mean, "reward": mean, **({} if unparsed is None else {"reward_unparsed": unparsed})}

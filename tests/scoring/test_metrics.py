@@ -1,4 +1,4 @@
-"""pass@k, avg@n and maj@k (:mod:`zaya_jax.eval.metrics`) against brute force: pass@k is the mean
+"""pass@k, avg@n and maj@k (:mod:`zaya_jax.scoring.metrics`) against brute force: pass@k is the mean
 over every k-subset of the n samples of "one of them is correct", computed here by enumerating the
 subsets; majority voting by counting the votes by hand; standard errors against the textbook
 formula; k larger than the samples refused with a message that says what to change."""
@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 
-from zaya_jax.eval.metrics import estimate, majority_correct, pass_at_k, score_samples
+from zaya_jax.scoring.metrics import estimate, majority_correct, pass_at_k, score_samples
 
 
 def _brute_pass(correct: list[bool], k: int) -> float:
