@@ -32,15 +32,26 @@ def test_eval_reproduces_the_runs_own_eval_loss(run, capsys):
     assert "the run's held-out evaluation (step 2): 1 batches of 2 x 32 tokens" in out.err
 
 
-def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
-    from tests.data.corpora import small_corpus_override, train_bpe_tokenizer
+def test_an_export_carries_the_tokenizer_its_chat_template_and_every_stop_and_evaluates_with_them(
+    tmp_path, capsys
+):
+    """The export of a run trained with an HF tokenizer that has a chat template (ChatML) holds the
+    tokenizer, its special tokens and the template (``apply_chat_template`` on the export renders
+    as zaya renders), and lists in ``eos_token_id`` every id the run's sampling stopped on: the
+    model's EOS joined with ``model.eos_token_ids`` (not replaced by it), the tokenizer's EOS and the
+    template's end of turn; ``zaya eval`` of the export reads with its tokenizer."""
+    from transformers import AutoTokenizer, GenerationConfig
 
-    bpe = train_bpe_tokenizer(tmp_path / "bpe.json")
+    from tests.data.corpora import CHATML, chat_tokenizer_dir, small_corpus_override
+    from zaya_jax.data.chat import ChatEncoder, ChatTemplate
+
+    bpe = chat_tokenizer_dir(tmp_path / "tok") / "tokenizer.json"
     source = tmp_path / "run"
     args = [
         "train",
         *MINI,
-        "model.vocab_size=304",
+        "model.vocab_size=400",
+        "model.eos_token_ids=[7]",
         f"data.tokenizer={bpe}",
         small_corpus_override(tmp_path),
         f"run.dir={source}",
@@ -50,15 +61,27 @@ def test_eval_of_an_hf_directory_uses_its_tokenizer(tmp_path, capsys):
     hf = tmp_path / "hf"
     assert main(["convert", "zaya-to-hf", str(source), str(hf)]) == 0  # the export carries the tokenizer
     assert (hf / "tokenizer.json").read_bytes() == bpe.read_bytes()
-    assert json.loads((hf / "tokenizer_config.json").read_text())["eos_token"] == "</s>"
-    assert json.loads((hf / "generation_config.json").read_text())["eos_token_id"] == 1
+    saved = json.loads((hf / "tokenizer_config.json").read_text())
+    assert saved["eos_token"] == "</s>" and saved["chat_template"] == CHATML
 
-    from transformers import AutoTokenizer
+    ours = HFTokenizer(bpe)
+    stops = {
+        1,
+        7,
+        ours.eos_id,
+        ours._tok.token_to_id("<|im_end|>"),
+    }  # model EOS, extra stop, tokenizer's, turn end
+    generation = json.loads((hf / "generation_config.json").read_text())["eos_token_id"]
+    assert set(generation) == stops == set(json.loads((hf / "config.json").read_text())["eos_token_id"])
+    assert GenerationConfig.from_pretrained(hf).eos_token_id == generation
+    assert set(zaya_jax.load(hf).stop_token_ids) == stops
 
-    assert (
-        AutoTokenizer.from_pretrained(hf).encode("hello world")
-        == HFTokenizer(bpe).encode("hello world").tolist()
-    )
+    theirs = AutoTokenizer.from_pretrained(hf)
+    assert theirs.encode("hello world") == ours.encode("hello world").tolist()
+    messages = [{"role": "user", "content": "what is two plus two"}]
+    rendered = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == ChatEncoder(ours, ChatTemplate(CHATML, "test")).prompt(messages)
+    assert rendered.endswith("<|im_start|>assistant\n")
 
     capsys.readouterr()
     losses = {}

@@ -55,28 +55,12 @@ def _assert_same_weights(run: Path, reference: Path) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_two_processes_train_the_one_process_run(tmp_path, reference):
-    run = tmp_path / "run"
-    finish(start_two_processes(run, STEPS, *GRPO, "eval.every=4"))
-    assert_same_training(train_metrics(run), train_metrics(reference), list(range(1, STEPS + 1)))
-    # held-out reward: every process evaluates every held-out prompt, as one process does
-    ours, theirs = (_evaluations(r) for r in (run, reference))
-    assert [e["step"] for e in ours] == [e["step"] for e in theirs] == [0, STEPS]  # the start, the end
-    assert [e["eval_loss"] for e in ours] == [e["eval_loss"] for e in theirs]
-    _assert_same_weights(run, reference)
-    # both processes saved the same global position: rollouts taken, prompts consumed, tokens trained
-    positions = _positions(run, STEPS)
-    assert len(positions) == 2 and positions[0] == positions[1] == _positions(reference, STEPS)[0]
-    assert (
-        positions[0]["consumed"] == STEPS // 2 * 4 and positions[0]["rollouts"] == STEPS // 2
-    )  # 16 rows: 4 groups
-
-
 def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_one(tmp_path, reference):
     """With the parameters split across the processes (fsdp over 4 devices, 2 in each process: the
     sampler gets them gathered), a NaN injected into step 3's batch rolls both processes back to
     step 2 (agreed), and the run, scoring its rollouts against the reference weights (rl.kl, each
-    process its rows), goes on as the one-process run with the same fault does."""
+    process its rows), goes on as the one-process run with the same fault does: the same losses,
+    rewards, held-out rewards, saved positions (both processes the same) and weights."""
     extra = [
         "mesh.data=1",
         "mesh.fsdp=4",
@@ -98,7 +82,16 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
     for s in range(1, STEPS + 1):
         assert ours[s]["kl"] == pytest.approx(theirs[s]["kl"], rel=1e-5), s
     assert_same_training(ours, theirs, list(range(1, STEPS + 1)))
-    assert _positions(two, STEPS)[0] == _positions(one, STEPS)[0]
+    # held-out reward: every process evaluates every held-out prompt, as one process does
+    evaluated, reference_evaluated = _evaluations(two), _evaluations(one)
+    assert [e["step"] for e in evaluated] == [e["step"] for e in reference_evaluated]
+    assert evaluated[0]["step"] == 0 and evaluated[-1]["step"] == STEPS  # the start, ..., the end
+    assert [e["eval_loss"] for e in evaluated] == [e["eval_loss"] for e in reference_evaluated]
+    # both processes saved the same global position (rollouts taken, prompts consumed, tokens
+    # trained), the one-process run's
+    positions = _positions(two, STEPS)
+    assert len(positions) == 2 and positions[0] == positions[1] == _positions(one, STEPS)[0]
+    assert positions[0]["rollouts"] >= STEPS // 2
     _assert_same_weights(two, one)
 
 
