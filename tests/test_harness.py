@@ -52,7 +52,7 @@ def test_scores_are_the_models_log_probabilities(run):
     assert score == pytest.approx(_logprob(lm, ids, context), abs=1e-3)
     assert isinstance(greedy, bool)
     (rolling,) = model.loglikelihood_rolling([_request("import os\n")])
-    text = [tok.eos_id, *[int(t) for t in tok.encode("import os\n")]]
+    text = [model.prefix_token_id, *[int(t) for t in tok.encode("import os\n")]]
     assert rolling == pytest.approx(_logprob(lm, text, 1), abs=1e-3)
     (generated,) = model.generate_until([_request("def ", {"until": ["\n"], "max_gen_toks": 8})])
     assert "\n" not in generated and len(generated) <= 8

@@ -3,127 +3,226 @@
 ``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` run on :func:`zaya_jax.load`
 (a run, a checkpoint or an HF directory), so a run is scored with the harness without exporting it::
 
-    python -m zaya_jax.harness run --model zaya --model_args pretrained=runs/tiny --tasks TASKS
+    python -m zaya_jax.harness run --model zaya --model_args pretrained=runs/tiny --tasks TASKS \\
+        [--apply_chat_template] [--fewshot_as_multiturn]
 
 (``lm_eval``'s own command line with this module imported first, which registers the model), or
 from Python: ``lm_eval.simple_evaluate(model=ZayaLM("runs/tiny"), tasks=[...])``.
 
-Scored sequences are left-padded to the next power of two (at least 16 tokens), so a task compiles
-a handful of programs, not one per request length; ``generate_until`` runs all of a task's
-requests through the rollout engine at once (:mod:`zaya_jax.engine`).
+Requests are encoded as lm-eval's ``hf`` model encodes them (its ``TemplateLM``: the context's
+trailing spaces moved to the continuation, an empty context scored after ``prefix_token_id``, the
+tokenizer's BOS; the tokenizer's post-processor applied unless the text starts with its BOS), so
+an export scored with ``--model hf`` gives the same numbers. Log-likelihoods are batched
+(:mod:`zaya_jax.scoring.likelihood`: shared inputs read once, several requests to a row, the head
+only where tokens are scored, rows split over the local devices); ``generate_until`` runs a task's
+requests through the rollout engine at once (:mod:`zaya_jax.engine`), each with its own stops,
+token budget and sampling. ``--apply_chat_template`` renders with the model's chat template (the
+run's, as ``zaya convert zaya-to-hf`` exports it).
+
+Several processes (``ZAYA_COORDINATOR`` / ``ZAYA_NUM_PROCESSES`` / ``ZAYA_PROCESS_ID``, or Slurm)
+each score their share of every task; lm-eval gathers the results to rank 0, which writes them.
+The exchange runs through ``jax.distributed``'s key-value store, not ``torch.distributed``.
 """
 
 from __future__ import annotations
 
+import base64
+import json
+import pickle
 from typing import Any
 
-import numpy as np
-from lm_eval.api.model import LM
+import jax
+from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from lm_eval.models.utils import normalize_gen_kwargs
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from zaya_jax.engine import Request
 from zaya_jax.lm import load
+from zaya_jax.parallel import distributed
+from zaya_jax.scoring.likelihood import LikelihoodScorer
 
-
-def _bucket(length: int) -> int:
-    return max(16, 1 << (length - 1).bit_length())
+_PIECE = 1 << 20  # characters per key-value entry when gathering objects between processes
 
 
 @register_model("zaya")
-class ZayaLM(LM):
+class ZayaLM(TemplateLM):
     """``pretrained``: a run, checkpoint or HF directory; ``tokenizer``: override its tokenizer
     (a ``tokenizer.json`` path or ``byte``); ``max_length``: the longest scored sequence (default
-    the model's ``max_position_embeddings``); ``slots``: ``generate_until`` requests in flight at
-    once (the rollout engine's slots)."""
+    the model's ``max_position_embeddings``); ``batch_tokens``: tokens per loglikelihood forward
+    pass (split over the local devices); ``slots``: ``generate_until`` requests in flight at once
+    (the rollout engine's slots); ``seed``: of sampled generations."""
 
     def __init__(
         self,
         pretrained: str,
         tokenizer: str | None = None,
         max_length: int | None = None,
+        batch_tokens: int = 4096,
         slots: int = 64,
+        seed: int = 0,
         **_: Any,
     ):
         super().__init__()
+        distributed.initialize()  # a multi-process evaluation: before the model touches a device
+        self._rank, self._world_size, self._device = jax.process_index(), jax.process_count(), "cpu"
         self.lm = load(pretrained, tokenizer)
         if self.lm.tokenizer is None:
             raise ValueError(f"{self.lm.tokenizer_problem}; pass model_args tokenizer=PATH")
         self.tok = self.lm.tokenizer
-        self.max_length = int(max_length or self.lm.config.max_position_embeddings)
-        self.slots = int(slots)
+        self._max_length = int(max_length or self.lm.config.max_position_embeddings)
+        self.slots, self.seed = int(slots), int(seed)
+        self.scorer = LikelihoodScorer(self.lm.config, self.lm.variables, batch_tokens=int(batch_tokens))
 
-    def _encode(self, text: str) -> list[int]:
-        return [int(t) for t in self.tok.encode(text)]
+    @property
+    def max_length(self) -> int:
+        return self._max_length
 
-    def _score(self, context: list[int], continuation: list[int]) -> tuple[float, bool]:
-        """log p(continuation | context) and whether greedy decoding gives the continuation."""
-        ids = (context + continuation)[-(self.max_length + 1) :]
-        inputs, targets = ids[:-1], ids[1:]
-        width = _bucket(len(inputs))
-        padded = np.full((1, width), self.lm.config.pad_token_id, np.int32)
-        padded[0, width - len(inputs) :] = inputs
-        mask = (np.arange(width) >= width - len(inputs))[None].astype(np.int32)
-        logits = self.lm.logits(padded, attention_mask=mask)[0, width - len(continuation) :]
-        logits = logits - logits.max(-1, keepdims=True)
-        logprobs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-        wanted = np.asarray(targets[-len(continuation) :])
-        score = float(logprobs[np.arange(len(wanted)), wanted].sum())
-        return score, bool(np.array_equal(logits.argmax(-1), wanted))
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
 
-    def loglikelihood(self, requests: list[Any]) -> list[tuple[float, bool]]:
+    @property
+    def prefix_token_id(self) -> int:
+        return self.tok.bos_id  # the tokenizer's BOS (its EOS where it has none), as the hf model
+
+    @property
+    def tokenizer_name(self) -> str:
+        spec = self.tok.spec
+        return str(spec.get("path", spec.get("kind", "tokenizer"))).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **_: Any) -> list[int]:
+        """As ``hf``: the tokenizer's post-processor applied (a BOS for many) unless told not to or
+        the text already starts with the BOS (a chat template that writes it)."""
+        if add_special_tokens is None:
+            add_special_tokens = not string.startswith(self.tok.decode([self.prefix_token_id], False) or "\0")
+        return [int(t) for t in self.tok.encode(string, add_special_tokens=add_special_tokens)]
+
+    def _loglikelihood_tokens(self, requests: list[Any], disable_tqdm: bool = False, **_: Any):
+        results = self.scorer.score([(context, tail) for _, context, tail in requests], self.max_length)
         out = []
-        for request in requests:
-            context, continuation = request.args
-            spaces = len(context) - len(context.rstrip())  # a word's space belongs to the continuation
-            if spaces:
-                context, continuation = context[:-spaces], context[-spaces:] + continuation
-            whole = self._encode(context + continuation)
-            head = self._encode(context) if context else [self.tok.eos_id]
-            tail = whole[len(head) :] if context else whole
-            out.append(self._score(head, tail))
+        for (key, _, _), result in zip(requests, results, strict=True):
+            out.append((result.logprob, result.greedy))
+            self.cache_hook.add_partial("loglikelihood", key, out[-1])
         return out
 
-    def loglikelihood_rolling(self, requests: list[Any]) -> list[float]:
-        out = []
-        for request in requests:
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Each text's log-likelihood over disjoint windows of ``max_length`` tokens (the first after
+        ``prefix_token_id``), every window of every text scored in one batched call."""
+        windows, owners = [], []
+        for index, request in enumerate(requests):
             (text,) = request.args
-            windows = get_rolling_token_windows(
-                token_list=self._encode(text),
-                prefix_token=self.tok.eos_id,
+            rolling = get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
                 max_seq_len=self.max_length,
                 context_len=1,
             )
-            total = 0.0
-            for window in map(make_disjoint_window, windows):
-                total += self._score(list(window[0]), list(window[1]))[0]
-            out.append(total)
-        return out
+            for context, tail in map(make_disjoint_window, rolling):
+                windows.append((list(context), list(tail)))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for index, result in zip(owners, self.scorer.score(windows, self.max_length), strict=True):
+            totals[index] += result.logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
 
-    def generate_until(self, requests: list[Any]) -> list[str]:
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
         """Every request at once through the rollout engine (``slots`` in flight, continuous
-        batching): each stops at the model's EOS ids or at one of its ``until`` strings (the text
-        returned ends before it); a context too long for ``max_gen_toks`` more tokens keeps its end."""
+        batching), each with its own ``until`` strings (the text returned ends before the first),
+        ``max_gen_toks`` and sampling (``do_sample`` / ``temperature`` / ``top_p`` / ``top_k``, as
+        lm-eval normalizes them; greedy by default); all stop at the model's EOS ids. A context too
+        long for ``max_gen_toks`` more tokens keeps its end."""
         jobs = []
         for index, request in enumerate(requests):
             context, options = request.args
-            until = options.get("until") or []
-            until = (until,) if isinstance(until, str) else tuple(s for s in until if s)
-            new = int(options.get("max_gen_toks", 256))
-            sample = bool(options.get("do_sample", False))
-            keep = max(1, min(self.max_length, self.lm.config.max_position_embeddings) - new)
-            prompt = (self._encode(context) if context else [self.tok.eos_id])[-keep:]
-            temperature = float(options.get("temperature", 1.0)) if sample else 0.0
-            stops = tuple(self.lm.stop_token_ids)
+            kwargs = normalize_gen_kwargs(options, 256)
+            until = tuple(s for s in kwargs["until"] if s)
+            new = kwargs["max_gen_toks"]
+            keep = max(1, self.max_length - new)
+            prompt = (self.tok_encode(context) if context else [self.prefix_token_id])[-keep:]
+            sample = bool(kwargs["do_sample"])
             jobs.append(
-                Request(prompt, new, temperature, stream=index, stop_tokens=stops, stop_strings=until)
+                Request(
+                    prompt,
+                    new,
+                    (float(kwargs.get("temperature") or 1.0)) if sample else 0.0,
+                    top_k=int(kwargs.get("top_k") or 0) if sample else 0,
+                    top_p=float(kwargs.get("top_p") or 1.0) if sample else 1.0,
+                    seed=self.seed,
+                    stream=index,
+                    stop_tokens=tuple(self.lm.stop_token_ids),
+                    stop_strings=until,
+                )
             )
         out = []
         for job, result in zip(jobs, self.lm.engine(slots=self.slots).run(jobs), strict=True):
             text = self.tok.decode([t for t in result.tokens.tolist() if t not in job.stop_tokens])
             cuts = [text.find(stop) for stop in job.stop_strings if stop in text]
             out.append(text[: min(cuts)] if cuts else text)
+            self.cache_hook.add_partial("generate_until", requests[len(out) - 1].args, out[-1])
         return out
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The model's chat template (``--apply_chat_template``); a clear error where it has none."""
+        if chat_template is False or chat_template is None:
+            return None
+        if self.lm.chat_template is None:
+            raise ValueError(
+                "--apply_chat_template needs a chat template, and this model's tokenizer has none; put "
+                "chat_template.jinja beside its tokenizer.json (or a chat_template in tokenizer_config.json)"
+            )
+        return self.lm.chat_template.source
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """``chat_history`` rendered with the model's chat template as ``transformers``'
+        ``apply_chat_template`` renders it (a template that rejects a system message is given the
+        history without it, as the ``hf`` model does)."""
+        import jinja2
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        def render(history):
+            texts, _ = render_jinja_template(
+                [history],
+                chat_template=self.chat_template(True),
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=not add_generation_prompt,
+                **self.tok.template_variables(),
+            )
+            return texts[0]
+
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            return render([m for m in chat_history if m["role"] != "system"])
+
+    # Several processes: lm-eval's hooks, through jax.distributed's key-value store.
+    def all_gather(self, tensor):
+        import torch
+
+        values = distributed.gather_strings(
+            "lm_eval all_gather", json.dumps(tensor.cpu().reshape(-1).tolist())
+        )
+        return torch.tensor([v for value in values for v in json.loads(value)])
+
+    def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
+        data = base64.b64encode(pickle.dumps(obj)).decode()
+        pieces = [data[i : i + _PIECE] for i in range(0, len(data), _PIECE)] or [""]
+        counts = [int(n) for n in distributed.gather_strings("lm_eval pieces", str(len(pieces)))]
+        gathered = [""] * self.world_size
+        for i in range(max(counts)):
+            piece = pieces[i] if i < len(pieces) else ""
+            for rank, value in enumerate(distributed.gather_strings("lm_eval gather_object", piece)):
+                gathered[rank] += value
+        if self.rank != dst:
+            return None
+        return [pickle.loads(base64.b64decode(value)) for value in gathered]
+
+    def barrier(self) -> None:
+        distributed.barrier("lm_eval")
 
 
 def main() -> None:

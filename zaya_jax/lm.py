@@ -71,6 +71,12 @@ class LanguageModel:
         logits, _ = self._apply(self.variables, jnp.asarray(ids, jnp.int32), token_mask=mask)
         return np.asarray(logits, dtype=np.float32)
 
+    @functools.cached_property
+    def chat_template(self) -> ChatTemplate | None:
+        """The chat template the model's conversations are rendered with (the run's chat or
+        preference source's ``chat_template``, else its tokenizer's own), None when it has none."""
+        return _run_chat_template(self.tokenizer, self.run_config) if self.tokenizer is not None else None
+
     @property
     def stop_token_ids(self) -> list[int]:
         """The ids generation stops on by default: the model's EOS ids and the tokenizer's (as HF

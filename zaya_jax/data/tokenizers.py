@@ -54,7 +54,7 @@ class Tokenizer(Protocol):
     @property
     def spec(self) -> dict[str, Any]: ...
 
-    def encode(self, text: str) -> np.ndarray: ...
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray: ...
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]: ...
 
@@ -79,8 +79,9 @@ class ByteTokenizer:
     def spec(self) -> dict[str, Any]:
         return {"kind": "byte", "vocab_size": self.vocab_size}
 
-    def encode(self, text: str) -> np.ndarray:
-        """``text`` -> (num_bytes,) int32 ids, without special tokens."""
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """``text`` -> (num_bytes,) int32 ids, without special tokens (the byte tokenizer has no
+        post-processor: ``add_special_tokens`` changes nothing)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int32) + BYTE_OFFSET
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
@@ -203,10 +204,12 @@ class HFTokenizer:
             "bos_id": self.bos_id,
         }
 
-    def encode(self, text: str) -> np.ndarray:
-        """``text`` -> (num_tokens,) int32 ids, without the post-processor's special tokens
-        (the pipeline appends EOS itself)."""
-        return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.int32)
+    def encode(self, text: str, add_special_tokens: bool = False) -> np.ndarray:
+        """``text`` -> (num_tokens,) int32 ids, without the post-processor's special tokens (the
+        pipeline appends EOS itself) unless ``add_special_tokens`` (as ``transformers`` encodes by
+        default: lm-eval's ``hf`` model, a BOS for many tokenizers)."""
+        encoding = self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return np.asarray(encoding.ids, dtype=np.int32)
 
     def encode_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Each text -> (num_tokens,) int32 ids; the Rust library tokenizes the batch in parallel."""

@@ -46,7 +46,9 @@ def auto_chunk(vocab_size: int) -> int:
     return max(16, LOGITS_BUDGET // vocab_size // 16 * 16)
 
 
-def _logits(h, weight, bias, vocab_axis):
+def head_logits(h: jax.Array, weight: jax.Array, bias: jax.Array | None, vocab_axis: int) -> jax.Array:
+    """(batch, seq, vocab) float32 logits of (batch, seq, embed) hidden states under the LM head
+    ``weight`` ((vocab, embed) when ``vocab_axis`` is 0, else (embed, vocab)) and ``bias``."""
     spec = "bte,ve->btv" if vocab_axis == 0 else "bte,ev->btv"
     logits = jnp.einsum(spec, h, weight, preferred_element_type=jnp.float32)
     return logits if bias is None else logits + bias.astype(jnp.float32)
@@ -99,7 +101,7 @@ def _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, di
 
     def one_chunk(_, inputs):
         h_c, t_c, limit_c = inputs
-        logits = _sampled(_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
+        logits = _sampled(head_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
         log_z = jax.nn.logsumexp(logits, axis=-1)
         target = jnp.take_along_axis(logits, t_c[..., None], axis=-1)[..., 0]
         return None, (log_z - target, log_z)
@@ -123,7 +125,7 @@ def _backward(vocab_axis, chunk, shard_vocab, distribution, residuals, cotangent
     def one_chunk(carry, inputs):
         d_weight, d_bias = carry
         h_c, t_c, limit_c, lse_c, g_ce_c, g_lse_c = inputs
-        logits = _sampled(_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
+        logits = _sampled(head_logits(h_c, weight_c, bias, vocab_axis), t_c, limit_c, distribution)
         probs = jnp.exp(logits - lse_c[..., None])
         is_target = jnp.arange(vocab, dtype=t_c.dtype) == t_c[..., None]
         d_logits = probs * (g_ce_c + g_lse_c)[..., None] - jnp.where(is_target, g_ce_c[..., None], 0.0)
