@@ -15,7 +15,7 @@ import pytest
 
 from tests.random_model import tiny_config, varied_variables
 from zaya_jax.model import Zaya
-from zaya_jax.scoring.likelihood import LikelihoodScorer, batches, model_inputs
+from zaya_jax.scoring.likelihood import Batch, LikelihoodScorer, Shared, batches, model_inputs, plan
 
 CFG = tiny_config(sliding_window=8, layer_types=("hybrid_sliding", "hybrid"))
 
@@ -56,24 +56,30 @@ def test_packed_scores_equal_one_forward_per_request():
     requests = _requests()
     scorer = LikelihoodScorer(CFG, variables, batch_tokens=128)
     got = scorer.score(requests, max_length=32)  # some requests longer: left-truncated as lm-eval does
-    assert len(list(batches(model_inputs(requests, 32), 128))) > 1  # more than one forward
+    passes = list(plan(requests, 32, 128))
+    assert {type(p) for p in passes} == {Batch, Shared} and len(passes) > 2  # packed and shared passes
     for (score, greedy), result in zip(_one_row_each(variables, requests, 32), got, strict=True):
         assert result.logprob == pytest.approx(score, abs=1e-5)
         assert result.greedy == greedy
 
 
-def test_requests_with_the_same_input_are_read_once_and_rows_hold_several():
+def test_shared_inputs_and_prefixes_are_read_once_and_short_inputs_fill_rows():
     requests = _requests()
     inputs = model_inputs(requests, 32)
     distinct = {tuple([*c, *t][-33:-1]) for c, t in requests}
-    assert len(inputs) == len(distinct) < len(requests)
-    packed = list(batches(inputs, 128))
+    assert len(inputs) == len(distinct) < len(requests)  # one-token answers of a context: one input
+
+    context, answers = list(range(3, 40)), [[5, 6], [7], [8, 9, 10]]
+    (shared,) = plan([(context, a) for a in answers], 64, 4096)  # a question's answers: one pass
+    assert isinstance(shared, Shared) and shared.prefix_n[0] == len(context) - 1  # the prefix read once
+    assert sorted(shared.suffix_n[:3].tolist()) == [1, 2, 3] and shared.parent[:3].tolist() == [0, 0, 0]
+
+    lengths = [33, 30, 5, 4, 2]
+    packed = list(batches([(tuple(range(3, 3 + n)), [(i, (1,))]) for i, n in enumerate(lengths)], 4096))
     documents = sum(int(b.segment_ids.max(axis=1).sum()) for b in packed)
     rows = sum(int((b.segment_ids.max(axis=1) > 0).sum()) for b in packed)
-    assert documents == len(inputs) and rows < documents
-    assert sorted(i for b in packed for i, _, _ in b.owners) == list(range(len(requests)))
-    for b in packed:  # every row a power-of-two width, documents longest first
-        assert b.tokens.shape[1] & (b.tokens.shape[1] - 1) == 0
+    assert documents == len(lengths) and rows < documents  # the short ones fill the long ones' rows
+    assert sorted(i for b in packed for i, _, _ in b.owners) == list(range(len(lengths)))
 
 
 def test_bad_requests_are_refused_with_what_to_change():
