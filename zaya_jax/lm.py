@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from zaya_jax.config import Config, DataConfig, DataSource, ModelConfig, RuntimeConfig
 from zaya_jax.data import DataError
-from zaya_jax.data.chat import ChatEncoder, ChatTemplate, generation_config_eos, tokenizer_chat_template
+from zaya_jax.data.chat import ChatEncoder, ChatTemplate, stop_ids, tokenizer_chat_template
 from zaya_jax.data.sources import source_for_path
 from zaya_jax.data.tokenizers import HFTokenizer, Tokenizer, load_tokenizer
 from zaya_jax.engine import Engine
@@ -338,9 +338,7 @@ def export_hf(
         model = files.model
         if tok is not None:  # generation stops where the run's rollouts and zaya's sampling stop
             chat = ChatEncoder(tok, template) if template is not None else None
-            turn_end = chat.turn_end_ids() if chat else ()
-            stops = (*model.stop_token_ids, tok.eos_id, *generation_config_eos(tok), *turn_end)
-            model = dataclasses.replace(model, eos_token_ids=tuple(dict.fromkeys(int(t) for t in stops)))
+            model = dataclasses.replace(model, eos_token_ids=stop_ids(model.stop_token_ids, tok, chat))
         save_hf_directory(staged.path, model, variables, dtype=dtype)
         if isinstance(tok, HFTokenizer):
             write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())

@@ -38,7 +38,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -372,17 +372,24 @@ def generation_config_eos(tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(listed)
 
 
-def rollout_stop_ids(cfg: Config, tokenizer: Tokenizer, chat: ChatEncoder | None = None) -> tuple[int, ...]:
-    """The ids a rollout (and the held-out reward's greedy completion) stops on: the model's
-    ``stop_token_ids`` (``model.eos_token_id``, ``model.eos_token_ids``), the tokenizer's EOS, the
-    EOS list of ``generation_config.json`` beside the tokenizer, and the chat template's end of
-    turn (:meth:`ChatEncoder.turn_end_ids`: ``<|im_end|>`` for ChatML), so a chat model stops where
-    its reply ends without ``model.eos_token_ids`` set by hand."""
-    chat = chat or ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
+def stop_ids(model_stops: Sequence[int], tokenizer: Tokenizer, chat: ChatEncoder | None) -> tuple[int, ...]:
+    """Every id a model's sampling stops on, each once: ``model_stops`` (the model config's
+    ``stop_token_ids``), the tokenizer's EOS, the EOS list of ``generation_config.json`` beside
+    the tokenizer, and ``chat``'s end of turn (:meth:`ChatEncoder.turn_end_ids`) where it has a
+    template. What rollouts stop on and what ``zaya convert zaya-to-hf`` lists in ``eos_token_id``."""
     ids = (
-        *cfg.model.stop_token_ids,
+        *model_stops,
         tokenizer.eos_id,
         *generation_config_eos(tokenizer),
-        *chat.turn_end_ids(),
+        *(chat.turn_end_ids() if chat else ()),
     )
     return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def rollout_stop_ids(cfg: Config, tokenizer: Tokenizer, chat: ChatEncoder | None = None) -> tuple[int, ...]:
+    """The ids a rollout (and the held-out reward's greedy completion) stops on (:func:`stop_ids`
+    with the tokenizer's chat template, when ``chat`` is not given): the chat template's end of
+    turn (``<|im_end|>`` for ChatML) included, so a chat model stops where its reply ends without
+    ``model.eos_token_ids`` set by hand."""
+    chat = chat or ChatEncoder(tokenizer, tokenizer_chat_template(tokenizer))
+    return stop_ids(cfg.model.stop_token_ids, tokenizer, chat)
