@@ -26,12 +26,11 @@ The exchange runs through ``jax.distributed``'s key-value store, not ``torch.dis
 
 from __future__ import annotations
 
-import base64
 import json
-import pickle
 from typing import Any
 
 import jax
+import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import normalize_gen_kwargs
@@ -209,7 +208,9 @@ class ZayaLM(TemplateLM):
         return torch.tensor([v for value in values for v in json.loads(value)])
 
     def gather_object(self, obj: Any, dst: int = 0) -> list[Any] | None:
-        data = base64.b64encode(pickle.dumps(obj)).decode()
+        """``obj`` of every process on ``dst`` (lm-eval's samples and metrics: JSON-like data
+        with tuples, tuple keys and numpy scalars; never pickled), in rank order."""
+        data = json.dumps(_tagged(obj), default=str)
         pieces = [data[i : i + _PIECE] for i in range(0, len(data), _PIECE)] or [""]
         counts = [int(n) for n in distributed.gather_strings("lm_eval pieces", str(len(pieces)))]
         gathered = [""] * self.world_size
@@ -219,10 +220,34 @@ class ZayaLM(TemplateLM):
                 gathered[rank] += value
         if self.rank != dst:
             return None
-        return [pickle.loads(base64.b64decode(value)) for value in gathered]
+        return [_untagged(json.loads(value)) for value in gathered]
 
     def barrier(self) -> None:
         distributed.barrier("lm_eval")
+
+
+def _tagged(obj: Any) -> Any:
+    """``obj`` as JSON can hold it: tuples and dicts with other keys than strings tagged, numpy
+    scalars as Python's (what :func:`_untagged` turns back)."""
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_tagged(x) for x in obj]}
+    if isinstance(obj, list):
+        return [_tagged(x) for x in obj]
+    if isinstance(obj, dict):
+        return {"__items__": [[_tagged(k), _tagged(v)] for k, v in obj.items()]}
+    return obj
+
+
+def _untagged(obj: Any) -> Any:
+    if isinstance(obj, list):
+        return [_untagged(x) for x in obj]
+    if isinstance(obj, dict) and "__tuple__" in obj:
+        return tuple(_untagged(x) for x in obj["__tuple__"])
+    if isinstance(obj, dict) and "__items__" in obj:
+        return {_untagged(k): _untagged(v) for k, v in obj["__items__"]}
+    return obj
 
 
 def main() -> None:

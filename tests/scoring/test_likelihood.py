@@ -8,28 +8,16 @@ import dataclasses
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from tests.random_model import tiny_config, varied_variables
+from tests.random_model import varied_variables
+from tests.scoring.requests import CFG, random_requests
 from zaya_jax.model import Zaya
 from zaya_jax.scoring.likelihood import Batch, LikelihoodScorer, Shared, batches, model_inputs, plan
-
-CFG = tiny_config(sliding_window=8, layer_types=("hybrid_sliding", "hybrid"))
-
-
-def _requests(seed: int = 0, n: int = 40) -> list[tuple[list[int], list[int]]]:
-    """Random requests, several sharing a context (multiple choice) and some the same input."""
-    rng = np.random.default_rng(seed)
-    out = []
-    while len(out) < n:
-        context = rng.integers(2, CFG.vocab_size, rng.integers(1, 40)).tolist()
-        for _ in range(rng.integers(1, 5)):
-            out.append((context, rng.integers(2, CFG.vocab_size, rng.integers(1, 6)).tolist()))
-        out.append((context, [int(rng.integers(2, CFG.vocab_size))]))  # one-token answers share a read
-    return out
 
 
 def _one_row_each(variables, requests, max_length: int) -> list[tuple[float, bool]]:
@@ -53,7 +41,7 @@ def _one_row_each(variables, requests, max_length: int) -> list[tuple[float, boo
 
 def test_packed_scores_equal_one_forward_per_request():
     variables = varied_variables(CFG)
-    requests = _requests()
+    requests = random_requests()
     scorer = LikelihoodScorer(CFG, variables, batch_tokens=128)
     got = scorer.score(requests, max_length=32)  # some requests longer: left-truncated as lm-eval does
     passes = list(plan(requests, 32, 128))
@@ -64,7 +52,7 @@ def test_packed_scores_equal_one_forward_per_request():
 
 
 def test_shared_inputs_and_prefixes_are_read_once_and_short_inputs_fill_rows():
-    requests = _requests()
+    requests = random_requests()
     inputs = model_inputs(requests, 32)
     distinct = {tuple([*c, *t][-33:-1]) for c, t in requests}
     assert len(inputs) == len(distinct) < len(requests)  # one-token answers of a context: one input
@@ -93,13 +81,13 @@ def test_rows_split_over_eight_devices_score_the_same():
     """The scorer on 8 (fake CPU) devices, in a subprocess, gives the scores of one device."""
     code = f"""
 import json, sys
-sys.path.insert(0, {os.getcwd()!r})
+sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
 import jax
-from tests.scoring.test_likelihood import CFG, _requests
+from tests.scoring.requests import CFG, random_requests
 from tests.random_model import varied_variables
 from zaya_jax.scoring.likelihood import LikelihoodScorer
 assert jax.local_device_count() == 8
-got = LikelihoodScorer(CFG, varied_variables(CFG), batch_tokens=128).score(_requests(), 32)
+got = LikelihoodScorer(CFG, varied_variables(CFG)).score(random_requests(n=16), 32)
 print(json.dumps([[r.logprob, r.greedy] for r in got]))
 """
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
@@ -108,8 +96,10 @@ print(json.dumps([[r.logprob, r.greedy] for r in got]))
     import json
 
     split = json.loads(done.stdout.strip().splitlines()[-1])
-    one = LikelihoodScorer(CFG, varied_variables(CFG), batch_tokens=128, devices=jax.devices()[:1])
-    for (logprob, greedy), result in zip(split, one.score(_requests(), 32), strict=True):
+    one = LikelihoodScorer(CFG, varied_variables(CFG), devices=jax.devices()[:1])
+    requests = random_requests(n=16)
+    assert {type(p) for p in plan(requests, 32, one.batch_tokens)} == {Batch, Shared}  # both programs
+    for (logprob, greedy), result in zip(split, one.score(requests, 32), strict=True):
         assert logprob == pytest.approx(result.logprob, abs=1e-5) and greedy == result.greedy
 
 
