@@ -72,9 +72,10 @@ def test_every_recommended_xla_flag_is_known_to_the_installed_jaxlib(capsys):
     """An unknown flag in XLA_FLAGS aborts JAX at start; every flag doctor recommends, on every
     platform, starts it (on the CPU, where GPU flags are parsed and ignored)."""
     from zaya_jax.cli import main as cli_main
-    from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS
+    from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS, timeout_settings
 
     flags = [flag for table in RECOMMENDED_XLA_FLAGS.values() for flag in table]
+    flags += timeout_settings("rocm")[1]  # runtime.collective_timeout_s's flags
     assert any("ragged_all_to_all_one_shot_kernel=false" in f for f in RECOMMENDED_XLA_FLAGS["cuda"])
     env = {**os.environ, "XLA_FLAGS": " ".join(flags)}
     proc = subprocess.run(
@@ -90,6 +91,10 @@ def test_every_recommended_xla_flag_is_known_to_the_installed_jaxlib(capsys):
     assert cli_main(["doctor", "--flags-for", "cuda"]) == 0
     out = capsys.readouterr().out
     assert "one_shot_kernel=false" in out and "openxla/xla#47283" in out
+    assert cli_main(["doctor", "--flags-for", "rocm"]) == 0
+    out = capsys.readouterr().out
+    assert "runtime.collective_timeout_s=1200" in out and "NCCL_IB_TIMEOUT=22" in out
+    assert "--xla_gpu_executable_terminate_timeout=1200" in out
 
 
 def test_doctor_refuses_a_silent_cpu_fallback_when_a_gpu_is_required(capsys):

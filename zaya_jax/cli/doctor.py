@@ -43,6 +43,26 @@ RECOMMENDED_XLA_FLAGS: dict[str, dict[str, str]] = {
 }
 
 
+# The collective timeouts recommended per platform, as config settings (RuntimeConfig maps them to
+# XLA flags and RCCL / NCCL variables; docs/ROCM.md explains the numbers). A large MoE step's
+# collectives finish in seconds; a link flap or a switch reboot takes up to a minute or two, which
+# the transport should ride out; a collective still waiting after 20 minutes is a dead peer.
+RECOMMENDED_TIMEOUTS: dict[str, dict[str, float]] = {
+    "rocm": {"collective_timeout_s": 1200, "network_retry_s": 120, "network_retries": 7},
+    "cuda": {"collective_timeout_s": 1200, "network_retry_s": 120, "network_retries": 7},
+}
+
+
+def timeout_settings(platform: str) -> tuple[list[str], list[str], dict[str, str]]:
+    """The recommended timeouts on ``platform``: the config overrides, the XLA flags and the RCCL /
+    NCCL variables they set."""
+    from zaya_jax.config import RuntimeConfig
+
+    values = RECOMMENDED_TIMEOUTS[platform]
+    runtime = RuntimeConfig(**values)
+    return [f"runtime.{k}={v:g}" for k, v in values.items()], runtime.flags(), runtime.environment()
+
+
 def gpu_plugins() -> dict[str, str]:
     """The installed JAX GPU plugins (``jax-rocm*``, ``jax-cuda*``) and their versions."""
     return {

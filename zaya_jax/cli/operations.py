@@ -108,10 +108,17 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from zaya_jax.cli.doctor import no_gpu_message, platform_report
 
     if args.flags_for:
-        from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS
+        from zaya_jax.cli.doctor import RECOMMENDED_XLA_FLAGS, timeout_settings
 
         for flag, why in RECOMMENDED_XLA_FLAGS[args.flags_for].items():
             print(f"{flag}\n    {why}")
+        overrides, flags, env = timeout_settings(args.flags_for)
+        print(f"# collective timeouts: set {' '.join(overrides)} (the trainer applies these:)")
+        for flag in flags:
+            acts = "is reported" if "warn_stuck" in flag else "ends the process (zaya supervise restarts it)"
+            print(f"{flag}\n    a collective stuck this many seconds {acts}")
+        for name, value in env.items():
+            print(f"{name}={value}\n    the IB / RoCE transport retries a link for runtime.network_retry_s")
         return 0
     if args.moe:
         return _doctor_moe(args)

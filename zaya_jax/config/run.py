@@ -5,10 +5,13 @@ and ``resilience`` (what it does when a step goes wrong or stalls)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
+
+HEALTH_PROBES = ("gpu", "nic", "filesystem", "clock")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +139,14 @@ class RuntimeConfig:
     init_timeout_s: int = 300  # multi-process start-up timeout
     heartbeat_timeout_s: int = 100  # a silent process is declared dead after this
     barrier_timeout_s: float = 3600.0  # limit of the trainer's barriers
+    # A collective (a step) that has not returned after this long is a collective_timeout: XLA's
+    # GPU runtime warns at half of it and ends the process at it, and the trainer's watchdog
+    # classifies it and acts by resilience.on_unhealthy (0: XLA's defaults; zaya doctor --flags-for).
+    collective_timeout_s: float = 0.0
+    # How long RCCL / NCCL's InfiniBand / RoCE transport rides out a network blip before a
+    # collective fails: NCCL_IB_TIMEOUT is set to cover it over the retries (0: the library's default).
+    network_retry_s: float = 0.0
+    network_retries: int = 0  # NCCL_IB_RETRY_CNT, 1-7 (0: the library's default, 7)
     # Before the first step, compare the compiled step's planned peak with the device's memory and
     # stop with settings that fit when it is larger (zaya_jax.train.fit).
     check_fit: bool = True
@@ -152,6 +163,13 @@ class RuntimeConfig:
             raise ConfigError(
                 f"runtime.memory_limit_gb={self.memory_limit_gb} must be >= 0 (0 = the device's)"
             )
+        for name in ("collective_timeout_s", "network_retry_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"runtime.{name}={getattr(self, name)} must be >= 0 (0: the default)")
+        if not 0 <= self.network_retries <= 7:
+            raise ConfigError(
+                f"runtime.network_retries={self.network_retries} must be in 0-7 (0: the default, 7)"
+            )
         for name in ("init_timeout_s", "heartbeat_timeout_s", "barrier_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"runtime.{name}={getattr(self, name)} must be > 0 seconds")
@@ -166,7 +184,28 @@ class RuntimeConfig:
             for name in ("all_reduce", "all_gather", "reduce_scatter")
             if getattr(self, f"{name}_combine_threshold_bytes")
         ]
+        if self.collective_timeout_s:  # the first call also sets up the communicators: twice as long
+            limit = max(2, math.ceil(self.collective_timeout_s))
+            out += [
+                f"--xla_gpu_executable_warn_stuck_timeout={limit // 2}",
+                f"--xla_gpu_executable_terminate_timeout={limit}",
+                f"--xla_gpu_first_collective_call_warn_stuck_timeout_seconds={limit}",
+                f"--xla_gpu_first_collective_call_terminate_timeout_seconds={2 * limit}",
+                f"--xla_gpu_nccl_termination_timeout_seconds={limit}",
+            ]
         return [*out, *self.xla_flags]
+
+    def environment(self) -> dict[str, str]:
+        """The RCCL / NCCL variables this section sets (RCCL reads NCCL's names): the IB transport
+        timeout is 4.096 us x 2^NCCL_IB_TIMEOUT per try, over NCCL_IB_RETRY_CNT + 1 tries."""
+        env = {}
+        retries = self.network_retries or 7
+        if self.network_retries:
+            env["NCCL_IB_RETRY_CNT"] = str(retries)
+        if self.network_retry_s:
+            exponent = math.ceil(math.log2(self.network_retry_s / ((retries + 1) * 4.096e-6)))
+            env["NCCL_IB_TIMEOUT"] = str(min(31, max(1, exponent)))
+        return env
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +249,21 @@ class ResilienceConfig:
     routing_max_load_ratio: float = 50.0  # max / min expert share of a layer's tokens (inf: an idle expert)
     routing_max_skip_drift: float = 0.5  # |skip share - balancing.skip_target|
     routing_min_entropy: float = 0.02  # router entropy / ln(E + 1), mean over tokens
+    # Node health (zaya_jax.resilience.health): the probes run before the first step (a failing
+    # node refuses to start, naming node and probe) and every health_every_s seconds in a thread
+    # (0: before the first step only). Any of gpu (amd-smi / rocm-smi / nvidia-smi), nic
+    # (/sys/class/net, /sys/class/infiniband), filesystem (room for the next checkpoint, write
+    # latency), clock (the processes' clocks, before the first step only).
+    health_probes: tuple[str, ...] = ("gpu", "nic", "filesystem", "clock")
+    health_every_s: float = 60.0
+    # A failing probe on any process: "drain" (every process saves at the next step boundary and
+    # exits 76; zaya supervise, or Slurm through a requeue, restarts without the node), "stop" (exit
+    # 77 without saving; the supervisor gives up), "warn" (an event and a line; training goes on).
+    on_unhealthy: Literal["drain", "stop", "warn"] = "drain"
+    health_interfaces: tuple[str, ...] = ()  # links that must be up (empty: those up at the start)
+    health_min_free_gb: float = 0.0  # free space below this fails (0: twice the train state's size)
+    health_max_write_latency_s: float = 10.0  # a slower 64 KiB durable write in the run directory warns
+    health_max_clock_skew_s: float = 5.0  # processes' clocks further apart than this fail
 
     def validate(self) -> None:
         if self.hang_timeout_s < 0 or self.compile_timeout_s < 0:
@@ -235,3 +289,14 @@ class ResilienceConfig:
             )
         if not 0 <= self.routing_min_entropy < 1:
             raise ConfigError(f"resilience.routing_min_entropy={self.routing_min_entropy} must be in [0, 1)")
+        unknown = sorted(set(self.health_probes) - set(HEALTH_PROBES))
+        if unknown:
+            raise ConfigError(
+                f"resilience.health_probes names {unknown}; use any of {', '.join(HEALTH_PROBES)}"
+            )
+        for name in ("health_every_s", "health_min_free_gb"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"resilience.{name}={getattr(self, name)} must be >= 0")
+        for name in ("health_max_write_latency_s", "health_max_clock_skew_s"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"resilience.{name}={getattr(self, name)} must be > 0 seconds")

@@ -40,11 +40,15 @@ def detect_scheduler(env: Mapping[str, str] = os.environ) -> str | None:
 
 
 def apply_runtime(runtime: RuntimeConfig, env: MutableMapping[str, str] = os.environ) -> list[str]:
-    """Append ``runtime``'s XLA flags to ``XLA_FLAGS`` (before any backend starts); returns them.
+    """Append ``runtime``'s XLA flags to ``XLA_FLAGS`` (before any backend starts) and set its RCCL /
+    NCCL variables where the environment has none (the user's own value wins: RCCL reads them when
+    its communicators start, at the first collective); returns the flags.
 
     A backend that is already running (a notebook that used JAX first) cannot take new flags: that
     is an error naming the fix rather than a silently ignored setting.
     """
+    for name, value in runtime.environment().items():
+        env.setdefault(name, value)
     present = env.get("XLA_FLAGS", "").split()
     flags = [flag for flag in runtime.flags() if flag not in present]  # applied before: a second run
     if not flags:
