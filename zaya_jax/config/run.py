@@ -250,11 +250,11 @@ class ResilienceConfig:
     routing_max_skip_drift: float = 0.5  # |skip share - balancing.skip_target|
     routing_min_entropy: float = 0.02  # router entropy / ln(E + 1), mean over tokens
     # Node health (zaya_jax.resilience.health): the probes run before the first step (a failing
-    # node refuses to start, naming node and probe) and every health_every_s seconds in a thread
-    # (0: before the first step only). Any of gpu (amd-smi / rocm-smi / nvidia-smi), nic
-    # (/sys/class/net, /sys/class/infiniband), filesystem (room for the next checkpoint, write
-    # latency), clock (the processes' clocks, before the first step only).
+    # node refuses to start, naming node and probe) and every health_every_s seconds. Any of gpu
+    # (amd-smi / rocm-smi / nvidia-smi), nic (/sys/class/net, /sys/class/infiniband), filesystem
+    # (room for the next checkpoint, write latency), clock (the processes' clocks, at the start only).
     health_probes: tuple[str, ...] = ("gpu", "nic", "filesystem", "clock")
+    # Seconds between probes, in a thread off the step path (0: before the first step only).
     health_every_s: float = 60.0
     # A failing probe on any process: "drain" (every process saves at the next step boundary and
     # exits 76; zaya supervise, or Slurm through a requeue, restarts without the node), "stop" (exit
