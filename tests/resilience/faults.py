@@ -11,7 +11,9 @@ Faults (``--fault NAME=STEP``): ``crash_at_step`` (SIGKILL right after the step)
 ``hang_at_step`` (no progress after the step: the hang watchdog must catch it),
 ``corrupt_checkpoint_at_step`` (that step's committed checkpoint overwritten with garbage),
 ``pause_at_step`` (the process waits after the step until the test releases it: :func:`pause`,
-so that a signal or a file operation lands at a step the test chose, not at one a timer guessed).
+so that a signal or a file operation lands at a step the test chose, not at one a timer guessed),
+``gpu_ecc_at_step`` (the last process's GPU reports uncorrectable ECC errors through the fake
+``amd-smi`` of :func:`fake_amd_smi` from that step on; it returns once its health probe saw them).
 ``--clock-skew S`` runs the ``checkpoint.every_minutes`` clock of every process but process 0
 ``S`` seconds ahead. Every fault fires at most once per run directory (``faults_fired.json``
 records it), so a restarted run gets past it.
@@ -44,7 +46,30 @@ FAULTS = (
     "hang_at_step",
     "corrupt_checkpoint_at_step",
     "pause_at_step",
+    "gpu_ecc_at_step",
 )
+
+# A fake amd-smi: healthy, unless $ZAYA_FAKE_SMI/ecc-<the calling process's pid> exists, then two
+# uncorrectable ECC errors on GPU 1 (fake_amd_smi puts it on a PATH; gpu_ecc_at_step makes the file).
+_FAKE_AMD_SMI = """#!/bin/sh
+errors=0
+if [ -e "$ZAYA_FAKE_SMI/ecc-$PPID" ] || [ -e "$ZAYA_FAKE_SMI/ecc-all" ]; then errors=2; fi
+case "$1" in
+  metric) echo '[{"gpu": 0, "ecc": {"total_uncorrectable_count": 0}}, {"gpu": 1, "ecc": {"total_uncorrectable_count": '$errors'}}]';;
+  bad-pages) echo '[]';;
+esac
+"""
+
+
+def fake_amd_smi(directory: Path) -> tuple[Path, dict[str, str]]:
+    """A fake ``amd-smi`` in ``directory/bin`` and the environment that puts it first on PATH; a
+    file ``directory/ecc-all`` makes every process's GPU 1 report uncorrectable ECC errors."""
+    (directory / "bin").mkdir(parents=True, exist_ok=True)
+    tool = directory / "bin" / "amd-smi"
+    tool.write_text(_FAKE_AMD_SMI)
+    tool.chmod(0o755)
+    env = {"PATH": f"{directory / 'bin'}:{os.environ['PATH']}", "ZAYA_FAKE_SMI": str(directory)}
+    return directory, env
 
 
 def corrupt_checkpoint(step_dir: Path) -> list[str]:
@@ -131,6 +156,18 @@ def signal_while_paused(
     release(run, step)
 
 
+def ecc_error_seen(health: Any, timeout_s: float = 300.0) -> None:
+    """The last process's fake GPU reports ECC errors from now on; returns once its health thread
+    has seen them (a condition, not a wait of some seconds), so the next step carries the failure."""
+    marker = Path(os.environ["ZAYA_FAKE_SMI"]) / f"ecc-{os.getpid()}"
+    marker.write_text("uncorrectable")
+    deadline = time.monotonic() + timeout_s
+    while health.monitor.failing is None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the health thread did not see {marker} in {timeout_s:g} s")
+        time.sleep(0.01)
+
+
 def hang() -> None:
     while True:  # the watchdog ends the process
         time.sleep(3600)
@@ -147,6 +184,7 @@ class FaultHook(Hook):
 
     def start(self, run: RunContext) -> None:
         self.run, self.checkpoints, self.primary = run.run, run.checkpoints, run.primary
+        self.health = run.health
         self.path = run.run.path / FIRED
         self.fired = set(json.loads(self.path.read_text())) if self.path.is_file() else set()
 
@@ -178,6 +216,8 @@ class FaultHook(Hook):
             hang()
         if self.due("pause_at_step", step):
             pause(self.run.path, step)
+        if self.due("gpu_ecc_at_step", step) and jax.process_index() == jax.process_count() - 1:
+            ecc_error_seen(self.health)
 
 
 class SkewedSaveClock(Hook):

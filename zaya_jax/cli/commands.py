@@ -17,6 +17,7 @@ from zaya_jax.cli.argv import command_name, inspect_positionals, parse, position
 from zaya_jax.config import ConfigError
 from zaya_jax.files import storage_error_message
 from zaya_jax.resilience import MetricBoundError, NonFiniteLossError, RoutingAlarmError
+from zaya_jax.resilience.health import UnhealthyNodeError
 
 if TYPE_CHECKING:
     from zaya_jax.train.hooks import Hook
@@ -70,6 +71,8 @@ def _run(parser: argparse.ArgumentParser, argv: list[str], hooks: Sequence[Hook]
         return args.func(args)
     except ConfigError as err:
         return _error(argv, f"configuration error: {err}", 2)
+    except UnhealthyNodeError as err:  # 76: drained, restart without the node; 77: stopped
+        return _error(argv, err, err.exit_code)
     except (
         CheckpointCorruptError,
         CheckpointSaveError,

@@ -25,10 +25,14 @@ pure functions of the step and replicated metrics, so they agree by construction
 from __future__ import annotations
 
 import dataclasses
+import json
 import signal
 import threading
+from collections.abc import Sequence
 from types import FrameType
+from typing import Any
 
+import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -50,6 +54,7 @@ class Agreed:
     stop: str | None  # the signal (SIGTERM before SIGINT) received by at least one process
     stopped_by: tuple[int, ...] = ()  # the processes that received it
     save_written: bool = False  # the save in flight has finished its writes on every process
+    health: tuple[tuple[int, dict[str, Any]], ...] = ()  # (process, health finding) since the last step
 
 
 def agree(
@@ -59,18 +64,24 @@ def agree(
     stop: str | None,
     action: Action,
     written: bool = False,
+    health: Sequence[dict[str, Any]] = (),
     timeout_s: float = 3600.0,
 ) -> Agreed:
     """Combine this process's proposals with every other process's (every process must call it
-    once per finished step). The exchange goes through the coordination service, not the devices:
+    once per finished step). ``health``: this process's new health findings (records), handed to
+    every process (with a device gather, which carries integers only, each keeps its own). The exchange goes through the coordination service, not the devices:
     with the next step already dispatched, a device collective would wait for that step to end."""
     signum = int(signal.Signals[stop]) if stop else 0
     mine = np.asarray([int(time_due), signum, _ACTIONS.index(action), int(written)], np.int32)
-    gathered = gather_strings("agree", ",".join(map(str, mine.tolist())), timeout_s)
+    text = ",".join(map(str, mine.tolist())) + "|" + json.dumps(list(health))
+    gathered = gather_strings("agree", text, timeout_s)
     if gathered is not None:
-        table = np.asarray([[int(x) for x in row.split(",")] for row in gathered], np.int32)
+        rows = [row.split("|", 1) for row in gathered]
+        table = np.asarray([[int(x) for x in ints.split(",")] for ints, _ in rows], np.int32)
+        found = tuple((i, f) for i, (_, found) in enumerate(rows) for f in json.loads(found))
     else:  # pragma: no cover - no coordination service: a device gather
         table = np.asarray(multihost_utils.process_allgather(mine))
+        found = tuple((jax.process_index(), f) for f in health)
     actions = set(table[:, 2].tolist())
     if len(actions) > 1:
         per_process = {i: _ACTIONS[int(a)].value for i, a in enumerate(table[:, 2])}
@@ -85,6 +96,7 @@ def agree(
         stop=signal.Signals(combined).name if combined else None,
         stopped_by=tuple(int(i) for i in np.flatnonzero(received)),
         save_written=bool(table[:, 3].min()),
+        health=found,
     )
 
 

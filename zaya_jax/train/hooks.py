@@ -25,6 +25,7 @@ import numpy as np
 from zaya_jax.config import Config
 from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.flops import flops_per_token
+from zaya_jax.train.health import NodeHealth
 from zaya_jax.train.metrics import MetricsWriter, eval_record, metric_record
 from zaya_jax.train.record import StepRecord
 from zaya_jax.train.rundir import RunDir
@@ -63,6 +64,7 @@ class RunContext:
     checkpoints: Checkpointing
     writer: MetricsWriter
     primary: bool  # process 0
+    health: NodeHealth | None = None  # the node's probes (their monitor: what was found, when)
 
 
 class Hook:

@@ -39,6 +39,7 @@ from zaya_jax.train.consensus import StopRequest
 from zaya_jax.train.evaluation import Evaluation
 from zaya_jax.train.fit import check_state_fits
 from zaya_jax.train.flops import peak_flops
+from zaya_jax.train.health import NodeHealth
 from zaya_jax.train.hooks import Hook, Logging, Profiling, RunContext
 from zaya_jax.train.init import initialize_from, starting_weights
 from zaya_jax.train.metrics import MetricsWriter
@@ -95,6 +96,7 @@ def train(
         raise
     finally:
         r.watchdog.close()
+        r.health.close()
         r.batches.close()
         _close(r.producer)
         stop.restore()
@@ -116,6 +118,7 @@ def train(
     r.writer.close()
     if jax.process_index() == 0 and resumed.first_step <= cfg.train.steps:
         run.write_summary(summary)
+    r.health.after_run(ran.step)  # a drained run ends as one (exit 76), its last step saved
     return summary
 
 
@@ -129,6 +132,8 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
     run, resuming = RunDir.open(cfg)
     programs = build_programs(cfg, layout)
     with contextlib.ExitStack() as cleanup:  # undone only when setting up fails: the loop owns them after
+        health = NodeHealth.start(cfg, run.path, programs.abstract_state)  # or refuse, before compiling
+        cleanup.callback(health.close)
         resilience = cfg.resilience
         watchdog = Watchdog(
             run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary
@@ -171,11 +176,11 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         meter = Throughput(peak)
         every = [Logging(cfg, writer, meter), Profiling(cfg, run), *hooks]
         for hook in every:
-            hook.start(RunContext(cfg, run, checkpoints, writer, primary))
+            hook.start(RunContext(cfg, run, checkpoints, writer, primary, health))
         batches = Prefetcher(producer, producer.prefetch)
         collaborators = Collaborators(
             cfg, programs, train_step, producer, batches, watchdog, writer, meter,
-            Evaluation(held_out, cfg, meter), checkpoints, every,
+            Evaluation(held_out, cfg, meter), checkpoints, every, health,
         )  # fmt: skip
         cleanup.pop_all()
     return run, resumed, collaborators

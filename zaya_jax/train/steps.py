@@ -30,6 +30,7 @@ from zaya_jax.train.compiled import TrainStep
 from zaya_jax.train.consensus import Agreed, StopRequest, agree
 from zaya_jax.train.decisions import Action, Decision, Outcome, decide, decide_routing
 from zaya_jax.train.evaluation import Evaluation
+from zaya_jax.train.health import NodeHealth
 from zaya_jax.train.hooks import Hook, notify
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.pipeline import Finished
@@ -84,6 +85,7 @@ class Collaborators:
     evaluation: Evaluation
     checkpoints: Checkpointing
     hooks: list[Hook]
+    health: NodeHealth
 
 
 class TrainingSteps:
@@ -141,6 +143,7 @@ class TrainingSteps:
         """Judge step ``done``, agree with every process, apply the decision, notify the hooks."""
         verdict = self.judge(done)
         agreed = self.agree(done.step, verdict)
+        unhealthy = self.run.health.act(agreed.health, done.step)  # "drain", or it raised (stop)
         restored = self.apply(done, verdict, latest)
         if restored is not None:
             return Finished(restored=restored)
@@ -154,7 +157,7 @@ class TrainingSteps:
         record = self.notify(record)
         return Finished(
             record,
-            stop=agreed.stop,
+            stop=agreed.stop or unhealthy,
             stopped_by=agreed.stopped_by,
             time_save=agreed.time_save and state is None,
         )
@@ -188,7 +191,8 @@ class TrainingSteps:
         )
         return agree(
             step, time_due=time_due, stop=self.stop.requested, action=verdict.decision.action,
-            written=r.checkpoints.written(), timeout_s=r.cfg.runtime.barrier_timeout_s,
+            written=r.checkpoints.written(), health=r.health.pending(),
+            timeout_s=r.cfg.runtime.barrier_timeout_s,
         )  # fmt: skip
 
     def apply(self, done: Dispatched, verdict: Verdict, latest: TrainState) -> tuple[TrainState, int] | None:

@@ -1,0 +1,81 @@
+"""Node health acting on a run (``resilience.on_unhealthy``), with a fake ``amd-smi`` on PATH
+(tests/resilience/faults.py): a GPU reporting uncorrectable ECC errors mid-run drains the run (the
+step after is saved, ``drain.json`` names node and probe, exit 76) and the run resumes from it; a
+failing node refuses to start (76 with drain, 77 with stop, nothing written); ``warn`` only tells."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures import MINI
+from tests.resilience import faults
+from zaya_jax.cli import main
+from zaya_jax.resilience.health import DRAIN_RECORD, EXIT_DRAIN, EXIT_UNHEALTHY, node_name
+
+STEPS = 6
+
+
+def _args(run: Path, *extra: str) -> list[str]:
+    return [
+        "train", *MINI, f"run.dir={run}", f"train.steps={STEPS}", "eval.every=100",
+        "checkpoint.every_steps=100", "resilience.health_every_s=0.05", *extra, "--no-progress",
+    ]  # fmt: skip
+
+
+@pytest.fixture
+def fake_smi(tmp_path, monkeypatch) -> Path:
+    directory, env = faults.fake_amd_smi(tmp_path / "smi")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    return directory
+
+
+def _events(run: Path, name: str) -> list[dict]:
+    lines = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    return [e for e in lines if e["event"] == name]
+
+
+def test_an_ecc_error_mid_run_drains_at_the_next_step_and_the_run_resumes(tmp_path, fake_smi, capsys):
+    run = tmp_path / "run"
+    code = main(_args(run), hooks=[faults.FaultHook({"gpu_ecc_at_step": 2})])
+    assert code == EXIT_DRAIN
+    err = capsys.readouterr().err
+    assert f"node {node_name()}: gpu probe: GPU 1: 2 uncorrectable ECC errors" in err
+    drain = json.loads((run / DRAIN_RECORD).read_text())
+    assert drain["policy"] == "drain" and drain["at"] == "step"
+    assert [(f["node"], f["probe"]) for f in drain["findings"]] == [(node_name(), "gpu")]
+    step = drain["step"]
+    assert 2 < step < STEPS  # the step the failure rode on, saved
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [step]
+    (health,) = [e for e in _events(run, "health") if e["detail"]["status"] == "fail"]
+    assert health["step"] == drain["found_at_step"] and health["detail"]["process"] == 0
+    assert step - health["step"] in (0, 1)  # with dispatch ahead the stop lands one step later
+    assert _events(run, "stop")[-1]["detail"]["signal"] == "drain"
+    assert json.loads((run / "summary.json").read_text())["steps"] == step
+
+    (fake_smi / f"ecc-{__import__('os').getpid()}").unlink()  # the node is repaired (or replaced)
+    assert main(_args(run)) == 0
+    assert _events(run, "resume")[-1]["detail"]["from_step"] == step
+    assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
+
+
+@pytest.mark.parametrize("policy", ["drain", "stop", "warn"])
+def test_a_failing_node_refuses_to_start_unless_told_to_warn(tmp_path, fake_smi, capsys, policy):
+    (fake_smi / "ecc-all").write_text("")
+    run = tmp_path / "run"
+    extra = [f"resilience.on_unhealthy={policy}", "train.steps=1"]
+    code = main(_args(run, *extra))
+    err = capsys.readouterr().err
+    line = f"node {node_name()}: gpu probe: GPU 1: 2 uncorrectable ECC errors"
+    assert line in err
+    if policy == "warn":
+        assert code == 0 and (run / "checkpoints" / "1").is_dir()
+        return
+    assert code == {"drain": EXIT_DRAIN, "stop": EXIT_UNHEALTHY}[policy]
+    (refusal,) = [x for x in err.splitlines() if x.startswith("zaya train: node")]
+    assert "refusing to start" in refusal and line in refusal
+    assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
+    assert json.loads((run / DRAIN_RECORD).read_text())["at"] == "preflight"
