@@ -9,6 +9,13 @@ restart cannot fix. Every decision is a line of ``<run>/events.jsonl``.
 One supervisor per host: under Slurm or Kubernetes each host runs ``zaya supervise -- zaya train
 ...`` for its own process; a failure in any process ends every process's collectives, so all of
 them restart and meet again at the coordinator.
+
+An unhealthy node (``resilience.on_unhealthy``, the trainer's exit codes 76 and 77 and
+``<run>/drain.json``) is added to ``<run>/excluded_nodes.json`` with its reason. After a drain (76)
+under Slurm, the supervisor of task 0 requeues the job with every excluded node in its
+``ExcNodeList`` (``scontrol requeuehold``, ``update``, ``release``: a running job's exclusions cannot
+be changed, a requeued one's can); elsewhere a supervisor on an excluded node gives up (the
+scheduler replaces the host) and one on a healthy node restarts its trainer. A stop (77) gives up.
 """
 
 from __future__ import annotations
@@ -24,10 +31,40 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from zaya_jax.files import append_event
+from zaya_jax.files import append_event, read_json, write_atomic
+from zaya_jax.resilience.health import DRAIN_RECORD, EXIT_DRAIN, EXIT_UNHEALTHY, node_name
 from zaya_jax.resilience.watchdog import EXIT_HANG, HEARTBEAT
 
 EXIT_USAGE = 2  # argparse and configuration errors: restarting cannot help
+EXCLUDED = "excluded_nodes.json"  # <run>/excluded_nodes.json: [{"node", "reason", "time", "step"}]
+
+
+def excluded_nodes(run_dir: Path) -> list[dict[str, Any]]:
+    """The run's excluded nodes, oldest first ([] when none)."""
+    path = Path(run_dir) / EXCLUDED
+    return json.loads(path.read_text()) if path.is_file() else []
+
+
+def exclude(run_dir: Path, drain: dict[str, Any]) -> list[dict[str, Any]]:
+    """Add the nodes of a drain record to ``<run>/excluded_nodes.json``; returns the ones new to it."""
+    known = excluded_nodes(run_dir)
+    names = {entry["node"] for entry in known}
+    new = []
+    for finding in drain.get("findings", []):
+        if finding["node"] not in names:
+            names.add(finding["node"])
+            reason = f"{finding['probe']} probe: {finding['message']}"
+            new.append(
+                {
+                    "node": finding["node"],
+                    "reason": reason,
+                    "time": drain.get("time"),
+                    "step": drain.get("step"),
+                }
+            )
+    if new:
+        write_atomic(Path(run_dir) / EXCLUDED, json.dumps(known + new, indent=1))
+    return new
 
 
 class Supervisor:
@@ -103,6 +140,10 @@ class Supervisor:
                 if code == EXIT_USAGE:
                     self.event("give_up", reason="usage or configuration error: fix the command, then rerun")
                     return EXIT_USAGE
+                if code in (EXIT_DRAIN, EXIT_UNHEALTHY) and (self.run_dir / DRAIN_RECORD).is_file():
+                    ended = self._unhealthy(code)
+                    if ended is not None:
+                        return ended
                 now = time.time()
                 failures.append(now)
                 while failures and now - failures[0] > self.window_s:
@@ -122,12 +163,57 @@ class Supervisor:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
+    def _unhealthy(self, code: int) -> int | None:
+        """After a drain (76) or a stop (77): the nodes excluded, then the exit code, or None to
+        restart here (another host was the unhealthy one)."""
+        drain = read_json(self.run_dir / DRAIN_RECORD, "the drain record", "delete it and rerun")
+        for entry in exclude(self.run_dir, drain):
+            self.event("node_excluded", **entry)
+        nodes = [entry["node"] for entry in excluded_nodes(self.run_dir)]
+        if code == EXIT_UNHEALTHY:
+            self.event(
+                "give_up", reason=f"node {', '.join(nodes)} unhealthy and resilience.on_unhealthy=stop"
+            )
+            return code
+        job = os.environ.get("SLURM_JOB_ID")
+        if job:
+            if os.environ.get("SLURM_PROCID", "0") == "0":
+                self._requeue(job, nodes)
+            return code
+        if node_name() in nodes:
+            self.event(
+                "give_up", reason=f"this node ({node_name()}) is excluded: start the job on other nodes"
+            )
+            return code
+        return None
+
+    def _requeue(self, job: str, nodes: list[str]) -> None:
+        """Requeue the Slurm job without ``nodes``: held first (a running job's exclusions cannot be
+        changed), excluded, released; SIGTERM from the requeue is ignored until that is done."""
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            steps = [
+                ["scontrol", "requeuehold", job],
+                ["scontrol", "update", f"JobId={job}", f"ExcNodeList={','.join(nodes)}"],
+                ["scontrol", "release", job],
+            ]
+            for command in steps:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+                if done.returncode != 0:
+                    self.event("requeue_failed", command=command, error=done.stderr.strip()[:500])
+                    return
+            self.event("requeue", job=job, excluded=nodes)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
 
 def _describe(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     if code == EXIT_HANG:
         return "hang watchdog (no progress; stacks in hang_stacks.txt)"
+    if code in (EXIT_DRAIN, EXIT_UNHEALTHY):
+        return f"unhealthy node ({'drained' if code == EXIT_DRAIN else 'stopped'}; see drain.json)"
     return f"exit code {code}"
 
 
