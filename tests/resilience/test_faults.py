@@ -124,6 +124,16 @@ def test_crash_and_hang_under_supervise(tmp_path, reference):
     _assert_same_params(run, reference)
 
 
+def test_a_step_stuck_past_runtime_collective_timeout_s_ends_the_process_for_a_restart(tmp_path):
+    run = tmp_path / "run"
+    extra = ("runtime.collective_timeout_s=1", "resilience.hang_timeout_s=600")
+    result = _run(_train_cmd(run, *extra, faults=("hang_at_step=3",)), check=False)  # not a saved step
+    assert result.returncode == 75, result.stderr[-2000:]  # zaya supervise restarts it
+    (event,) = [e for e in _events(run) if e["event"] == "collective_timeout"]
+    assert event["step"] in (3, 4) and event["detail"]["action"] == "drain"  # 4: dispatched ahead
+    assert f"collective_timeout: step {event['step'] + 1} has waited" in result.stderr
+
+
 def test_sigterm_under_supervise_saves_and_resumes(tmp_path, reference):
     run = tmp_path / "run"
     # the child pauses after step 3 (a fault that fires once per run directory): the preemption

@@ -5,6 +5,7 @@ with the node in its ``ExcNodeList``."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -116,3 +117,35 @@ def test_slurm_requeues_the_job_without_the_drained_node(tmp_path):
         assert "requeue" in [e["event"] for e in _events(run)]
     finally:
         subprocess.run(["scancel", job], timeout=60)
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize("policy, code", [("drain", 75), ("stop", EXIT_UNHEALTHY), ("warn", None)])
+def test_a_step_stuck_past_the_collective_timeout_is_classified_and_acted_on(tmp_path, policy, code):
+    from zaya_jax.resilience.watchdog import HANG_STACKS, Watchdog
+
+    exits = []
+
+    def exit_(status):
+        exits.append(status)
+        raise _Exited
+
+    dog = Watchdog(tmp_path, 0.0, collective_timeout_s=5.0, on_collective_timeout=policy, exit=exit_)
+    try:
+        dog.beat(3, "compile")
+        dog.check(60.0)  # compiling: not a collective
+        dog.beat(3)
+        dog.check(4.0)  # within the limit
+        assert exits == [] and not (tmp_path / HANG_STACKS).exists()
+        with contextlib.suppress(_Exited):
+            dog.check(6.0)
+        dog.check(7.0)  # warn: reported once per stuck step
+    finally:
+        dog.close()
+    assert exits == ([] if code is None else [code])
+    events = [e for e in _events(tmp_path) if e["event"] == "collective_timeout"]
+    assert len(events) == 1 and events[0]["step"] == 3 and events[0]["detail"]["action"] == policy
+    assert "collective_timeout: step 4 has waited 6 s" in (tmp_path / HANG_STACKS).read_text()

@@ -50,6 +50,9 @@ def test_an_ecc_error_mid_run_drains_at_the_next_step_and_the_run_resumes(tmp_pa
     step = drain["step"]
     assert 2 < step < STEPS  # the step the failure rode on, saved
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir()) == [step]
+    (check,) = _events(run, "health_check")  # the preflight: every probe, on every process
+    assert {f["probe"] for f in check["detail"]["findings"]} == {"gpu", "nic", "filesystem", "clock"}
+    assert {f["status"] for f in check["detail"]["findings"] if f["probe"] == "gpu"} == {"ok"}
     (health,) = [e for e in _events(run, "health") if e["detail"]["status"] == "fail"]
     assert health["step"] == drain["found_at_step"] and health["detail"]["process"] == 0
     assert step - health["step"] in (0, 1)  # with dispatch ahead the stop lands one step later
@@ -79,3 +82,5 @@ def test_a_failing_node_refuses_to_start_unless_told_to_warn(tmp_path, fake_smi,
     assert "refusing to start" in refusal and line in refusal
     assert not (run / "checkpoints").exists() or not any((run / "checkpoints").iterdir())
     assert json.loads((run / DRAIN_RECORD).read_text())["at"] == "preflight"
+    (check,) = _events(run, "health_check")
+    assert [f["status"] for f in check["detail"]["findings"] if f["probe"] == "gpu"] == ["fail"]

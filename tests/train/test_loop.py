@@ -60,10 +60,10 @@ def test_train_writes_a_complete_run_directory(tmp_path, capsys, monkeypatch):
     assert eval_lines[-1]["eval_loss"] == pytest.approx(summary["eval_loss"])
 
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["event"] for e in events] == ["start", "compiled", "end"]
+    assert [e["event"] for e in events] == ["health_check", "start", "compiled", "end"]
     # the kernel plan the run resolved is recorded (tests/ops/test_kernel_plan.py: what each setting runs)
-    assert events[0]["detail"]["kernels"] == resolve_kernel_plan(cfg.model, cfg.optim.kernels).describe()
-    compiled = events[1]["detail"]
+    assert events[1]["detail"]["kernels"] == resolve_kernel_plan(cfg.model, cfg.optim.kernels).describe()
+    compiled = events[2]["detail"]
     assert compiled["program"] == "train_step" and compiled["batch"] == [2, 32]
     assert len(compiled["fingerprint"]) == 16  # the plan's train_step_fingerprint (tests/train/test_plan.py)
     assert any(p.name.startswith("events.out.tfevents") for p in (run / "tb").iterdir())

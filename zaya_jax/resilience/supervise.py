@@ -85,6 +85,7 @@ class Supervisor:
         self.backoff_s, self.max_backoff_s = backoff_s, max_backoff_s
         self.heartbeat_timeout_s, self.poll_s = heartbeat_timeout_s, poll_s
         self.proc: subprocess.Popen | None = None
+        self.started = 0.0  # when the current child started
         self.stopping: str | None = None
 
     def event(self, name: str, **detail: Any) -> None:
@@ -126,7 +127,7 @@ class Supervisor:
         try:
             while True:
                 attempt += 1
-                started = time.time()
+                started = self.started = time.time()
                 self.event("child_start", attempt=attempt, command=self.child)
                 self.proc = subprocess.Popen(self.child)
                 code, killed = self._wait(started)
@@ -140,7 +141,7 @@ class Supervisor:
                 if code == EXIT_USAGE:
                     self.event("give_up", reason="usage or configuration error: fix the command, then rerun")
                     return EXIT_USAGE
-                if code in (EXIT_DRAIN, EXIT_UNHEALTHY) and (self.run_dir / DRAIN_RECORD).is_file():
+                if code == EXIT_UNHEALTHY or (code == EXIT_DRAIN and (self.run_dir / DRAIN_RECORD).is_file()):
                     ended = self._unhealthy(code)
                     if ended is not None:
                         return ended
@@ -166,14 +167,14 @@ class Supervisor:
     def _unhealthy(self, code: int) -> int | None:
         """After a drain (76) or a stop (77): the nodes excluded, then the exit code, or None to
         restart here (another host was the unhealthy one)."""
-        drain = read_json(self.run_dir / DRAIN_RECORD, "the drain record", "delete it and rerun")
-        for entry in exclude(self.run_dir, drain):
-            self.event("node_excluded", **entry)
+        record = self.run_dir / DRAIN_RECORD
+        if record.is_file() and record.stat().st_mtime >= self.started - 2:  # this child's (coarse mtimes)
+            for entry in exclude(self.run_dir, read_json(record, "the drain record", "delete it and rerun")):
+                self.event("node_excluded", **entry)
         nodes = [entry["node"] for entry in excluded_nodes(self.run_dir)]
         if code == EXIT_UNHEALTHY:
-            self.event(
-                "give_up", reason=f"node {', '.join(nodes)} unhealthy and resilience.on_unhealthy=stop"
-            )
+            reason = f"node {', '.join(nodes)} is unhealthy" if nodes else "a collective timed out"
+            self.event("give_up", reason=f"{reason} and resilience.on_unhealthy=stop")
             return code
         job = os.environ.get("SLURM_JOB_ID")
         if job:

@@ -64,8 +64,8 @@ def state_bytes(abstract_state: Any) -> int:
 
 
 def gather_findings(findings: Sequence[Finding], timeout_s: float) -> list[tuple[int, Finding]]:
-    """Every process's ``findings`` that are not ``ok``, as (process, finding)."""
-    mine = json.dumps([f.record() for f in findings if f.status != "ok"])
+    """Every process's ``findings``, as (process, finding)."""
+    mine = json.dumps([f.record() for f in findings])
     rows = gather_strings("health", mine, timeout_s) or [mine]
     return [(i, Finding.from_record(r)) for i, row in enumerate(rows) for r in json.loads(row)]
 
@@ -100,14 +100,24 @@ class NodeHealth:
         return [f.record() for f in self.monitor.take()]
 
     def report(self, found: Sequence[tuple[int, Finding]], step: int | None, *, at: str) -> None:
-        """Each finding as a ``health`` event and one line, by process 0 (a probe skipped on a CPU
-        run, e.g. no GPU tool on a laptop, is an event only)."""
+        """By process 0: the preflight as one ``health_check`` event (every finding, ``ok`` ones
+        too), a finding during the run as a ``health`` event; each one not ``ok`` also as a line (a
+        probe skipped on a CPU run, e.g. no GPU tool on a laptop, only in the event)."""
         if not self.primary:
             return
+        records = [{**finding.record(), "process": process} for process, finding in found]
+        if at == "preflight":
+            append_event(self.run_path, "health_check", None, {"findings": records})
+        else:
+            for record in records:
+                append_event(self.run_path, "health", step, record)
         quiet = jax.default_backend() == "cpu"
-        for process, finding in found:
-            append_event(self.run_path, "health", step, {**finding.record(), "process": process, "at": at})
-            if finding.status != "skipped" or not quiet:
+        for _, finding in found:
+            if (
+                finding.status == "warn"
+                or finding.status == "fail"
+                or (finding.status == "skipped" and not quiet)
+            ):
                 print(f"zaya train: {finding.status}: {finding.line}", file=sys.stderr, flush=True)
 
     def refuse(

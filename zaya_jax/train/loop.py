@@ -136,8 +136,9 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         cleanup.callback(health.close)
         resilience = cfg.resilience
         watchdog = Watchdog(
-            run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary
-        )
+            run.path, resilience.hang_timeout_s, resilience.compile_timeout_s, enabled=primary,
+            collective_timeout_s=cfg.runtime.collective_timeout_s, on_collective_timeout=resilience.on_unhealthy,
+        )  # fmt: skip
         cleanup.callback(watchdog.close)  # a watchdog left running would end this process later
         train_step = TrainStep(programs, watchdog)
         train_step.compile(
