@@ -57,12 +57,30 @@ def test_an_ecc_error_mid_run_drains_at_the_next_step_and_the_run_resumes(tmp_pa
     assert health["step"] == drain["found_at_step"] and health["detail"]["process"] == 0
     assert step - health["step"] in (0, 1)  # with dispatch ahead the stop lands one step later
     assert _events(run, "stop")[-1]["detail"]["signal"] == "drain"
-    assert json.loads((run / "summary.json").read_text())["steps"] == step
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == step and summary["goodput"]["attempts"] == 1
+    _check_goodput(summary["goodput"], summary["wall_time_s"])
 
     (fake_smi / f"ecc-{__import__('os').getpid()}").unlink()  # the node is repaired (or replaced)
     assert main(_args(run)) == 0
     assert _events(run, "resume")[-1]["detail"]["from_step"] == step
-    assert json.loads((run / "summary.json").read_text())["steps"] == STEPS
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == STEPS and summary["goodput"]["attempts"] == 2
+    _check_goodput(summary["goodput"])
+    assert summary["goodput"]["badput_s"]["restart_gap"] > 0 and summary["goodput"]["badput_s"]["lost"] == 0
+    assert main(["inspect", str(run)]) == 0
+    assert "goodput" in capsys.readouterr().out
+
+
+def _check_goodput(goodput: dict, wall_time_s: float | None = None) -> None:
+    """Every second lands in one kind; with one attempt the total is the run's own wall time."""
+    bad = goodput["badput_s"]
+    assert goodput["productive_s"] > 0 and min(bad.values()) >= 0
+    assert bad["startup"] > 0 and bad["evaluation"] > 0 and bad["checkpoint"] > 0
+    assert goodput["productive_s"] + sum(bad.values()) == pytest.approx(goodput["wall_s"], rel=1e-9)
+    assert goodput["goodput"] == pytest.approx(goodput["productive_s"] / goodput["wall_s"])
+    if wall_time_s is not None:  # measured apart, in train(): they differ by the summary's own writing
+        assert goodput["wall_s"] == pytest.approx(wall_time_s, rel=0.02, abs=0.5)
 
 
 @pytest.mark.parametrize("policy", ["drain", "stop", "warn"])

@@ -145,13 +145,19 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     else:
         from zaya_jax.pretrained import describe_model
 
-        report = describe_model(args.path)
+        report = {**describe_model(args.path), **_run_health(Path(args.path))}
     if args.json:
         print_json(report)
         return 0
     for key in ("step", "total_params", "non_embedding_params", "active_params"):
         if key in report:
             print(f"{key:>22}: {report[key]:,}")
+    if "goodput" in report:
+        from zaya_jax.resilience.goodput import describe
+
+        print(f"{'goodput':>22}: {describe(report['goodput'])}")
+    for entry in report.get("excluded_nodes", []):
+        print(f"{'excluded node':>22}: {entry['node']} after step {entry['step']}: {entry['reason']}")
     if "optimizer" in report:
         for path, info in report["optimizer"].items():
             axes = f" matrix {info['matrix_axes']} batch {info['batch_axes']}" if info["matrix_axes"] else ""
@@ -164,6 +170,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
             for keypath, (shape, dtype) in leaves:
                 print(f"  {item}{jax.tree_util.keystr(keypath)}: {dtype}{list(shape)}")
     return 0
+
+
+def _run_health(path: Path) -> dict[str, Any]:
+    """A run directory's goodput over its attempts and the nodes its supervisor excluded."""
+    from zaya_jax.resilience.goodput import attempts, totals
+    from zaya_jax.resilience.supervise import excluded_nodes
+
+    run = path if path.is_dir() and not path.name.isdigit() else path.parent.parent  # a run or its step
+    found = {"goodput": totals(attempts(run)), "excluded_nodes": excluded_nodes(run)}
+    return {key: value for key, value in found.items() if value}
 
 
 def _is_prepared(path: Path) -> bool:

@@ -32,6 +32,7 @@ from types import FrameType
 from typing import Any
 
 from zaya_jax.files import append_event, read_json, write_atomic
+from zaya_jax.resilience.goodput import attempts, describe, totals
 from zaya_jax.resilience.health import DRAIN_RECORD, EXIT_DRAIN, EXIT_UNHEALTHY, node_name
 from zaya_jax.resilience.watchdog import EXIT_HANG, HEARTBEAT
 
@@ -163,6 +164,14 @@ class Supervisor:
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+            self._report()
+
+    def _report(self) -> None:
+        """The run's goodput over every attempt so far (the trainer's ``goodput.json``)."""
+        summary = totals(attempts(self.run_dir))
+        if summary is not None:
+            self.event("goodput", **summary)
+            print(f"zaya supervise: {describe(summary)}", file=sys.stderr, flush=True)
 
     def _unhealthy(self, code: int) -> int | None:
         """After a drain (76) or a stop (77): the nodes excluded, then the exit code, or None to

@@ -13,6 +13,7 @@ for the same config and layout.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,10 +40,12 @@ class TrainStep:
         self.programs, self.watchdog, self.event = programs, watchdog, event
         self._compiled: dict[tuple[int, ...], jax.stages.Compiled] = {}
         self._pending: list[dict[str, Any]] = []
+        self.timed: Callable[[str, float], None] | None = None
 
-    def attach(self, event: Callable[..., None]) -> None:
-        """Events from here on go to ``event``, with the ones recorded before."""
-        self.event = event
+    def attach(self, event: Callable[..., None], timed: Callable[[str, float], None] | None = None) -> None:
+        """Events from here on go to ``event``, with the ones recorded before; compiles from here
+        on are timed into ``timed("compile", seconds)`` (the run's goodput)."""
+        self.event, self.timed = event, timed
         for detail in self._pending:
             event("compiled", **detail)
         self._pending.clear()
@@ -54,6 +57,7 @@ class TrainStep:
         if shape in self._compiled:
             return
         self.watchdog.beat(after_step, "compile")
+        started = time.perf_counter()
         if jax.process_index() == 0:
             print(
                 f"zaya train: compiling the train step for batches of {rows} x {seq} tokens...",
@@ -73,6 +77,8 @@ class TrainStep:
         check_fit(self.programs, shape, compiled)  # before the step runs: stop with advice
         self._compiled[shape] = compiled
         barrier(f"step {shape}", self.programs.cfg.runtime.barrier_timeout_s)
+        if self.timed is not None:
+            self.timed("compile", time.perf_counter() - started)
 
     def __call__(
         self, step: int, state: TrainState, batch: dict[str, jax.Array], lr_scale: float, loss_limit: float

@@ -6,6 +6,7 @@ tokens/s."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from zaya_jax.config import Config
 from zaya_jax.objectives import Evaluator
@@ -18,8 +19,14 @@ class Evaluation:
     """Calls the evaluator at the steps it is due (:meth:`due`); the metrics go into the step's
     record (``eval``), which the hooks and the checkpoints read."""
 
-    def __init__(self, held_out: Evaluator, cfg: Config, meter: Throughput):
-        self.held_out, self.cfg, self.meter = held_out, cfg, meter
+    def __init__(
+        self,
+        held_out: Evaluator,
+        cfg: Config,
+        meter: Throughput,
+        timed: Callable[[str, float], None] = lambda kind, seconds: None,
+    ):
+        self.held_out, self.cfg, self.meter, self.timed = held_out, cfg, meter, timed
 
     def due(self, step: int) -> bool:
         return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
@@ -31,10 +38,13 @@ class Evaluation:
         started = time.perf_counter()
         metrics = self.held_out(step, state)
         self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
+        self.timed("evaluation", time.perf_counter() - started)  # the run's goodput
         return metrics
 
     def at_start(self, state: TrainState, writer: MetricsWriter) -> None:
         """The starting weights' held-out metrics as step 0's record (``eval.at_start``), so that
         every run's curve shows where it began (a GRPO run's ``eval_reward`` before its first update)."""
         if self.cfg.eval.at_start:
+            started = time.perf_counter()
             writer.write(eval_record(0, self.held_out(0, state)))
+            self.timed("evaluation", time.perf_counter() - started)

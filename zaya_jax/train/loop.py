@@ -33,6 +33,7 @@ from zaya_jax.parallel import make_layout
 from zaya_jax.parallel.distributed import Launch, setup_runtime
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog, classify_runtime_error
+from zaya_jax.resilience.goodput import Goodput
 from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.compiled import TrainStep
 from zaya_jax.train.consensus import StopRequest
@@ -71,17 +72,18 @@ def train(
     The process is set up as ``zaya train`` sets it up (XLA flags, compilation cache,
     ``jax.distributed`` per ``launch`` or the scheduler), so a notebook's run is the command's.
     ``hooks`` observe every step beside the built-in ones (:class:`zaya_jax.train.hooks.Hook`)."""
-    start_time = time.perf_counter()
+    start_time, started = time.perf_counter(), time.time()
     setup_runtime(cfg.runtime, launch)
     if is_command() and jax.default_backend() == "cpu" and jax.process_index() == 0:
         slow = slow_path_warning()
         if slow:  # the zaya command's steps would fault their buffers in afresh: one line, with the fix
             print(slow, file=sys.stderr, flush=True)
-    run, resumed, r = _open_run(cfg, progress, hooks)
+    run, resumed, r = _open_run(cfg, progress, hooks, started)
     stop = StopRequest()
     try:
         if resumed.first_step == 1:  # a resumed run logged its start already
             r.evaluation.at_start(resumed.state, r.writer)
+        r.goodput.start_loop()
         ran = StepPipeline(TrainingSteps(r, stop), cfg.train.dispatch_ahead).run(
             resumed.state, resumed.first_step, cfg.train.steps
         )
@@ -95,9 +97,8 @@ def train(
         r.writer.event("device_error", **{"class": classify_runtime_error(err), "message": str(err)[:2000]})
         raise
     finally:
-        r.watchdog.close()
-        r.health.close()
-        r.batches.close()
+        for closing in (r.watchdog, r.health, r.batches):
+            closing.close()
         _close(r.producer)
         stop.restore()
         for closing in (r.checkpoints, *r.hooks):
@@ -113,6 +114,7 @@ def train(
         "final_loss": _finite(r.writer.last.get("loss")),  # None: not a number (JSON has no NaN)
         "eval_loss": _finite(last.eval_loss if last is not None else None),  # None also: no step ran
         "wall_time_s": time.perf_counter() - start_time,
+        "goodput": r.goodput.finish(last.step if last is not None else None),  # over every attempt
     })  # fmt: skip
     r.writer.event("end", **summary)
     r.writer.close()
@@ -122,7 +124,9 @@ def train(
     return summary
 
 
-def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDir, _Resumed, Collaborators]:
+def _open_run(
+    cfg: Config, progress: bool, hooks: Sequence[Hook], started: float
+) -> tuple[RunDir, _Resumed, Collaborators]:
     """The run directory, its programs, the state to start from, the sinks, the objective's
     producer and evaluator, and the hooks."""
     primary = jax.process_index() == 0
@@ -149,6 +153,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         cleanup.callback(checkpoints.close)
         fresh = programs.init_state()
         resumed = _resume(cfg, run, resuming, fresh, checkpoints, programs.layout.parameters)
+        goodput = Goodput(run.path, started, primary=primary).resumed(resumed.first_step - 1)
 
         after = resumed.first_step - 1
         writer = MetricsWriter(run.path, cfg.train.steps if progress else None, primary, after, cfg)
@@ -162,7 +167,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         peak, peak_source = peak_flops(cfg.model.dtype)
         moe = programs.moe.record() if programs.moe is not None else None
         start_event(writer, cfg, programs.layout, peak, peak_source, after, resumed.initialized, moe)
-        train_step.attach(writer.event)
+        train_step.attach(writer.event, goodput.add)
         setup = RunSetup(
             cfg, run.path, programs, tokenizer, resumed.state, resumed.first_step == 1,
             lambda: starting_weights(cfg, fresh, programs.layout.parameters), writer.event, watchdog.beat,
@@ -181,7 +186,7 @@ def _open_run(cfg: Config, progress: bool, hooks: Sequence[Hook]) -> tuple[RunDi
         batches = Prefetcher(producer, producer.prefetch)
         collaborators = Collaborators(
             cfg, programs, train_step, producer, batches, watchdog, writer, meter,
-            Evaluation(held_out, cfg, meter), checkpoints, every, health,
+            Evaluation(held_out, cfg, meter, goodput.add), checkpoints, every, health, goodput,
         )  # fmt: skip
         cleanup.pop_all()
     return run, resumed, collaborators

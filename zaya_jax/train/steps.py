@@ -24,6 +24,7 @@ from zaya_jax.resilience import (
     RoutingMonitor,
     Watchdog,
 )
+from zaya_jax.resilience.goodput import Goodput
 from zaya_jax.resilience.routing import RoutingAlarm
 from zaya_jax.train.checkpointing import Checkpointing
 from zaya_jax.train.compiled import TrainStep
@@ -86,6 +87,7 @@ class Collaborators:
     checkpoints: Checkpointing
     hooks: list[Hook]
     health: NodeHealth
+    goodput: Goodput
 
 
 class TrainingSteps:
@@ -117,7 +119,9 @@ class TrainingSteps:
         if r.producer.on_policy:
             r.producer.observe(state)  # the batch is sampled from these weights
         plan, host_batch, data_state = next(r.batches)
-        r.meter.data_wait += time.perf_counter() - wait_start
+        waited = time.perf_counter() - wait_start
+        r.meter.data_wait += waited
+        r.goodput.add("data_wait", waited)
         ahead = getattr(r.producer, "ahead_weights", None)  # optional (see Producer)
         return Drawn(plan, host_batch, data_state, ahead() if ahead is not None else None)
 
@@ -145,9 +149,10 @@ class TrainingSteps:
         agreed = self.agree(done.step, verdict)
         unhealthy = self.run.health.act(agreed.health, done.step)  # "drain", or it raised (stop)
         restored = self.apply(done, verdict, latest)
-        if restored is not None:
-            return Finished(restored=restored)
         r = self.run
+        if restored is not None:
+            r.goodput.step(done.step, "rollback")  # the bad step, the restore; the undone steps moved
+            return Finished(restored=restored)
         record = StepRecord(
             done.step, state, done.drawn.data_state, done.metrics, done.drawn.plan, dict(self.counts),
             done.step == r.cfg.train.steps,
@@ -155,6 +160,9 @@ class TrainingSteps:
             save_written=agreed.save_written, ahead=done.drawn.ahead,
         )  # fmt: skip
         record = self.notify(record)
+        r.goodput.step(done.step, "skipped" if verdict.outcome.skipped else "productive")
+        if record.saved:
+            r.goodput.saved(done.step)
         return Finished(
             record,
             stop=agreed.stop or unhealthy,
@@ -225,6 +233,7 @@ class TrainingSteps:
             self.routing.reset()
             if restored is not None:
                 self.counts["rollbacks"] += 1
+                r.goodput.rolled_back(restored[1])
             return restored
         if decision.action is Action.ACCEPT:
             self.guard.accept(outcome.loss, done.step)
@@ -234,7 +243,9 @@ class TrainingSteps:
         """Evaluate (when due), save (when due), then every hook with the one complete record."""
         r = self.run
         record = dataclasses.replace(record, eval=r.evaluation(record.step, record.state))
+        started = time.perf_counter()
         record = dataclasses.replace(record, saved=r.checkpoints.after_step(record))
+        r.goodput.add("checkpoint", time.perf_counter() - started)
         notify(r.hooks, record)
         r.writer.advance()
         return record
