@@ -4,7 +4,8 @@ be collective are agreed by both processes (``zaya_jax.train.consensus``): a tim
 only one process's clock calls for, and a SIGINT to one process with a SIGTERM to the other, end
 with both processes saving the same step, recording the stop (SIGTERM, received by both) and
 exiting 0; a second launch restores the checkpoint across both processes and finishes
-bit-identical to an uninterrupted run."""
+bit-identical to an uninterrupted run. A GPU of process 1 reporting ECC errors drains both
+processes at the same step, saved by both (``resilience.on_unhealthy=drain``)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import zaya_jax
 from tests.parallel.processes import finish, start_two_processes
 from tests.resilience import faults
 from zaya_jax.checkpoint import restore_model
+from zaya_jax.resilience.health import DRAIN_RECORD, EXIT_DRAIN
 
 STEPS = 6
 
@@ -82,10 +84,35 @@ def test_signals_to_each_process_and_one_clock_due_both_save_stop_and_resume_exa
     assert [e["detail"]["from_step"] for e in _events(run) if e["event"] == "resume"] == [stopped]
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines if "loss" in line] == list(range(1, STEPS + 1))  # process 0 only
-    start = _events(run)[0]["detail"]
+    (start,) = [e["detail"] for e in _events(run) if e["event"] == "start"]
     assert start["devices"] == 8 and start["mesh"] == {"data": 2, "fsdp": 2, "expert": 2, "context": 1}
     ours, theirs = (restore_model(r / "checkpoints" / str(STEPS))[1] for r in (run, reference))
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     lm = zaya_jax.load(run)  # saved on 8 devices in 2 processes, verified and loaded on one
     assert lm.step == STEPS and np.isfinite(lm.logits([[5, 6, 7]])).all()
+
+
+def test_an_unhealthy_gpu_on_one_process_drains_both_at_the_same_step(tmp_path, monkeypatch):
+    """Process 1's (fake) amd-smi reports uncorrectable ECC errors after step 1: the finding rides
+    on the step's agreement, so both processes stop after step 2, save it and exit 76."""
+    _, env = faults.fake_amd_smi(tmp_path / "smi")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    run = tmp_path / "run"
+    procs = start_two_processes(
+        run, 4, "train.dispatch_ahead=false", "resilience.health_every_s=0.05", fault=("gpu_ecc_at_step=1",)
+    )
+    results = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [EXIT_DRAIN, EXIT_DRAIN], results[0][1][-3000:]
+    drain = json.loads((run / DRAIN_RECORD).read_text())
+    assert drain["step"] == 2 and [f["probe"] for f in drain["findings"]] == ["gpu"]
+    (health,) = [e for e in _events(run) if e["event"] == "health"]
+    assert health["step"] == 2 and health["detail"]["process"] == 1  # found on process 1, recorded by 0
+    assert [e["detail"]["signal"] for e in _events(run) if e["event"] == "stop"] == ["drain"]
+    assert _saved(run) == [2]
+    assert {p.name for p in (run / "checkpoints" / "2" / "data").glob("process_*")} == {
+        "process_0-of-2.json",
+        "process_1-of-2.json",
+    }
+    assert "refusing" not in results[0][1] and "saved step 2" in results[0][1]

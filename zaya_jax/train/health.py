@@ -45,7 +45,7 @@ def _probes(cfg: Config, run_path: Path, state_bytes: int) -> tuple[list[Probe],
     needed = int(res.health_min_free_gb * 1e9) or 2 * state_bytes
     made: dict[str, Probe] = {
         "gpu": GpuProbe(),
-        "nic": NicProbe(interfaces=res.health_interfaces),
+        "nic": NicProbe(res.health_sys_root, interfaces=res.health_interfaces),
         "filesystem": FilesystemProbe(run_path, lambda: needed, res.health_max_write_latency_s),
     }
     clock = None
