@@ -64,7 +64,8 @@ def test_runtime_flags_are_applied_to_xla_flags_and_recorded(tmp_path, capsys):
         [*cmd, "--no-progress"], capture_output=True, text=True, timeout=600, env=dict(os.environ)
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    start = json.loads((run / "events.jsonl").read_text().splitlines()[0])
+    lines = (run / "events.jsonl").read_text().splitlines()
+    (start,) = [json.loads(line) for line in lines if json.loads(line)["event"] == "start"]
     assert start["event"] == "start"
     assert "--xla_gpu_all_reduce_combine_threshold_bytes=1048576" in start["detail"]["xla_flags"]
     assert "--xla_cpu_use_thunk_runtime=true" in start["detail"]["xla_flags"]
