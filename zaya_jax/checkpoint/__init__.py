@@ -48,6 +48,7 @@ from zaya_jax.checkpoint.training import (
     CheckpointSaveError,
     TrainingSaver,
     restore_ahead,
+    restore_freshest,
     restore_training,
     save_training,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "quarantine",
     "read_config",
     "restore_ahead",
+    "restore_freshest",
     "restore_model",
     "restore_training",
     "same_model_run",

@@ -292,6 +292,32 @@ def restore_training(
     return None, unreadable
 
 
+def latest_step(checkpoints_dir: str | Path) -> int | None:
+    """The newest committed step in ``checkpoints_dir`` (None: none, or no such directory)."""
+    if not Path(checkpoints_dir).is_dir():
+        return None
+    return max(manager(checkpoints_dir).all_steps(), default=None)
+
+
+def restore_freshest(
+    tiers: list[Path], like: Any, **options: Any
+) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]], Path | None]:
+    """:func:`restore_training` of the freshest readable step over several checkpoint directories
+    (a persistent and a local tier): the tiers are tried newest first, and a tier whose damaged
+    newest steps leave an older one is beaten by another tier's newer step. Also returns the tier
+    the state came from."""
+    best, unreadable, source = None, [], None
+    for tier in sorted(tiers, key=lambda t: -1 if latest_step(t) is None else latest_step(t), reverse=True):
+        newest = latest_step(tier)
+        if newest is None or (best is not None and best[2] >= newest):
+            continue
+        restored, bad = restore_training(tier, like, **options)
+        unreadable += bad
+        if restored is not None and (best is None or restored[2] > best[2]):
+            best, source = restored, Path(tier)
+    return best, unreadable, source
+
+
 def _restore_step(
     mgr: ocp.CheckpointManager,
     checkpoints_dir: str | Path,

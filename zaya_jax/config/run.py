@@ -109,6 +109,13 @@ class CheckpointConfig:
     # Check every restored array against the fingerprint recorded when it was saved (a checkpoint
     # that fails is quarantined and the previous one used). Evaluation and export always verify.
     verify: bool = True
+    # A local tier beside <run>/checkpoints: saves every local_every_steps steps to fast local
+    # storage (a RAM disk or a local SSD: <local_dir>/<run>-<hash>/checkpoints), keeping local_keep;
+    # a restart restores the freshest step whose arrays verify, local or persistent. One process
+    # per run (several processes need Orbax's emergency checkpointing: docs/checkpoints.md).
+    local_dir: str = ""
+    local_every_steps: int = 0  # 0: no local tier
+    local_keep: int = 2  # local steps kept
 
     def validate(self) -> None:
         for name in ("every_steps", "keep_every", "every_minutes", "keep_best"):
@@ -117,6 +124,16 @@ class CheckpointConfig:
         if self.keep < 1:
             raise ConfigError(
                 f"checkpoint.keep={self.keep} must be >= 1 (the latest checkpoint is always kept)"
+            )
+        if self.local_every_steps < 0 or self.local_keep < 1:
+            raise ConfigError(
+                f"checkpoint.local_every_steps={self.local_every_steps} must be >= 0 and "
+                f"checkpoint.local_keep={self.local_keep} >= 1"
+            )
+        if bool(self.local_dir) != bool(self.local_every_steps):
+            raise ConfigError(
+                "the local checkpoint tier needs both checkpoint.local_dir (a RAM disk or local SSD) and "
+                f"checkpoint.local_every_steps (got {self.local_dir!r} and {self.local_every_steps})"
             )
 
 

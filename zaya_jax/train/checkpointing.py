@@ -8,16 +8,29 @@ process (:meth:`Checkpointing.written`, agreed with the step's other proposals):
 for the commit (and retention's deletions), which Orbax's background thread, starved by a busy
 loop, would otherwise finish only when the loop next blocks, usually at the next save. The loop
 never waits for unfinished writes there, and every process waits at the same step, so none waits
-at Orbax's commit barrier for another's writes (:mod:`zaya_jax.checkpoint.training`)."""
+at Orbax's commit barrier for another's writes (:mod:`zaya_jax.checkpoint.training`).
+
+A local tier (``checkpoint.local_dir``, ``local_every_steps``, ``local_keep``) is a second saver on
+fast local storage, for one process: its steps are saved on their own cadence, committed as soon
+as their writes are done, and a restore (or rollback) takes the freshest step of either tier whose
+arrays verify (:func:`zaya_jax.checkpoint.restore_freshest`), so a restart after a fault loses only
+the steps since the last local save, and a local tier lost with its node only those since the last
+persistent one. Orbax's emergency (multi-tier) checkpoint manager is not used: it replicates the
+local tier across slices along a replica axis of the mesh (each slice a full copy of the state),
+which this stack's FSDP / expert layouts over every device do not have."""
 
 from __future__ import annotations
 
+import hashlib
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
+import jax
+
 from zaya_jax import checkpoint
-from zaya_jax.config import Config
+from zaya_jax.config import Config, ConfigError
 from zaya_jax.lora.plan import ParameterPlan
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog
@@ -41,6 +54,18 @@ class Checkpointing:
             keep_best=ckpt.keep_best,
             parameters=parameters,
         )
+        self.local = None
+        if ckpt.local_dir:
+            if jax.process_count() > 1:
+                raise ConfigError(
+                    "checkpoint.local_dir supports one process per run for now (each process would need "
+                    "its own tier and a peer copy); drop checkpoint.local_dir or run one process"
+                )
+            self.local = checkpoint.TrainingSaver(
+                local_checkpoints(ckpt.local_dir, run.path), async_save=ckpt.async_save,
+                keep=ckpt.local_keep, keep_every=0, parameters=parameters,
+            )  # fmt: skip
+        self.restored_from = run.checkpoints  # the tier of the last restore (its ahead weights)
         self.saved_step = 0  # the last step saved (or restored: it is on disk already)
         self.clock: Callable[[], float] = time.monotonic  # of checkpoint.every_minutes
         self.last_save = self.clock()
@@ -49,10 +74,17 @@ class Checkpointing:
         """(latest readable (state, data states of every saving process, step) or None,
         ``checkpoint_unreadable`` event details of the ones moved to quarantine on the way)."""
         self.saver.finish()
-        restored, unreadable = checkpoint.restore_training(
-            self.run.checkpoints, like, verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters
+        tiers = [self.run.checkpoints]
+        if self.local is not None:
+            self.local.finish()
+            tiers.append(self.local.dir)
+        restored, unreadable, source = checkpoint.restore_freshest(
+            tiers, like, verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters
         )
-        self.saver.reload()  # quarantined step numbers are free again
+        self.restored_from = source or self.run.checkpoints
+        for saver in (self.saver, self.local):
+            if saver is not None:
+                saver.reload()  # quarantined step numbers are free again
         if restored is not None:
             self.saved_step = restored[2]
         return restored, unreadable
@@ -61,7 +93,7 @@ class Checkpointing:
         """The ``count`` weights the producer saved beside its position (``ahead_weights``) in the
         checkpoint last restored, in ``like``'s layout; None when it holds none."""
         return checkpoint.restore_ahead(
-            self.run.checkpoints, self.saved_step, like, count,
+            self.restored_from, self.saved_step, like, count,
             verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters,
         )  # fmt: skip
 
@@ -74,8 +106,8 @@ class Checkpointing:
     def needs_state(self, step: int) -> bool:
         """A step-count save (a time-based one is agreed after the step: taken at the next step the
         loop finishes before dispatching on; ``keep_best`` saves evaluated steps, finished anyway)."""
-        every = self.cfg.checkpoint.every_steps
-        return bool(every and step % every == 0)
+        every, local = self.cfg.checkpoint.every_steps, self.cfg.checkpoint.local_every_steps
+        return bool(every and step % every == 0) or bool(local and step % local == 0)
 
     def _due(self, record: StepRecord) -> bool:
         ckpt = self.cfg.checkpoint
@@ -108,13 +140,41 @@ class Checkpointing:
             self.saver.finish()  # its writes are done everywhere: the commit is what is left
         else:
             self.saver.check()
-        return False
+        return self._local_save(record)
+
+    def _local_save(self, record: StepRecord) -> bool:
+        """The local tier: commit a save whose writes are done, then save this step when due."""
+        if self.local is None:
+            return False
+        if self.local.written():
+            self.local.finish()
+        every = self.cfg.checkpoint.local_every_steps
+        if record.last or record.step % every:
+            self.local.check()
+            return False
+        self.watchdog.beat(record.step, "save")
+        self.local.save(record.step, self.cfg, record.state, record.data_state, None, record.ahead)
+        return True
 
     def end_run(self, record: StepRecord) -> None:
         """The final (or stop) step saved if it is not yet, and every save committed."""
         if record.step != self.saved_step:
             self.save(record)
         self.saver.finish()
+        if self.local is not None:
+            self.local.finish()
 
     def close(self) -> None:
-        self.saver.close()
+        try:
+            self.saver.close()
+        finally:
+            if self.local is not None:
+                self.local.close()
+
+
+def local_checkpoints(local_dir: str, run_path: Path) -> Path:
+    """The local tier of the run at ``run_path``: ``<local_dir>/<run name>-<hash of its path>/checkpoints``
+    (two runs of one name in different places do not share it)."""
+    where = Path(run_path).absolute()
+    digest = hashlib.sha256(str(where).encode()).hexdigest()[:10]
+    return Path(local_dir).expanduser() / f"{where.name}-{digest}" / "checkpoints"
