@@ -1,6 +1,7 @@
 """The node-health fault campaign (issue 54): a GPU reporting uncorrectable ECC errors, a NIC going
 down, the run's filesystem filling up, a collective that never returns, each injected into a run of
-two processes; for each the action taken, the seconds from injection to action (goal <= 60 s), the
+two processes, and a SIGKILL during local-tier saves and a node lost with its local tier (one
+process); for each the action taken, the seconds from injection to action (goal <= 60 s), the
 steps lost and the run's goodput over both launches. The trials are in bench/campaigns/health.py
 (its docstring); CI runs the drain across two processes (tests/parallel/test_multiprocess.py) and
 the Slurm requeue (tests/resilience/test_supervise.py). Usage:
@@ -21,7 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository: 
 
 from bench.campaigns.health import run_trial, table
 
-FAULTS = {"gpu_ecc": 4, "nic_down": 4, "filesystem_full": 4, "collective_hang": 12}  # injected after step
+# fault -> injected after this step (the persistent tier saves every 10 steps)
+FAULTS = {
+    "gpu_ecc": 4, "nic_down": 4, "filesystem_full": 4, "collective_hang": 12,
+    "local_save_killed": 15, "node_lost": 15,
+}  # fmt: skip
 
 
 def main() -> int:

@@ -6,7 +6,9 @@ Faults: a GPU reporting uncorrectable ECC errors (a fake ``amd-smi`` first on PA
 file), a NIC going down (``resilience.health_sys_root`` pointing at a fake ``/sys`` whose
 interface's ``operstate`` the campaign sets to ``down``), the run directory's filesystem filling up
 (a tmpfs filled with ``fallocate``; root only), and a collective that never returns (process 1
-stopped with SIGSTOP: process 0 waits in the step's collectives). For each: the action the trainer
+stopped with SIGSTOP: process 0 waits in the step's collectives); and, on one process (the local
+tier's scope), a SIGKILL while local-tier saves are written every step, and a node lost with its
+local tier (SIGKILL, then the local directory deleted). For each: the action the trainer
 took, the seconds from injection to that action, the steps lost (the last step reached before the
 action minus the step the next launch resumed from; 0 where the action saved), whether anything was
 silent (an action without its event or line), and the goodput of the run over both launches.
@@ -62,38 +64,28 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(run: Path, steps: int, extra: list[str], env: dict[str, str]) -> list[subprocess.Popen]:
+def _launch(
+    run: Path, steps: int, extra: list[str], env: dict[str, str], processes: int = 2
+) -> list[subprocess.Popen]:
+    """The run's processes (2 of 4 CPU devices, or 1 of 8): one 8-device mesh either way."""
     port = _port()
     env = {**os.environ, **env, "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={8 // processes}"
     args = [
         *MINI, f"run.dir={run}", f"train.steps={steps}", "train.batch_size=8", "log.every=1",
         "eval.every=1000", "eval.at_start=false", "checkpoint.every_steps=10", "mesh.data=2",
         "mesh.fsdp=2", "mesh.expert=2", "train.dispatch_ahead=false", *extra,
     ]  # fmt: skip
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "zaya_jax.cli",
-                "train",
-                *args,
-                "--no-progress",
-                "--coordinator",
-                f"127.0.0.1:{port}",
-                "--num-processes",
-                "2",
-                "--process-id",
-                str(i),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+    procs = []
+    for i in range(processes):
+        command = [sys.executable, "-m", "zaya_jax.cli", "train", *args, "--no-progress"]
+        if processes > 1:
+            command += ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes)]
+            command += ["--process-id", str(i)]
+        procs.append(
+            subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         )
-        for i in range(2)
-    ]
+    return procs
 
 
 def _last_step(run: Path) -> int:
@@ -162,6 +154,9 @@ def run_trial(fault: str, root: Path, steps: int, inject_after: int, every_s: fl
         run = mount / "run"
     elif fault == "collective_hang":
         extra += ["runtime.collective_timeout_s=10", "resilience.hang_timeout_s=600"]
+    elif fault in ("local_save_killed", "node_lost"):
+        extra += [f"checkpoint.local_dir={run.parent / 'ramdisk'}", "checkpoint.local_every_steps=1"]
+        return _kill_local(trial, fault, run, steps, inject_after, extra)
     try:
         return _inject(trial, fault, run, steps, inject_after, extra, env)
     finally:
@@ -216,6 +211,32 @@ def _inject(
         return trial
     resumes = [e["detail"]["from_step"] for e in _events(run) if e["event"] == "resume"]
     trial.resumed_from = resumes[-1] if resumes else 0
+    trial.goodput = json.loads((run / "summary.json").read_text())["goodput"]["goodput"]
+    return trial
+
+
+def _kill_local(trial: Trial, fault: str, run: Path, steps: int, after: int, extra: list[str]) -> Trial:
+    """One process saving its local tier every step (asynchronously), SIGKILLed after step ``after``;
+    for ``node_lost`` its local directory is deleted before the restart."""
+    (proc,) = _launch(run, steps, extra, {}, processes=1)
+    _wait_step(run, after, [proc])
+    proc.kill()
+    proc.wait()
+    trial.injected_after_step = trial.last_step = _last_step(run)
+    trial.action = "SIGKILL: the restart restores the freshest verified tier"
+    if fault == "node_lost":
+        shutil.rmtree(run.parent / "ramdisk")
+        trial.action = "SIGKILL, local tier deleted: the restart restores the persistent tier"
+    started = time.time()
+    (again,) = _launch(run, steps, extra, {}, processes=1)
+    codes, _, err = _ended([again])
+    if codes != [0]:
+        trial.note = f"the restart ended {codes}: {err[-300:]}"
+        return trial
+    resume = [e for e in _events(run) if e["event"] == "resume"][-1]
+    trial.resumed_from = resume["detail"]["from_step"]
+    trial.seconds_to_action = resume["time"] - started  # the restart's restore, from its launch
+    trial.silent = False
     trial.goodput = json.loads((run / "summary.json").read_text())["goodput"]["goodput"]
     return trial
 
