@@ -127,8 +127,9 @@ def test_a_save_is_committed_at_the_first_step_boundary_after_its_writes(tmp_pat
 @pytest.mark.parametrize(("written", "agreed"), [((True, True), True), ((True, False), False)])
 def test_the_save_in_flight_is_committed_only_once_every_process_has_written_it(monkeypatch, written, agreed):
     def gather(name, value, timeout_s):  # this process's proposal and the other's
-        other = [*value.split(",")[:3], str(int(written[1]))]
-        return [value, ",".join(other)]
+        ints, health = value.split("|")  # four integers, then the health findings
+        other = [*ints.split(",")[:3], str(int(written[1]))]
+        return [value, ",".join(other) + "|" + health]
 
     monkeypatch.setattr(consensus, "gather_strings", gather)
     result = consensus.agree(1, time_due=False, stop=None, action=Action.ACCEPT, written=written[0])

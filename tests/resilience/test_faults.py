@@ -115,7 +115,8 @@ def test_crash_and_hang_under_supervise(tmp_path, reference):
     failed = [e["detail"]["cause"] for e in events if e["event"] == "child_failed"]
     assert failed == ["hang watchdog (no progress; stacks in hang_stacks.txt)", "killed by SIGKILL"], failed
     assert [e["event"] for e in events].count("restart") == 2
-    assert events[-1]["event"] == "child_exit"
+    assert [e["event"] for e in events[-2:]] == ["child_exit", "goodput"]  # the supervisor's report
+    assert events[-1]["detail"]["attempts"] == 3 and events[-1]["detail"]["badput_s"]["restart_gap"] > 0
     stacks = (run / "hang_stacks.txt").read_text()
     assert "no progress" in stacks and "Thread" in stacks and "hang" in stacks  # faults.hang in a stack
     assert any(e["event"] == "hang" for e in events)
