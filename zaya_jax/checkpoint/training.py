@@ -307,14 +307,14 @@ def restore_freshest(
     newest steps leave an older one is beaten by another tier's newer step. Also returns the tier
     the state came from."""
     best, unreadable, source = None, [], None
-    for tier in sorted(tiers, key=lambda t: -1 if latest_step(t) is None else latest_step(t), reverse=True):
-        newest = latest_step(tier)
-        if newest is None or (best is not None and best[2] >= newest):
+    newest = {Path(tier): latest_step(tier) for tier in tiers}  # each tier's listing read once
+    for tier, latest in sorted(newest.items(), key=lambda kv: -1 if kv[1] is None else kv[1], reverse=True):
+        if latest is None or (best is not None and best[2] >= latest):
             continue
         restored, bad = restore_training(tier, like, **options)
         unreadable += bad
         if restored is not None and (best is None or restored[2] > best[2]):
-            best, source = restored, Path(tier)
+            best, source = restored, tier
     return best, unreadable, source
 
 

@@ -74,13 +74,14 @@ class Checkpointing:
         """(latest readable (state, data states of every saving process, step) or None,
         ``checkpoint_unreadable`` event details of the ones moved to quarantine on the way)."""
         self.saver.finish()
-        tiers = [self.run.checkpoints]
-        if self.local is not None:
+        options = {"verify_arrays": self.cfg.checkpoint.verify, "parameters": self.parameters}
+        if self.local is None:  # one tier: no listing to compare
+            restored, unreadable = checkpoint.restore_training(self.run.checkpoints, like, **options)
+            source = None
+        else:
             self.local.finish()
-            tiers.append(self.local.dir)
-        restored, unreadable, source = checkpoint.restore_freshest(
-            tiers, like, verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters
-        )
+            tiers = [self.run.checkpoints, self.local.dir]
+            restored, unreadable, source = checkpoint.restore_freshest(tiers, like, **options)
         self.restored_from = source or self.run.checkpoints
         for saver in (self.saver, self.local):
             if saver is not None:
