@@ -24,7 +24,7 @@ from bench.campaigns.health import run_trial, table
 
 # fault -> injected after this step (the persistent tier saves every 10 steps)
 FAULTS = {
-    "gpu_ecc": 4, "nic_down": 4, "filesystem_full": 4, "collective_hang": 12,
+    "gpu_ecc": 4, "nic_down": 4, "filesystem_low": 4, "filesystem_full": 12, "collective_hang": 12,
     "local_save_killed": 15, "node_lost": 15,
 }  # fmt: skip
 

@@ -5,7 +5,8 @@ watching ``metrics.jsonl``; then the same command again, as a supervisor or a re
 Faults: a GPU reporting uncorrectable ECC errors (a fake ``amd-smi`` first on PATH, flipped by a
 file), a NIC going down (``resilience.health_sys_root`` pointing at a fake ``/sys`` whose
 interface's ``operstate`` the campaign sets to ``down``), the run directory's filesystem filling up
-(a tmpfs filled with ``fallocate``; root only), and a collective that never returns (process 1
+(a tmpfs filled with ``fallocate``, root only: to room for one and a half checkpoints, ``low``, or
+half of one, ``full``), and a collective that never returns (process 1
 stopped with SIGSTOP: process 0 waits in the step's collectives); and, on one process (the local
 tier's scope), a SIGKILL while local-tier saves are written every step, and a node lost with its
 local tier (SIGKILL, then the local directory deleted). For each: the action the trainer
@@ -144,7 +145,7 @@ def run_trial(fault: str, root: Path, steps: int, inject_after: int, every_s: fl
         (iface / "operstate").write_text("up\n")
         (iface / "carrier").write_text("1\n")
         extra += [f"resilience.health_sys_root={run.parent / 'sys'}"]
-    elif fault == "filesystem_full":
+    elif fault.startswith("filesystem_"):
         if os.geteuid() != 0 or shutil.which("mount") is None:
             trial.note = "not run: needs root to mount a tmpfs"
             return trial
@@ -160,7 +161,7 @@ def run_trial(fault: str, root: Path, steps: int, inject_after: int, every_s: fl
     try:
         return _inject(trial, fault, run, steps, inject_after, extra, env)
     finally:
-        if fault == "filesystem_full":
+        if fault.startswith("filesystem_"):
             subprocess.run(["umount", "-l", str(run.parent)], check=False)
 
 
@@ -176,10 +177,10 @@ def _inject(
     elif fault == "nic_down":
         sys_root = Path(extra[-1].split("=", 1)[1])
         (sys_root / "class" / "net" / "eth9" / "operstate").write_text("down\n")
-    elif fault == "filesystem_full":  # below the probe's need, with room for the drain's own save
+    elif fault.startswith("filesystem_"):  # low: room for the drain's save; full: for none
         (check,) = [e for e in _events(run) if e["event"] == "health_check"]
         (disk,) = [f for f in check["detail"]["findings"] if f["probe"] == "filesystem" and f["process"] == 0]
-        keep = int(0.75 * disk["detail"]["needed_bytes"])
+        keep = int((1.5 if fault == "filesystem_low" else 0.5) * disk["detail"]["needed_bytes"])
         filler = max(0, shutil.disk_usage(run).free - keep)
         subprocess.run(["fallocate", "-l", str(filler), str(run / "filler")], check=True)
     elif fault == "collective_hang":
@@ -190,14 +191,15 @@ def _inject(
     trial.last_step = _last_step(run)
     events = _events(run)
     acted = [e for e in events if e["event"] in ("health", "collective_timeout")]
+    drain = json.loads((run / "drain.json").read_text()) if (run / "drain.json").is_file() else {}
     trial.action = {
         76: "drain: saved, exit 76",
         75: "exit 75: restart from the last checkpoint",
-        77: "stop: exit 77",
+        77: f"{'drain: saved' if drain.get('saved') else 'stop, nothing saved'}: exit 77",
     }.get(codes[0], f"exit codes {codes}")
     trial.seconds_to_action = ended - injected
     trial.silent = not acted or ("zaya train: fail" not in err and "collective_timeout" not in err)
-    if fault == "filesystem_full":
+    if fault.startswith("filesystem_"):
         (run / "filler").unlink()
     if fault == "gpu_ecc":
         (Path(env["ZAYA_FAKE_SMI"]) / "ecc-all").unlink()

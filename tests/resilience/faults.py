@@ -13,7 +13,9 @@ Faults (``--fault NAME=STEP``): ``crash_at_step`` (SIGKILL right after the step)
 ``pause_at_step`` (the process waits after the step until the test releases it: :func:`pause`,
 so that a signal or a file operation lands at a step the test chose, not at one a timer guessed),
 ``gpu_ecc_at_step`` (the last process's GPU reports uncorrectable ECC errors through the fake
-``amd-smi`` of :func:`fake_amd_smi` from that step on; it returns once its health probe saw them).
+``amd-smi`` of :func:`fake_amd_smi` from that step on; it returns once its health probe saw them),
+``disk_full_at_step`` / ``disk_low_at_step`` (from that step on, every process's checkpoint
+filesystems read as short of one checkpoint's room / as holding room for one and a half).
 ``--clock-skew S`` runs the ``checkpoint.every_minutes`` clock of every process but process 0
 ``S`` seconds ahead. Every fault fires at most once per run directory (``faults_fired.json``
 records it), so a restarted run gets past it.
@@ -47,6 +49,8 @@ FAULTS = (
     "corrupt_checkpoint_at_step",
     "pause_at_step",
     "gpu_ecc_at_step",
+    "disk_full_at_step",
+    "disk_low_at_step",
 )
 
 # A fake amd-smi: healthy, unless $ZAYA_FAKE_SMI/ecc-<the calling process's pid> exists, then two
@@ -218,6 +222,12 @@ class FaultHook(Hook):
             pause(self.run.path, step)
         if self.due("gpu_ecc_at_step", step) and jax.process_index() == jax.process_count() - 1:
             ecc_error_seen(self.health)
+        for name, rooms in (("disk_full_at_step", 1.0), ("disk_low_at_step", 1.5)):
+            if self.due(name, step):
+                for probe in self.health.rooms:  # what statfs would say of a filling disk
+                    probe.free_bytes = lambda probe=probe, rooms=rooms: (
+                        int(rooms * probe.checkpoint_bytes()) - 1
+                    )
 
 
 class SkewedSaveClock(Hook):

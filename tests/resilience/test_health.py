@@ -156,6 +156,14 @@ def test_filesystem_free_space_and_write_errors(tmp_path):
     full = FilesystemProbe(tmp_path, lambda: 1 << 62, max_write_latency_s=60)
     (finding,) = full.check()
     assert finding.status == "fail" and "the next checkpoint needs about" in finding.message
+    assert finding.detail["fits"] is False and finding.detail["shared"]
+    free = ok.free_bytes()
+    low = FilesystemProbe(tmp_path, lambda: free * 2 // 3, 60, shared=False)  # room for 1.5
+    (finding,) = low.check()
+    assert "room for one more checkpoint" in finding.message
+    assert finding.detail["fits"] is True and not finding.detail["shared"]
+    floor = FilesystemProbe(tmp_path, lambda: 1, 60, min_free_bytes=1 << 62)
+    assert floor.room().status == "fail" and ok.room() is None
     slow = FilesystemProbe(tmp_path, lambda: 1, max_write_latency_s=0.0)
     assert [f.status for f in slow.check()] == ["warn"]
     if os.geteuid() != 0:  # root writes through permissions

@@ -102,3 +102,33 @@ def test_a_failing_node_refuses_to_start_unless_told_to_warn(tmp_path, fake_smi,
     assert json.loads((run / DRAIN_RECORD).read_text())["at"] == "preflight"
     (check,) = _events(run, "health_check")
     assert [f["status"] for f in check["detail"]["findings"] if f["probe"] == "gpu"] == ["fail"]
+
+
+@pytest.mark.parametrize("fault", ["disk_full_at_step", "disk_low_at_step"])
+def test_a_filling_disk_stops_before_a_save_that_would_not_fit_or_drains_with_the_last_one(
+    tmp_path, capsys, fault
+):
+    """From step 3 the run directory's filesystem reads as short of one checkpoint's room (full)
+    or as holding room for one more only (low). Checked before the save due at step 4 (and by the
+    thread), full stops without starting a save that could not be written whole, step 2's
+    checkpoint standing; low drains: the next step is saved. Both exit 77: a shared filesystem
+    short of space is no node's fault, so no restart elsewhere would help."""
+    run = tmp_path / "run"
+    extra = ["checkpoint.every_steps=2", "resilience.health_every_s=3600"]  # the pre-save check acts
+    code = main(_args(run, *extra), hooks=[faults.FaultHook({fault: 3})])
+    err = capsys.readouterr().err
+    assert code == EXIT_UNHEALTHY
+    (line,) = [x for x in err.splitlines() if x.startswith("zaya train: node")]
+    assert f"node {node_name()}: filesystem probe: {run} has" in line
+    assert line.endswith("free space there (or move checkpoint.dir) and restart: no other node fixes it")
+    drain = json.loads((run / DRAIN_RECORD).read_text())
+    (finding,) = drain["findings"]
+    assert finding["detail"]["shared"] and finding["detail"]["needed_bytes"] > 16 << 20
+    saved = sorted(int(p.name) for p in (run / "checkpoints").iterdir())
+    if fault == "disk_full_at_step":
+        assert "the next checkpoint needs about" in line and "it would not fit" in line
+        assert "stopped at step 4 without saving it" in line  # the first step a save was due
+        assert saved == [2] and not drain["saved"] and not finding["detail"]["fits"]
+    else:
+        assert "room for one more checkpoint of about" in line and "saved step 4" in line
+        assert saved == [2, 4] and drain["saved"] and finding["detail"]["fits"]

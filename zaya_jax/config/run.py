@@ -281,7 +281,7 @@ class ResilienceConfig:
     # Where the nic probe reads the kernel's view of the links: a container that mounts the host's
     # /sys elsewhere (e.g. /host/sys) names it here.
     health_sys_root: str = "/sys"
-    health_min_free_gb: float = 0.0  # free space below this fails (0: twice the train state's size)
+    health_min_free_gb: float = 0.0  # a floor on free space (below two checkpoints fails anyway)
     health_max_write_latency_s: float = 10.0  # a slower 64 KiB durable write in the run directory warns
     health_max_clock_skew_s: float = 5.0  # processes' clocks further apart than this fail
 

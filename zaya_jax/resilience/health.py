@@ -12,8 +12,10 @@ failing one is ``resilience.on_unhealthy`` (``zaya_jax.train.health``).
 - **nic**: ``/sys/class/net`` (interfaces with a ``device``: physical ones) and
   ``/sys/class/infiniband`` (RDMA ports). An interface or port that was up at the first probe and
   is down now fails; carrier changes and RDMA link-downed / error counters that grew warn.
-- **filesystem**: the run directory's free space against the next checkpoint's size (fail), and the
-  latency of a small durable write (warn above the limit; an error writing fails).
+- **filesystem**: the run directory's free space against the next two checkpoints' size (fail: a
+  drain saves one more; below one, the run stops without a save that could not be written
+  whole), and the latency of a small durable write (warn above the limit; an error writing fails).
+  The trainer also checks the free space on its main thread before every save.
 - **clock**: every process's wall clock read right after a shared barrier; a spread above the limit
   fails (time-based saves and the supervisor's heartbeat compare clocks across hosts).
 
@@ -319,28 +321,60 @@ class NicProbe:
 
 
 class FilesystemProbe:
-    """The run directory's filesystem: room for the next checkpoint (``needed_bytes()``) and the
-    latency of a 64 KiB durable write."""
+    """A checkpoint directory's filesystem: room for the next checkpoints and the latency of a 64
+    KiB durable write. ``checkpoint_bytes()``: one checkpoint's size; ``min_free_bytes``: a floor
+    of the user's (``resilience.health_min_free_gb``).
+
+    Free space below one checkpoint fails with ``detail["fits"] = False``: the next save would fail
+    half written, so the run stops without it. Below two checkpoints (or the floor) it fails with
+    ``fits = True``: the next save fits, the one after may not, so a drain saves now. A shared
+    filesystem's state is not a node's (``detail["shared"]``): no other node fixes it; a node's
+    own disk (``shared=False``, the local tier) is.
+    :meth:`room` is the free-space half alone (one ``statfs``), for the main thread before a save.
+    """
 
     name = "filesystem"
 
-    def __init__(self, directory: str | Path, needed_bytes: Callable[[], int], max_write_latency_s: float):
-        self.directory, self.needed_bytes = Path(directory), needed_bytes
-        self.max_write_latency_s = max_write_latency_s
+    def __init__(
+        self,
+        directory: str | Path,
+        checkpoint_bytes: Callable[[], int],
+        max_write_latency_s: float,
+        min_free_bytes: int = 0,
+        *,
+        shared: bool = True,
+    ):
+        self.directory, self.checkpoint_bytes = Path(directory), checkpoint_bytes
+        self.max_write_latency_s, self.min_free_bytes = max_write_latency_s, min_free_bytes
+        self.shared = shared
+
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.directory).free
+
+    def room(self) -> Finding | None:
+        """A failing finding when the free space is short of the next checkpoints, else None."""
+        try:
+            free, needed = self.free_bytes(), self.checkpoint_bytes()
+        except OSError as err:
+            return Finding(self.name, "fail", f"cannot read {self.directory}: {err}")
+        detail = {"free_bytes": free, "needed_bytes": needed, "shared": self.shared}
+        have = f"{self.directory} has {free / 1e9:.2f} GB free"
+        if free < needed:
+            message = f"{have}, the next checkpoint needs about {needed / 1e9:.2f} GB: it would not fit"
+            return Finding(self.name, "fail", message, detail={**detail, "fits": False})
+        if free < max(2 * needed, self.min_free_bytes):
+            message = (
+                f"{have}: room for one more checkpoint of about {needed / 1e9:.2f} GB only "
+                f"(resilience.health_min_free_gb={self.min_free_bytes / 1e9:g})"
+            )
+            return Finding(self.name, "fail", message, detail={**detail, "fits": True})
+        return None
 
     def check(self) -> list[Finding]:
-        findings = []
-        try:
-            free, needed = shutil.disk_usage(self.directory).free, self.needed_bytes()
-        except OSError as err:
-            return [Finding(self.name, "fail", f"cannot read {self.directory}: {err}")]
-        detail = {"free_bytes": free, "needed_bytes": needed}
-        if free < needed:
-            message = (
-                f"{self.directory} has {free / 1e9:.2f} GB free, the next checkpoint needs about "
-                f"{needed / 1e9:.2f} GB (resilience.health_min_free_gb)"
-            )
-            findings.append(Finding(self.name, "fail", message, detail=detail))
+        short = self.room()
+        if short is not None and "free_bytes" not in short.detail:
+            return [short]  # the directory cannot be read
+        findings = [short] if short is not None else []
         probe = self.directory / f".health-{os.getpid()}"
         start = time.perf_counter()
         try:
@@ -350,18 +384,19 @@ class FilesystemProbe:
                 os.fsync(f.fileno())
             probe.unlink()
         except OSError as err:
-            return [
-                *findings,
-                Finding(self.name, "fail", f"cannot write to {self.directory}: {err}", detail=detail),
-            ]
+            return [*findings, Finding(self.name, "fail", f"cannot write to {self.directory}: {err}")]
         latency = time.perf_counter() - start
         if latency > self.max_write_latency_s:
             message = (
                 f"a 64 KiB durable write to {self.directory} took {latency:.1f} s "
                 f"(resilience.health_max_write_latency_s={self.max_write_latency_s:g})"
             )
-            findings.append(Finding(self.name, "warn", message, detail={**detail, "latency_s": latency}))
-        return findings or [Finding(self.name, "ok", f"{free / 1e9:.1f} GB free", detail=detail)]
+            findings.append(Finding(self.name, "warn", message, detail={"latency_s": latency}))
+        if findings:
+            return findings
+        free, needed = self.free_bytes(), self.checkpoint_bytes()
+        detail = {"free_bytes": free, "needed_bytes": needed}
+        return [Finding(self.name, "ok", f"{free / 1e9:.1f} GB free", detail=detail)]
 
 
 # --------------------------------------------------------------------------------------------- clock

@@ -9,6 +9,12 @@ process that stopped alone would hang. During the run a daemon thread probes eve
 so every process acts on a failure at the same step: ``drain`` saves that step and exits 76,
 ``stop`` exits 77 at once. Process 0 writes ``<run>/drain.json`` (the nodes and why) for
 ``zaya supervise``, which excludes them from the restart (or the Slurm requeue).
+
+Before each step that may save, every process also checks its checkpoint tiers' free space on the
+main thread (the thread's last probe can be a minute old). A save that would not fit is never
+started (it would fail half written): the run stops at that step, its last checkpoint standing.
+Room for one more checkpoint only drains (that save fits). A shared filesystem short of space
+exits 77, not 76: no other node fixes it, a person frees space.
 """
 
 from __future__ import annotations
@@ -38,15 +44,32 @@ from zaya_jax.resilience.health import (
     UnhealthyNodeError,
 )
 
+SAVE_MARGIN_BYTES = 16 << 20  # a checkpoint's own files (metadata, manifests) beside its arrays
 
-def _probes(cfg: Config, run_path: Path, state_bytes: int) -> tuple[list[Probe], ClockProbe | None]:
-    """The local probes (checked by the thread) and the clock comparison (at the start only)."""
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (a local tier's directory is made at its first save)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def _probes(
+    cfg: Config, run_path: Path, state_bytes: int
+) -> tuple[list[Probe], ClockProbe | None, list[FilesystemProbe]]:
+    """The local probes (checked by the thread), the clock comparison (at the start only) and the
+    checkpoint tiers' filesystems (checked before each save too)."""
     res = cfg.resilience
-    needed = int(res.health_min_free_gb * 1e9) or 2 * state_bytes
-    made: dict[str, Probe] = {
-        "gpu": GpuProbe(),
-        "nic": NicProbe(res.health_sys_root, interfaces=res.health_interfaces),
-        "filesystem": FilesystemProbe(run_path, lambda: needed, res.health_max_write_latency_s),
+    checkpoint = state_bytes + SAVE_MARGIN_BYTES
+    floor, latency = int(res.health_min_free_gb * 1e9), res.health_max_write_latency_s
+    rooms = [FilesystemProbe(run_path, lambda: checkpoint, latency, floor)]
+    if cfg.checkpoint.local_dir:  # a node's own disk: another node fixes it
+        local = _existing(Path(cfg.checkpoint.local_dir))
+        rooms.append(FilesystemProbe(local, lambda: checkpoint, latency, floor, shared=False))
+    made: dict[str, list[Probe]] = {
+        "gpu": [GpuProbe()],
+        "nic": [NicProbe(res.health_sys_root, interfaces=res.health_interfaces)],
+        "filesystem": list(rooms),
     }
     clock = None
     if "clock" in res.health_probes:
@@ -54,7 +77,8 @@ def _probes(cfg: Config, run_path: Path, state_bytes: int) -> tuple[list[Probe],
         clock = ClockProbe(
             lambda name, value: gather_strings(name, value, timeout), res.health_max_clock_skew_s
         )
-    return [made[name] for name in res.health_probes if name in made], clock
+    probes = [probe for name in res.health_probes for probe in made.get(name, [])]
+    return probes, clock, rooms if "filesystem" in res.health_probes else []
 
 
 def state_bytes(abstract_state: Any) -> int:
@@ -74,17 +98,20 @@ class NodeHealth:
     """The run's probes: the preflight (:meth:`start`), the thread, and the findings each step
     carries to the agreement (:meth:`pending`)."""
 
-    def __init__(self, cfg: Config, run_path: Path, monitor: HealthMonitor):
-        self.cfg, self.run_path, self.monitor = cfg, run_path, monitor
+    def __init__(
+        self, cfg: Config, run_path: Path, monitor: HealthMonitor, rooms: Sequence[FilesystemProbe] = ()
+    ):
+        self.cfg, self.run_path, self.monitor, self.rooms = cfg, run_path, monitor, list(rooms)
         self.primary = jax.process_index() == 0
         self.drained: tuple[list[Finding], int] | None = None
+        self._short: set[tuple[str, bool]] = set()  # (directory, fits) already reported before a save
 
     @classmethod
     def start(cls, cfg: Config, run_path: Path, abstract_state: Any) -> NodeHealth:
         """Probe every process before the first step; raise :class:`UnhealthyNodeError` when one
         fails (unless ``on_unhealthy: warn``); then start the thread."""
-        local, clock = _probes(cfg, run_path, state_bytes(abstract_state))
-        health = cls(cfg, run_path, HealthMonitor(local, cfg.resilience.health_every_s))
+        local, clock, rooms = _probes(cfg, run_path, state_bytes(abstract_state))
+        health = cls(cfg, run_path, HealthMonitor(local, cfg.resilience.health_every_s), rooms)
         checked = health.monitor.check([*local, *([clock] if clock else [])])
         health.monitor.take()  # reported here, not again at the first step
         found = gather_findings(checked, cfg.runtime.barrier_timeout_s)
@@ -95,9 +122,18 @@ class NodeHealth:
         health.monitor.start()
         return health
 
-    def pending(self) -> list[dict[str, Any]]:
-        """This process's findings since the last step, for the step's agreement."""
-        return [f.record() for f in self.monitor.take()]
+    def pending(self, save_due: bool = False) -> list[dict[str, Any]]:
+        """This process's findings since the last step, for the step's agreement; with
+        ``save_due``, each checkpoint tier's free space too (on this thread, one ``statfs`` each:
+        a save the thread has not yet found short of room would fail half written)."""
+        found = self.monitor.take()
+        for probe in self.rooms if save_due else ():
+            short = probe.room()
+            key = (str(probe.directory), bool(short and short.detail.get("fits")))
+            if short is not None and key not in self._short:
+                self._short.add(key)
+                found.append(short)
+        return [f.record() for f in found]
 
     def report(self, found: Sequence[tuple[int, Finding]], step: int | None, *, at: str) -> None:
         """By process 0: the preflight as one ``health_check`` event (every finding, ``ok`` ones
@@ -121,28 +157,40 @@ class NodeHealth:
                 print(f"zaya train: {finding.status}: {finding.line}", file=sys.stderr, flush=True)
 
     def refuse(
-        self, failing: Sequence[Finding], step: int | None, *, at: str, found_at: int | None = None
+        self,
+        failing: Sequence[Finding],
+        step: int | None,
+        *,
+        at: str,
+        found_at: int | None = None,
+        saved: bool = True,
     ) -> None:
-        """Record the failing nodes for the supervisor and raise :class:`UnhealthyNodeError`."""
+        """Record the failing nodes for the supervisor and raise :class:`UnhealthyNodeError`:
+        exit 76 (drain: restart without them) when a node is at fault, 77 when a person must act
+        (``stop``, or only a shared filesystem short of space: no other node fixes that)."""
         policy = self.cfg.resilience.on_unhealthy
-        drain = policy == "drain"
+        node_fault = any(not f.detail.get("shared") for f in failing)
+        drain = policy == "drain" and node_fault
         if self.primary:
             record = {
                 "time": time.time(), "step": step, "found_at_step": found_at or step, "at": at, "policy": policy,
-                "findings": [f.record() for f in failing],
+                "saved": saved and policy == "drain" and step is not None, "findings": [f.record() for f in failing],
             }  # fmt: skip
             write_atomic(self.run_path / DRAIN_RECORD, json.dumps(record, indent=1))
         nodes = sorted({f.node for f in failing})
-        when = (
-            "refusing to start" if step is None else f"{'saved step ' if drain else 'stopped at step '}{step}"
-        )
-        action = (
-            "restart without it (zaya supervise excludes it)"
-            if drain
-            else "exit (resilience.on_unhealthy=stop)"
-        )
-        message = f"{failing[0].line}; {when}: node {', '.join(nodes)} is unhealthy, {action}"
-        raise UnhealthyNodeError(message, failing, drain=drain)
+        if step is None:
+            when = "refusing to start"
+        elif policy == "drain" and saved:
+            when = f"saved step {step}"
+        else:
+            when = f"stopped at step {step}" + ("" if saved else " without saving it")
+        if drain:
+            action = f"node {', '.join(nodes)} is unhealthy, restart without it (zaya supervise excludes it)"
+        elif policy == "stop":
+            action = f"node {', '.join(nodes)} is unhealthy, exit (resilience.on_unhealthy=stop)"
+        else:
+            action = "free space there (or move checkpoint.dir) and restart: no other node fixes it"
+        raise UnhealthyNodeError(f"{failing[0].line}; {when}: {action}", failing, drain=drain)
 
     def act(self, agreed: Sequence[tuple[int, dict[str, Any]]], step: int) -> str | None:
         """The agreed findings of ``step``: each reported; a failure drains (returns ``"drain"``: the
@@ -152,8 +200,9 @@ class NodeHealth:
         failing = [f for _, f in found if f.status == "fail"]
         if not failing or self.cfg.resilience.on_unhealthy == "warn":
             return None
-        if self.cfg.resilience.on_unhealthy == "stop":
-            self.refuse(failing, step, at="step")
+        unsaved = any(f.detail.get("fits") is False for f in failing)  # the save would not fit
+        if self.cfg.resilience.on_unhealthy == "stop" or unsaved:
+            self.refuse(failing, step, at="step", saved=False)
         self.drained = (failing, step)
         return "drain"
 

@@ -197,9 +197,12 @@ class TrainingSteps:
         time_due = r.checkpoints.wants_save(step) or any(
             hook.wants_save(step) for hook in r.hooks if hook.needs.proposes_saves
         )
+        save_due = (
+            time_due or self.stop.requested or step == r.cfg.train.steps or r.checkpoints.needs_state(step)
+        )
         return agree(
             step, time_due=time_due, stop=self.stop.requested, action=verdict.decision.action,
-            written=r.checkpoints.written(), health=r.health.pending(),
+            written=r.checkpoints.written(), health=r.health.pending(save_due),
             timeout_s=r.cfg.runtime.barrier_timeout_s,
         )  # fmt: skip
 
