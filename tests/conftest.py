@@ -23,3 +23,6 @@ if "ZAYA_CACHE_DIR" not in os.environ:
     import tempfile
 
     os.environ["ZAYA_CACHE_DIR"] = tempfile.mkdtemp(prefix="zaya-test-cache-")
+# Every program goes into it, not only those compiling for over a second (JAX's default): the tests'
+# miniature programs compile in fractions of a second, again in every process that launches one.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")

@@ -2,10 +2,10 @@
 ``.ci/run`` starts as root). ``srun -n 2 zaya train`` with 4 CPU devices per task meets on one
 8-device mesh through JAX's Slurm detection, with no coordinator flags; ``scancel --signal=TERM``
 stops both tasks at the same step, after both saved it, and each exits 0, and ``srun -n 1`` then
-continues the job on one task with the same rows (elastic data); GRPO's two tasks train what one
-process trains; ``zaya supervise`` as
-each task restarts its crashed trainer, and the restarted pair meets again and finishes. Where no
-cluster runs (not root, no ``slurm-wlm``), these tests skip saying so."""
+continues the job on one task with the same rows (elastic data); ``zaya supervise`` as each task
+restarts its crashed trainer, and the restarted pair meets again and finishes. (Two processes of
+GRPO train what one trains: tests/parallel/test_multiprocess_grpo.py; they meet the same way.)
+Where no cluster runs (not root, no ``slurm-wlm``), these tests skip saying so."""
 
 from __future__ import annotations
 
@@ -149,23 +149,6 @@ def test_scancel_stops_both_tasks_at_the_same_step_and_one_task_resumes_on_the_s
         assert ours[step] == pytest.approx(reference[step], rel=1e-5), (step, ours, reference)
 
 
-def test_grpo_under_srun_equals_the_one_process_run(tmp_path):
-    """GRPO's two tasks (each sampling its half of every rollout, jax.distributed through Slurm
-    detection) train what one process trains (tests/parallel/test_multiprocess_grpo.py)."""
-    from tests.parallel.processes import GRPO, assert_same_training, one_process, train_metrics
-
-    run, one = tmp_path / "run", tmp_path / "one"
-    cmd = _srun(
-        f"zaya-{uuid.uuid4().hex[:8]}", sys.executable, "-m", "zaya_jax.cli", *_train_args(run, STEPS), *GRPO
-    )
-    result = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=_env(), timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    (start,) = [e["detail"] for e in _events(run) if e["event"] == "start"]
-    assert start["processes"] == 2 and start["devices"] == 8
-    one_process(one, STEPS)
-    assert_same_training(train_metrics(run), train_metrics(one), list(range(1, STEPS + 1)))
-
-
 def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_path):
     run = tmp_path / "run"
     child = [*faults.command("crash_at_step=3"), *_train_args(run, 5)]
@@ -175,7 +158,9 @@ def test_zaya_supervise_under_srun_restarts_crashed_tasks_that_meet_again(tmp_pa
     assert result.returncode == 0, result.stderr[-4000:]
     events = _events(run)
     failed = [e["detail"]["cause"] for e in events if e["event"] == "child_failed"]
-    assert failed == ["killed by SIGKILL"] * 2  # both tasks' trainers crashed at step 3
+    # both tasks' trainers crash at step 3; one may first abort as its peer's death reaches it
+    assert len(failed) == 2 and "killed by SIGKILL" in failed, failed
+    assert set(failed) <= {"killed by SIGKILL", "killed by SIGABRT"}, failed
     assert [e["event"] for e in events].count("restart") == 2
     assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [2]
     (end,) = [e["detail"] for e in events if e["event"] == "end"]

@@ -1,5 +1,5 @@
 """The CI subset of the damaged-input campaign (bench/campaigns/damage.py; the full campaign is
-bench/damaged_inputs.py): two seeded cases of every pretraining input kind and of every
+bench/damaged_inputs.py): one seeded case of every pretraining input kind and of every
 post-training one, each ending in the documented fallback, a clear one-line error naming the
 damaged path or key, or unaffected; no traceback, no hang, and nothing the user had changed. The
 judge's checks are shown to fail on what they must catch."""
@@ -32,7 +32,7 @@ def campaign_root(tmp_path_factory):
     return tmp_path_factory.mktemp("campaign")
 
 
-@pytest.mark.parametrize(("kinds", "per_kind"), [(PRETRAINING, 2), (POST_TRAINING, 2)])
+@pytest.mark.parametrize(("kinds", "per_kind"), [(PRETRAINING, 1), (POST_TRAINING, 1)])
 def test_seeded_damaged_input_subset(campaign_root, kinds, per_kind):
     cases = plan(SEED, per_kind * len(kinds), kinds)
     assert {c.kind for c in cases} == set(kinds)

@@ -15,7 +15,6 @@ from typing import Any, Literal
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from zaya_jax.config import ModelConfig
@@ -122,9 +121,10 @@ def group_labels(groups_tree: dict[str, Any]) -> dict[str, Any]:
 
 def _abstract_params(model_cfg: ModelConfig) -> tuple[dict[str, Any], dict[str, Any]]:
     """(logical-axes tree of PartitionSpecs, ShapeDtypeStruct tree) of the model's params; no allocation."""
-    from zaya_jax.model.transformer import Zaya  # the model imports nothing from optim; keep it one-way
+    # the model imports nothing from optim; keep it one-way
+    from zaya_jax.model.transformer import boxed_abstract_variables
 
-    boxed = jax.eval_shape(lambda: Zaya(model_cfg).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32)))
+    boxed = boxed_abstract_variables(model_cfg)
     return nn.get_partition_spec(boxed)["params"], nn.unbox(boxed)["params"]
 
 
