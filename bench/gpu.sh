@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/ on one lent GPU, in under 10 minutes (each step has its own timeout;
-# they add up to 600 s; typical runs take less). Run from the repository root; results go to $OUT
+# they add up to 645 s; typical runs take less). Run from the repository root; results go to $OUT
 # (default ./gpu_out), ending with one markdown table for bench/RESULTS.md (bench/gpu_table.py).
 #   bash bench/gpu.sh            # on the GPU machine (ROCm or CUDA jax installed)
 #   PLUMBING=1 bash bench/gpu.sh # the CPU plumbing check: tiny sizes, 8 fake devices (every step: 3.5 min on
@@ -9,7 +9,8 @@
 # 1. zaya doctor --require-gpu (refuses a silent CPU fallback) and its MoE timings (doctor --moe);
 # 2. training step vs HF transformers (PyTorch on the same GPU when it sees one), MFU against the
 #    datasheet peak (`small` preset shapes, float32 so both frameworks compute the same thing);
-# 3. Muon+AdamW vs AdamW; 4. checkpoint save/restore vs raw I/O; 5. data pipeline vs step
+# 3. Muon+AdamW vs AdamW; 4. checkpoint save/restore vs raw I/O, and distributed saves (the
+#    host's CPU devices: one GPU holds one process); 5. data pipeline vs step
 #    consumption; 6. cached decoding vs recomputing; 7. custom-call kernels vs XLA;
 # 8. every attention implementation (dense, blocked, pallas, cuDNN) at 4k/8k/32k, ZAYA1-8B's heads
 #    (8 q / 2 kv of 128), bf16, forward + backward; 9. every MoE path at ZAYA1-8B's expert shapes
@@ -63,6 +64,9 @@ if want checkpoint; then
 step "checkpoint vs raw I/O"
 timeout 25 python3 bench/checkpoint_speed.py --mib $CKPT_MIB --dir /tmp/zaya_ckpt_bench \
   2>&1 | tee "$OUT/checkpoint_speed.json" | tail -20
+step "distributed save: every process its shards vs one gathering (2 processes x 4 CPU devices, this host's disks)"
+JAX_PLATFORMS=cpu timeout 30 python3 bench/distributed_save.py --mib $((CKPT_MIB / 2)) --rounds 2 \
+  2>&1 | tee "$OUT/distributed_save.txt" | tail -8
 fi
 if want data; then
 step "data pipeline vs consumption"
