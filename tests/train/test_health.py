@@ -120,7 +120,7 @@ def test_a_filling_disk_stops_before_a_save_that_would_not_fit_or_drains_with_th
     assert code == EXIT_UNHEALTHY
     (line,) = [x for x in err.splitlines() if x.startswith("zaya train: node")]
     assert f"node {node_name()}: filesystem probe: {run} has" in line
-    assert line.endswith("free space there (or move checkpoint.dir) and restart: no other node fixes it")
+    assert line.endswith("free space there (or move run.dir) and restart: no other node fixes it")
     drain = json.loads((run / DRAIN_RECORD).read_text())
     (finding,) = drain["findings"]
     assert finding["detail"]["shared"] and finding["detail"]["needed_bytes"] > 16 << 20

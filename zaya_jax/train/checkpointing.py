@@ -15,9 +15,16 @@ fast local storage, for one process: its steps are saved on their own cadence, c
 as their writes are done, and a restore (or rollback) takes the freshest step of either tier whose
 arrays verify (:func:`zaya_jax.checkpoint.restore_freshest`), so a restart after a fault loses only
 the steps since the last local save, and a local tier lost with its node only those since the last
-persistent one. Orbax's emergency (multi-tier) checkpoint manager is not used: it replicates the
-local tier across slices along a replica axis of the mesh (each slice a full copy of the state),
-which this stack's FSDP / expert layouts over every device do not have."""
+persistent one. Orbax's emergency checkpointing (0.12.8) is not used. Its ``CheckpointManager``
+needs at least two data-parallel replicas along a replica axis of the mesh: with one it drops the
+local directory and saves only the persistent checkpoint. Each slice holds a full copy of the state,
+and a restore broadcasts one replica's copy to the rest. This stack's FSDP / expert layouts over
+every device have no such axis. Its ``ReplicatorCheckpointManager`` saves each process's shards
+locally, but assumes an outside replicator service copying them to persistent storage, and has no
+persistent fallback for the model state. Several processes would each need their own tier: Orbax's
+per-process saving (``MultiprocessingOptions(primary_host=None, active_processes={process})``, as
+its ``p2p/local.py`` sets up), with the step every process holds and verifies agreed before a
+restore. That is not built: a local tier with several processes is refused."""
 
 from __future__ import annotations
 

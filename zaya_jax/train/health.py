@@ -189,7 +189,7 @@ class NodeHealth:
         elif policy == "stop":
             action = f"node {', '.join(nodes)} is unhealthy, exit (resilience.on_unhealthy=stop)"
         else:
-            action = "free space there (or move checkpoint.dir) and restart: no other node fixes it"
+            action = "free space there (or move run.dir) and restart: no other node fixes it"
         raise UnhealthyNodeError(f"{failing[0].line}; {when}: {action}", failing, drain=drain)
 
     def act(self, agreed: Sequence[tuple[int, dict[str, Any]]], step: int) -> str | None:
