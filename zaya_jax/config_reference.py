@@ -93,9 +93,20 @@ def _table(cls: type, prefix: str) -> list[str]:
         item = typing.get_args(tp)[0] if typing.get_origin(tp) is tuple and typing.get_args(tp) else None
         if item is not None and dataclasses.is_dataclass(item):
             nested.append((f"{prefix}{field.name}[]", item))
+        optional = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        if typing.get_origin(tp) in (typing.Union, types.UnionType) and optional:
+            nested.append((f"{prefix}{field.name}", optional[0]))
+    seen: set[type] = set()
     for name, item in nested:
-        lines += ["", f"Each entry of `{name[:-2]}` ({item.__name__}): {_doc(item)}", ""]
-        lines += _table(item, f"{name}.")
+        if name.endswith("[]"):
+            lines += ["", f"Each entry of `{name[:-2]}` ({item.__name__}): {_doc(item)}", ""]
+            lines += _table(item, f"{name}.")
+        elif item in seen:  # the same section type again: its keys are listed above
+            lines += ["", f"`{name}` is a {item.__name__} too (keys as above).", ""]
+        else:
+            seen.add(item)
+            lines += ["", f"`{name}`, when set ({item.__name__}): {_doc(item)}", ""]
+            lines += _table(item, f"{name}.")
     return lines
 
 

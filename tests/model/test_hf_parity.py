@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.hf_reference import hf_logits, make_hf_model, state_dict_numpy, torch
+from tests.hf_reference import TINY_HF, hf_logits, make_hf_model, state_dict_numpy, torch, transformers
 from zaya_jax.interop.hf import hf_config_to_model, hf_to_variables
+from zaya_jax.interop.hf.config import model_to_hf_config
 from zaya_jax.model import Zaya
 
 FP32_TOL = 1e-4
@@ -119,3 +120,79 @@ def test_bfloat16_matches_hf_within_bf16_tolerance():
     assert err.mean() < 0.005 * scale, (err.mean(), scale)
     assert err.max() < 0.05 * scale, (err.max(), scale)
     assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+SCALINGS = {
+    # full-attention layers yarn with the defaults, sliding ones with DeepSeek's mscale form
+    "yarn": (YARN, {**YARN, "beta_fast": 16.0, "mscale": 1.0, "mscale_all_dim": 0.5}),
+    "linear": ({"rope_type": "linear", "factor": 4.0}, None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SCALINGS))
+def test_rope_scaling_matches_hf_at_four_times_the_original_length(name):
+    """YaRN and linear scaling as transformers' ``rope_parameters`` define them: 256 positions, 4x the
+    original 64, with left padding; the scaling read from HF's config, written back identically."""
+    full, sliding = SCALINGS[name]
+    rope = {
+        "hybrid": {"rope_theta": 1e4, "partial_rotary_factor": 0.5, **full},
+        "hybrid_sliding": {"rope_theta": 500.0, "partial_rotary_factor": 0.5, **(sliding or {})},
+    }
+    hf = make_hf_model(seed=5, rope_parameters=rope)
+    ids = _ids(seq=256, seed=5)
+    mask = np.ones_like(ids)
+    mask[0, :7] = 0
+    ids = np.where(mask == 1, ids, 0)
+    cfg = hf_config_to_model(hf.config.to_dict())
+    assert cfg.rope_scaling is not None and cfg.rope_scaling.rope_type == name
+    assert (cfg.rope_scaling_sliding is not None) == (sliding is not None)
+    ours, _ = _ours(hf, ids, attention_mask=mask)
+    ref = hf_logits(hf, ids, attention_mask=mask)
+    valid = mask.astype(bool)
+    err = np.abs(ours[valid] - ref[valid]).max()
+    assert err < FP32_TOL, err
+    plain, _ = _ours(hf, ids, attention_mask=mask, rope_scaling=None, rope_scaling_sliding=None)
+    assert np.abs(plain[valid] - ref[valid]).max() > 100 * FP32_TOL  # the scaling is what matched
+    exported = model_to_hf_config(cfg)["rope_parameters"]
+    for layer_type, entry in rope.items():
+        assert {k: exported[layer_type][k] for k in entry} == entry
+
+
+@pytest.mark.parametrize("name", [*sorted(SCALINGS), "default"])
+def test_rope_frequencies_are_hfs_bit_for_bit_at_zaya1_8b_sizes(name):
+    """The inverse frequencies and cos/sin scale of each layer type equal HF's rotary embedding's
+    exactly (head_dim 128, original context 32,768 -> 131,072; the plain bases too: numpy's float32
+    power is an ulp off torch's for some dimensions, which reaches ~4e-3 in cos at 131,072)."""
+    from transformers.models.zaya.modeling_zaya import ZayaRotaryEmbedding
+
+    from zaya_jax.model.rope import rope_frequencies
+
+    full, sliding = SCALINGS.get(name, ({}, None))
+    full = (
+        {**full, "original_max_position_embeddings": 32768}
+        if "original_max_position_embeddings" in full
+        else full
+    )
+    sliding = {**sliding, "original_max_position_embeddings": 32768} if sliding else None
+    rope = {
+        "hybrid": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5, **full},
+        "hybrid_sliding": {
+            "rope_type": "default",
+            "rope_theta": 1e4,
+            "partial_rotary_factor": 0.5,
+            **(sliding or {}),
+        },
+    }
+    hf_cfg = transformers.ZayaConfig(
+        **{**TINY_HF, "head_dim": 128, "max_position_embeddings": 131072, "rope_parameters": rope}
+    )
+    cfg = hf_config_to_model(hf_cfg.to_dict())
+    embedding = ZayaRotaryEmbedding(hf_cfg)
+    for layer_type, theta, scaling in (
+        ("hybrid", cfg.rope_theta, cfg.rope_scaling),
+        ("hybrid_sliding", cfg.rope_theta_sliding, cfg.rope_scaling_sliding),
+    ):
+        inv, scale = rope_frequencies(theta, cfg.rotary_dim, scaling, cfg.rope_truncate)
+        np.testing.assert_array_equal(inv, getattr(embedding, f"{layer_type}_inv_freq").numpy())
+        assert scale == getattr(embedding, f"{layer_type}_attention_scaling")

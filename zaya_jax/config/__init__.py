@@ -17,7 +17,7 @@ from zaya_jax.config.loading import (
 )
 from zaya_jax.config.lora import LORA_REFUSED, LORA_ROLES, LoraConfig
 from zaya_jax.config.mesh import MESH_AXES, AxisRule, MeshConfig
-from zaya_jax.config.model import EXECUTION_FIELDS, ModelConfig
+from zaya_jax.config.model import EXECUTION_FIELDS, ModelConfig, RopeScaling
 from zaya_jax.config.post_training import PreferenceConfig, RLConfig
 from zaya_jax.config.run import (
     CheckpointConfig,
@@ -55,6 +55,7 @@ __all__ = [
     "RLConfig",
     "RampPoint",
     "ResilienceConfig",
+    "RopeScaling",
     "RunConfig",
     "RuntimeConfig",
     "Stage",

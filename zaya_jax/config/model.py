@@ -11,6 +11,38 @@ from zaya_jax.config.errors import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """RoPE scaling of one layer type, as transformers' ``rope_parameters`` entry defines it:
+    ``linear`` divides every frequency by ``factor``; ``yarn`` divides the low frequencies by
+    ``factor``, keeps the high ones, blends those between (``beta_fast`` / ``beta_slow`` rotations
+    over ``original_max_position_embeddings``) and scales cos/sin by ``attention_factor`` (default
+    0.1 ln(factor) + 1)."""
+
+    rope_type: Literal["linear", "yarn"] = "yarn"  # linear: every frequency / factor; yarn: blended
+    factor: float = 1.0  # how many times the original context the positions stretch over
+    original_max_position_embeddings: int | None = None  # yarn: the context trained before extension
+    beta_fast: float | None = None  # yarn: rotations below which a dimension is interpolated (null: 32)
+    beta_slow: float | None = None  # yarn: rotations above which it is kept (null: 1)
+    attention_factor: float | None = None  # yarn: cos/sin scale (null: from factor, mscale)
+    mscale: float | None = None  # yarn: with mscale_all_dim, attention_factor's DeepSeek form
+    # yarn: attention_factor = mscale(factor, mscale) / mscale(factor, mscale_all_dim)
+    mscale_all_dim: float | None = None
+
+    def validate(self, key: str) -> None:
+        if not self.factor >= 1.0:
+            raise ConfigError(f"{key}.factor={self.factor} must be >= 1 (the context grows)")
+        if self.rope_type == "yarn" and not (self.original_max_position_embeddings or 0) > 0:
+            raise ConfigError(
+                f"{key}.original_max_position_embeddings is needed by yarn: the context the model "
+                "was trained at before the extension (e.g. 4096)"
+            )
+        for name in ("beta_fast", "beta_slow", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"{key}.{name}={value} must be > 0 (or null)")
+
+
+@dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """ZAYA1 architecture (spec §1.1). Defaults are the Hugging Face ``ZayaConfig`` defaults (ZAYA1-8B).
 
@@ -31,6 +63,10 @@ class ModelConfig:
     rope_theta: float = 5_000_000.0  # RoPE base of full-attention ('hybrid') layers
     rope_theta_sliding: float = 10_000.0  # RoPE base of sliding-window layers
     partial_rotary_factor: float = 0.5  # fraction of head_dim that is rotated
+    # RoPE scaling of full-attention layers (HF rope_parameters.hybrid; null: none)
+    rope_scaling: RopeScaling | None = None
+    rope_scaling_sliding: RopeScaling | None = None  # of sliding-window layers (hybrid_sliding)
+    rope_truncate: bool = True  # yarn's blend bounds rounded to whole dims (HF rope_parameters.truncate)
     # Per layer 'hybrid' or 'hybrid_sliding' (null: all 'hybrid').
     layer_types: tuple[Literal["hybrid", "hybrid_sliding"], ...] | None = None
     sliding_window: int | None = None  # keys a sliding layer sees, the current token included
@@ -191,6 +227,9 @@ class ModelConfig:
             )
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ConfigError(f"model.sliding_window={self.sliding_window} must be >= 1 (or null)")
+        for name in ("rope_scaling", "rope_scaling_sliding"):
+            if getattr(self, name) is not None:
+                getattr(self, name).validate(f"model.{name}")
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:

@@ -324,6 +324,7 @@ class CCAAttention(nn.Module):
         inv_freq: jax.Array,
         window: jax.Array,
         *,
+        rope_scale: jax.Array | float = 1.0,
         positions: jax.Array,
         mask: AttentionMask,
         window_mask: AttentionMask | None = None,
@@ -370,7 +371,7 @@ class CCAAttention(nn.Module):
         vd_at_start = v_delayed_proj(jnp.zeros((1, 1, a.shape[-1]), dtype))
         segments = jnp.ones((batch, seq), jnp.int32) if segment_ids is None else segment_ids
         temp = param_with_axes(self, "temp", zeros, (nk,), ("kv_heads",), pdtype).astype(dtype)
-        tables = rope_tables(positions, inv_freq, dtype)
+        tables = rope_tables(positions, inv_freq, dtype, rope_scale)
         new_cache = None
 
         def queries_keys(conv):  # steps 5-6 from the convolution's output plus the step-2 residuals

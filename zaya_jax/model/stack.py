@@ -19,7 +19,7 @@ from zaya_jax.model.cca import KV_CACHE_KEYS, CCAAttention, write_rows
 from zaya_jax.model.experts import Experts
 from zaya_jax.model.mesh_hooks import SINGLE_DEVICE, ModelHooks
 from zaya_jax.model.norms import ResidualScaling, RMSNorm
-from zaya_jax.model.rope import inverse_frequencies
+from zaya_jax.model.rope import rope_frequencies
 from zaya_jax.model.router import BALANCING, Router
 from zaya_jax.ops.attention import AttentionMask, self_attention_mask
 from zaya_jax.ops.residual_norm import residual_rms_norm
@@ -86,6 +86,7 @@ class Block(nn.Module):
             a,
             layer["inv_freq"],
             layer["window"],
+            rope_scale=layer.get("rope_scale", 1.0),
             positions=ctx["positions"],
             mask=ctx["mask"],
             window_mask=ctx.get("window_mask"),
@@ -169,14 +170,22 @@ def scanned_blocks(cfg: ModelConfig) -> type[nn.Module]:
 
 def layer_inputs(cfg: ModelConfig, eda_scale: jax.Array) -> dict[str, jax.Array]:
     """The inputs scanned with the blocks, one row per layer."""
-    theta = {"hybrid": cfg.rope_theta, "hybrid_sliding": cfg.rope_theta_sliding}
+    rope = {
+        "hybrid": rope_frequencies(cfg.rope_theta, cfg.rotary_dim, cfg.rope_scaling, cfg.rope_truncate),
+        "hybrid_sliding": rope_frequencies(
+            cfg.rope_theta_sliding, cfg.rotary_dim, cfg.rope_scaling_sliding, cfg.rope_truncate
+        ),
+    }
     types = cfg.resolved_layer_types
-    return {
+    inputs = {
         # Block 0 has no EDA: a zero scale row adds an exact zero to its router state.
         "eda_scale": jnp.concatenate([jnp.zeros((1, cfg.router_hidden_size), eda_scale.dtype), eda_scale]),
-        "inv_freq": jnp.asarray(np.stack([inverse_frequencies(theta[t], cfg.rotary_dim) for t in types])),
+        "inv_freq": jnp.asarray(np.stack([rope[t][0] for t in types])),
         "window": jnp.asarray([cfg.sliding_window if t == "hybrid_sliding" else 0 for t in types], jnp.int32),
     }
+    if any(rope[t][1] != 1.0 for t in types):  # yarn's cos/sin scale, per layer
+        inputs["rope_scale"] = jnp.asarray([rope[t][1] for t in types], jnp.float32)
+    return inputs
 
 
 def shared_inputs(

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.config import ModelConfig
+from zaya_jax.config import EXECUTION_FIELDS, ModelConfig
 from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.lowrank import ADAPTER, fold
@@ -266,9 +266,7 @@ def init_cache(
 # which variables it has, so the shapes are kept per config with those fields at their defaults: a
 # run asks for them under its layout's choices and under the config's own (a MINI run: 3 traces of
 # 0.15-0.45 s each -> 1).
-_HOW_IT_COMPUTES = (
-    "moe_impl", "capacity_factor", "attention_impl", "attention_block", "remat", "scan_unroll", "kernels",
-)  # fmt: skip
+_HOW_IT_COMPUTES = (*EXECUTION_FIELDS, "moe_impl", "capacity_factor")
 
 
 def boxed_abstract_variables(cfg: ModelConfig) -> dict[str, Any]:

@@ -22,12 +22,12 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
         entry = params.get(layer_type)
         if entry is None:
             continue
-        if entry.get("rope_type", "default") != "default":
-            raise ConfigError(
-                f"rope_parameters[{layer_type!r}].rope_type={entry['rope_type']!r}: only 'default' RoPE is supported"
-            )
         out[key] = float(entry["rope_theta"])
         factors.add(float(entry.get("partial_rotary_factor", 1.0)))
+        scaling = _scaling(entry, layer_type)
+        if scaling is not None:
+            out["rope_scaling" if layer_type == "hybrid" else "rope_scaling_sliding"] = scaling
+    out["rope_truncate"] = bool(params.get("truncate", True))  # HF reads it from the outer dict only
     if len(factors) > 1:
         raise ConfigError(
             f"rope_parameters use different partial_rotary_factor per layer type {sorted(factors)}; one value is supported"
@@ -35,6 +35,34 @@ def _rope_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
     if factors:
         out["partial_rotary_factor"] = factors.pop()
     return out
+
+
+_SCALING_KEYS = (
+    "factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+    "mscale_all_dim",
+)  # fmt: skip
+
+
+def _scaling(entry: Mapping[str, Any], layer_type: str) -> dict[str, Any] | None:
+    """A ``rope_parameters`` entry's scaling as ``model.rope_scaling`` keys (None: default RoPE)."""
+    kind = entry.get("rope_type", entry.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind not in ("linear", "yarn"):
+        raise ConfigError(
+            f"rope_parameters[{layer_type!r}].rope_type={kind!r}: zaya supports 'default', 'linear' and 'yarn'"
+        )
+    return {"rope_type": kind, **{key: entry[key] for key in _SCALING_KEYS if entry.get(key) is not None}}
+
+
+def _hf_entry(theta: float, cfg: ModelConfig, scaling: Any) -> dict[str, Any]:
+    entry = {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": cfg.partial_rotary_factor}
+    if scaling is not None:
+        entry["rope_type"] = scaling.rope_type
+        entry.update(
+            {key: getattr(scaling, key) for key in _SCALING_KEYS if getattr(scaling, key) is not None}
+        )
+    return entry
 
 
 def _first_token_id(value: int | Sequence[int] | None, default: int) -> int:
@@ -122,18 +150,12 @@ def _legacy_config_to_model(hf: Mapping[str, Any], **overrides: Any) -> ModelCon
 
 def model_to_hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The HF ``ZayaConfig`` keyword arguments describing ``cfg``."""
-    rope = {
-        "hybrid": {
-            "rope_type": "default",
-            "rope_theta": cfg.rope_theta,
-            "partial_rotary_factor": cfg.partial_rotary_factor,
-        },
-        "hybrid_sliding": {
-            "rope_type": "default",
-            "rope_theta": cfg.rope_theta_sliding,
-            "partial_rotary_factor": cfg.partial_rotary_factor,
-        },
+    rope: dict[str, Any] = {
+        "hybrid": _hf_entry(cfg.rope_theta, cfg, cfg.rope_scaling),
+        "hybrid_sliding": _hf_entry(cfg.rope_theta_sliding, cfg, cfg.rope_scaling_sliding),
     }
+    if not cfg.rope_truncate:
+        rope["truncate"] = False
     return {
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
