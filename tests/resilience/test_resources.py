@@ -36,13 +36,14 @@ def _remount(mount: Path, options: str) -> None:
     subprocess.run(["mount", "-o", f"remount,{options}", str(mount)], check=True)
 
 
-def _train(run: Path, steps: int) -> subprocess.CompletedProcess:
+def _train(run: Path, steps: int, *extra: str) -> subprocess.CompletedProcess:
     args = [
         *MINI,
         f"train.steps={steps}",
         "checkpoint.every_steps=1",
         "checkpoint.keep=100",
         "log.every=1",
+        *extra,
     ]
     cmd = [*CLI, "train", *args, f"run.dir={run}", "--no-progress"]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -58,7 +59,9 @@ def _committed(run: Path) -> list[int]:
 
 def test_full_disk_then_read_only_run_directory(small_fs):
     run = small_fs / "run"
-    full = _train(run, 24)  # 2 MB hold a few checkpoints of ~0.3 MB
+    # 2 MB hold a few checkpoints of ~0.6 MB. Without the filesystem probe, which would stop the run
+    # before a save that cannot fit (tests/train/test_health.py), the save itself fails mid-write.
+    full = _train(run, 24, "resilience.health_probes=[gpu,nic,clock]")
     assert full.returncode == 1, full.stderr[-3000:]
     said = _zaya_lines(full.stderr)
     found = "No space left on device" in said and str(run) in said and "rerun the same command" in said

@@ -44,7 +44,7 @@ from zaya_jax.resilience.health import (
     UnhealthyNodeError,
 )
 
-SAVE_MARGIN_BYTES = 16 << 20  # a checkpoint's own files (metadata, manifests) beside its arrays
+SAVE_MARGIN_BYTES = 1 << 20  # a checkpoint's own files beside its arrays (MINI: 49 files, 0.34 MB)
 
 
 def _existing(path: Path) -> Path:
