@@ -42,10 +42,15 @@ def _positions(run: Path, step: int) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(data.glob("process_*"))]
 
 
+AHEAD = ["rl.max_staleness=1", "rl.tis_cap=2"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
+def ahead_reference(tmp_path_factory) -> Path:
+    """The one-process run sampling ahead: the reference of the resumed run below, and the starting
+    weights (train.init_from) of the KL run above."""
     run = tmp_path_factory.mktemp("grpo_reference") / "run"
-    one_process(run, STEPS, "eval.every=4")
+    one_process(run, STEPS, *AHEAD)
     return run
 
 
@@ -55,7 +60,7 @@ def _assert_same_weights(run: Path, reference: Path) -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
 
-def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_one(tmp_path, reference):
+def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_one(tmp_path, ahead_reference):
     """With the parameters split across the processes (fsdp over 4 devices, 2 in each process: the
     sampler gets them gathered), a NaN injected into step 3's batch rolls both processes back to
     step 2 (agreed), and the run, scoring its rollouts against the reference weights (rl.kl, each
@@ -66,7 +71,7 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
         "mesh.fsdp=4",
         "resilience.on_nonfinite=rollback",
         "rl.kl=0.05",
-        f"train.init_from={reference}",
+        f"train.init_from={ahead_reference}",
     ]
     one, two = tmp_path / "one", tmp_path / "two"
     one_process(one, STEPS, *extra, fault=("nan_at_step=3",))
@@ -95,16 +100,14 @@ def test_split_parameters_a_rollback_and_a_kl_reference_on_two_processes_equal_o
     _assert_same_weights(two, one)
 
 
-def test_two_processes_sampling_ahead_resumed_by_one_continue_the_prompt_stream(tmp_path):
+def test_two_processes_sampling_ahead_resumed_by_one_continue_the_prompt_stream(tmp_path, ahead_reference):
     """rl.max_staleness=1 on two processes: each samples its rows of the next rollout on a thread
     while the current one trains (the rows gathered on the main thread). Stopped (SIGTERM, agreed
     at step 2, the end of the first rollout) and saved by both with the weights of the rollout in
     flight (version 0: rollout 1 of 2 steps each is sampled from rollout 0's weights), resumed by
     one process, the run continues the prompt stream, samples that rollout again from those weights
     and ends as the one-process run sampling ahead does."""
-    ahead = ["rl.max_staleness=1", "rl.tis_cap=2"]
-    reference, run = tmp_path / "reference", tmp_path / "run"
-    one_process(reference, STEPS, *ahead)
+    ahead, reference, run = AHEAD, ahead_reference, tmp_path / "run"
     procs = start_two_processes(run, STEPS, *GRPO, *ahead, fault=("pause_at_step=1",))
     faults.signal_while_paused(run, 1, procs, {0: signal.SIGTERM, 1: signal.SIGTERM}, processes=2)
     summaries = [json.loads(r.stdout[r.stdout.index("{") :]) for r in finish(procs)]
