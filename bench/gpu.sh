@@ -5,7 +5,7 @@
 #   bash bench/gpu.sh            # on the GPU machine (ROCm or CUDA jax installed)
 #   PLUMBING=1 bash bench/gpu.sh # the CPU plumbing check: tiny sizes, 8 fake devices (every step: 3.5 min on
 #                                # a 2-core CPU; CI's tests/test_gpu_script.py leaves out, with SKIP, the
-#                                # steps other tests cover: hf muon checkpoint data decoding small small_4k)
+#                                # steps other tests cover: build hf muon checkpoint data decoding small small_4k)
 # 1. zaya doctor --require-gpu (refuses a silent CPU fallback) and its MoE timings (doctor --moe);
 # 2. training step vs HF transformers (PyTorch on the same GPU when it sees one), MFU against the
 #    datasheet peak (`small` preset shapes, float32 so both frameworks compute the same thing);
@@ -48,8 +48,10 @@ timeout 20 python3 -m zaya_jax.cli doctor --json $REQUIRE > "$OUT/doctor.json" 2
   cat "$OUT/doctor.json"; echo "no GPU visible to JAX: stopping"; exit 1; }
 timeout 30 python3 -m zaya_jax.cli doctor --moe --json --config $CONFIG > "$OUT/doctor_moe.json" 2>&1
 tail -6 "$OUT/doctor_moe.json"
+if want build; then
 step "custom-call kernels (build)"
 timeout 40 python3 custom_calls/build.py --gpu ${BUILD_GPU:-auto} 2>&1 | tail -2
+fi
 if want hf; then
 step "train step vs HF and dense"
 timeout 80 python3 bench/train_vs_hf.py --config $CONFIG --seq $SEQ --impls sorted --set model.dtype=float32 \

@@ -1,8 +1,9 @@
 """``bench/gpu.sh``'s plumbing on CPU (``PLUMBING=1``: tiny sizes, 8 fake devices for the
-collectives): the doctor and its MoE timings, the kernel build, the attention benchmark, every MoE
+collectives): the doctor and its MoE timings, the attention benchmark, every MoE
 path, the collectives and the kernels against XLA run, and the closing table has a row of results
 for each, so the one lent-GPU run is not lost to a broken script. What other tests cover is left
-out with ``SKIP`` to keep CI short (the HF comparison, Muon, checkpoint, data, decoding, the
+out with ``SKIP`` to keep CI short (the kernel build, which ``pip install`` ran and
+tests/ops/test_build.py tests; the HF comparison, Muon, checkpoint, data, decoding, the
 ``zaya train`` runs; the Pallas kernel, interpreted, is tests/ops/test_pallas_attention.py);
 ``PLUMBING=1 bash bench/gpu.sh`` runs them all (3.5 min on this 2-core machine)."""
 
@@ -17,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_script_plumbing_runs_every_step_and_prints_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "ZAYA_CACHE_DIR")}
-    skip = "hf muon checkpoint data decoding small small_4k"  # covered by other tests
+    skip = "build hf muon checkpoint data decoding small small_4k"  # covered by other tests
     env.update(
         PLUMBING="1",
         OUT=str(tmp_path / "out"),

@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from zaya_jax.config import EXECUTION_FIELDS, ModelConfig
+from zaya_jax.config import ModelConfig
 from zaya_jax.model.axes import ACTIVATION_AXES
 from zaya_jax.model.layers import Dense, param_with_axes
 from zaya_jax.model.lowrank import ADAPTER, fold
@@ -261,21 +261,17 @@ def init_cache(
 
 
 # Tracing the model's init is seconds of Python for a config; a config's variables are the same on
-# every call, so their shapes and the jitted init are kept per (frozen, hashable) config. How the
-# model computes (the kernels and implementations a layout picks, rematerialisation) never changes
-# which variables it has, so the shapes are kept per config with those fields at their defaults: a
-# run asks for them under its layout's choices and under the config's own (a MINI run: 3 traces of
-# 0.15-0.45 s each -> 1).
-_HOW_IT_COMPUTES = (*EXECUTION_FIELDS, "moe_impl", "capacity_factor")
+# every call, so their shapes and the jitted init are kept per (frozen, hashable) config. Neither
+# how the model computes (``ModelConfig.architecture``) nor its MoE path changes which variables it
+# has, so the shapes are kept per config with those at their defaults: a run asks for them under its
+# layout's choices and under the config's own (a MINI run: 3 traces of 0.15-0.45 s each -> 1).
+_MOE_PATH = {name: ModelConfig.__dataclass_fields__[name].default for name in ("moe_impl", "capacity_factor")}
 
 
 def boxed_abstract_variables(cfg: ModelConfig) -> dict[str, Any]:
     """Shapes and dtypes of the model's variables, each boxed with its logical axis names
     (``nn.LogicallyPartitioned``); ``jax.eval_shape``, nothing allocated. Shared: do not mutate."""
-    fields = ModelConfig.__dataclass_fields__
-    return _boxed_abstract_variables(
-        dataclasses.replace(cfg, **{f: fields[f].default for f in _HOW_IT_COMPUTES})
-    )
+    return _boxed_abstract_variables(dataclasses.replace(cfg.architecture(), **_MOE_PATH))
 
 
 @functools.lru_cache(maxsize=64)
