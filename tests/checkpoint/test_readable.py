@@ -152,7 +152,7 @@ def test_permission_errors_and_read_only_runs_move_nothing(run, monkeypatch):
     assert not (run / "quarantine").exists()
     monkeypatch.setattr(model_files, "_restore_model_step", real)
 
-    def read_only(checkpoints_dir, step):
+    def read_only(checkpoints_dir, step, own=False):
         raise OSError(30, "Read-only file system", str(checkpoints_dir))
 
     monkeypatch.setattr(store, "quarantine", read_only)

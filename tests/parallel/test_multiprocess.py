@@ -4,12 +4,15 @@ be collective are agreed by both processes (``zaya_jax.train.consensus``): a tim
 only one process's clock calls for, and a SIGINT to one process with a SIGTERM to the other, end
 with both processes saving the same step, recording the stop (SIGTERM, received by both) and
 exiting 0; a second launch restores the checkpoint across both processes and finishes
-bit-identical to an uninterrupted run. A GPU of process 1 reporting ECC errors drains both
+bit-identical to an uninterrupted run. A run keeping a local tier (``checkpoint.local_dir``: each
+process its own shards in its own directory), killed, resumes from the newest local step both
+processes hold, bit-identical too; a step only one of them holds is passed over and deleted. A GPU of process 1 reporting ECC errors drains both
 processes at the same step, saved by both (``resilience.on_unhealthy=drain``)."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -39,8 +42,12 @@ def _events(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
 
 
+def _steps(checkpoints: Path) -> list[int]:
+    return sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+
+
 def _saved(run: Path) -> list[int]:
-    return sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
+    return _steps(run / "checkpoints")
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +98,27 @@ def test_signals_to_each_process_and_one_clock_due_both_save_stop_and_resume_exa
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     lm = zaya_jax.load(run)  # saved on 8 devices in 2 processes, verified and loaded on one
     assert lm.step == STEPS and np.isfinite(lm.logits([[5, 6, 7]])).all()
+
+
+def test_a_killed_run_resumes_from_the_newest_local_step_both_processes_hold_exactly(tmp_path, reference):
+    run, local = tmp_path / "run", tmp_path / "ramdisk"
+    tier = [f"checkpoint.local_dir={local}", "checkpoint.local_every_steps=1"]
+    procs = start_two_processes(run, STEPS, *tier, "train.dispatch_ahead=false", fault=("crash_at_step=3",))
+    assert [proc.wait(timeout=600) for proc in procs] == [-signal.SIGKILL] * 2  # each killed itself
+    (root,) = local.iterdir()  # <run name>-<hash>: a directory per process
+    tiers = [root / f"process_{i}-of-2" / "checkpoints" for i in range(2)]
+    assert _saved(run) == [2] and [_steps(t) for t in tiers] == [[1, 3], [1, 3]]  # 2: persistent only
+    assert [p.name for p in (tiers[1] / "3" / "params").glob("ocdbt.process_*")] == ["ocdbt.process_1"]
+    # process 0 alone holds a newer step (process 1 killed before committing it): never restored
+    shutil.copytree(tiers[0] / "3", tiers[0] / "4")
+    _launch(run, STEPS, *tier)
+    assert [e["detail"] for e in _events(run) if e["event"] == "resume"] == [
+        {"from_step": 3, "tier": "local"}
+    ]
+    assert _steps(tiers[0]) == _steps(tiers[1]) == [3, STEPS - 1]  # 4 deleted; 6 is saved persistently
+    ours, theirs = (restore_model(r / "checkpoints" / str(STEPS))[1] for r in (run, reference))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_an_unhealthy_gpu_on_one_process_drains_both_at_the_same_step(tmp_path, monkeypatch):

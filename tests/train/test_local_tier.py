@@ -13,8 +13,8 @@ import pytest
 
 from tests.fixtures import MINI
 from tests.resilience.faults import corrupt_checkpoint
+from zaya_jax.checkpoint.local import local_tier
 from zaya_jax.cli import main
-from zaya_jax.train.checkpointing import local_checkpoints
 from zaya_jax.train.hooks import Hook
 
 
@@ -48,7 +48,7 @@ def _steps(directory: Path) -> list[int]:
 
 def test_restarts_take_the_freshest_verified_tier(tmp_path):
     run, local = tmp_path / "run", tmp_path / "ramdisk"
-    tier = local_checkpoints(str(local), run)
+    tier = local_tier(str(local), run)
 
     def crash_after(step: int) -> None:
         with pytest.raises(KeyboardInterrupt):

@@ -23,7 +23,7 @@ step (the one a resume or a rollback needs) is always kept.
 
 Modules: ``store`` (the manager, items, errors, verification, quarantine), ``readable`` (which step
 a path names, the structural check of a step, the walk past damaged steps), ``training`` (train-state
-checkpoints), ``model_files`` (model-only files).
+checkpoints), ``local`` (the per-process local tier), ``model_files`` (model-only files).
 """
 
 from zaya_jax.checkpoint.model_files import (
@@ -47,8 +47,8 @@ from zaya_jax.checkpoint.store import (
 from zaya_jax.checkpoint.training import (
     CheckpointSaveError,
     TrainingSaver,
+    latest_step,
     restore_ahead,
-    restore_freshest,
     restore_training,
     save_training,
 )
@@ -64,11 +64,11 @@ __all__ = [
     "check_step",
     "describe",
     "first_readable",
+    "latest_step",
     "manager",
     "quarantine",
     "read_config",
     "restore_ahead",
-    "restore_freshest",
     "restore_model",
     "restore_training",
     "same_model_run",

@@ -4,6 +4,7 @@ errors, array fingerprints checked on restore, and quarantine (a step set aside,
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import warnings
@@ -53,6 +54,51 @@ def _handlers() -> dict[str, ocp.CheckpointHandler]:
     }
 
 
+def _per_process_handlers() -> dict[str, ocp.CheckpointHandler]:
+    """The items of :func:`_handlers`, each process writing and reading only its own part, alone:
+    every process is the primary of its own directory (``primary_host=None``) and the only process
+    Orbax synchronises with (``active_processes``: no barrier with another process), and its arrays
+    are saved one copy of each shard it holds (``replica_id=None``: a replicated array's too, where
+    the default saves replica 0's, held by one process). Orbax's own setup for local storage
+    (``orbax/checkpoint/experimental/emergency/p2p/local.py``), without its barriers."""
+    absl = logging.getLogger("absl")
+    if not any(isinstance(f, _NoSizeLogNotice) for f in absl.filters):
+        absl.addFilter(_NoSizeLogNotice())
+    options = _alone()
+    shards = ocp.type_handlers.create_type_handler_registry(
+        (
+            jax.Array,
+            ocp.type_handlers.ArrayHandler(primary_host=None, replica_id=None, use_replica_parallel=False),
+        )
+    )
+
+    def arrays() -> ocp.CheckpointHandler:
+        return ocp.PyTreeCheckpointHandler(multiprocessing_options=options, type_handler_registry=shards)
+
+    def record(**kwargs: Any) -> ocp.CheckpointHandler:
+        return ocp.JsonCheckpointHandler(multiprocessing_options=options, **kwargs)
+
+    handlers = {name: record() for name in ("base", "config", "fingerprints")}
+    handlers |= {name: arrays() for name in ("params", "balancing", "train", "ahead")}
+    return handlers | {"data": record(filename=data_filename())}
+
+
+class _NoSizeLogNotice(logging.Filter):
+    """Orbax warns at every save with ``primary_host=None`` that it does not log sizes: a local
+    tier would print it at every local save."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Global object size logging disabled")
+
+
+def _alone() -> ocp.options.MultiprocessingOptions:
+    """Orbax's options for a process saving and reading its own directory, synchronised with no other."""
+    process = jax.process_index()
+    return ocp.options.MultiprocessingOptions(
+        primary_host=None, active_processes={process}, barrier_sync_key_prefix=f"zaya_local_{process}"
+    )
+
+
 def data_filename(process_index: int | None = None, process_count: int | None = None) -> str:
     """The data position file of a process (this one by default) in a step's ``data/``."""
     index = jax.process_index() if process_index is None else process_index
@@ -67,10 +113,13 @@ def manager(
     keep: int | None = None,
     keep_every: int = 0,
     keep_best: int = 0,
+    per_process: bool = False,
 ) -> ocp.CheckpointManager:
     """An Orbax manager over ``checkpoints_dir`` keeping the ``keep`` latest steps (None: all), every
     ``keep_every``-th step and the ``keep_best`` steps of lowest saved ``eval_loss``; only committed
-    (complete) steps are listed."""
+    (complete) steps are listed. ``per_process``: this process's own directory of a local tier
+    (:mod:`zaya_jax.checkpoint.local`), holding its shards only; the unfinished saves a killed
+    process left there are removed when the manager starts (they would fill a RAM disk)."""
     keeping: list[policies.PreservationPolicy] = [policies.LatestN(n=keep)]
     if keep_every:
         keeping.append(policies.EveryNSteps(interval_steps=keep_every))
@@ -80,24 +129,32 @@ def manager(
                 get_metric_fn=_eval_loss, reverse=True, n=keep_best, keep_checkpoints_without_metrics=False
             )
         )
+    directory = Path(checkpoints_dir).absolute()
+    handlers, alone = _handlers, {}
+    if per_process:  # Orbax creates a directory on process 0 only; each process makes its own
+        directory.mkdir(parents=True, exist_ok=True)
+        handlers, alone = (
+            _per_process_handlers,
+            {"multiprocessing_options": _alone(), "cleanup_tmp_directories": False},
+        )
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=async_save,
-        create=True,
+        create=not per_process,
         preservation_policy=policies.AnyPreservationPolicy(keeping),
         best_fn=_eval_loss if keep_best else None,  # makes Orbax record the metrics of each step
         best_mode="min",
+        **alone,
     )
-    directory = Path(checkpoints_dir).absolute()
     try:
-        return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+        return ocp.CheckpointManager(directory, options=options, item_handlers=handlers())
     except (ValueError, TypeError, KeyError) as err:  # Orbax reads every step's record at start
         damaged = damaged_step_records(directory)
         if not damaged:
             raise
         for step, reason in damaged:
-            set_aside(directory, step, CheckpointCorruptError(reason))
+            set_aside(directory, step, CheckpointCorruptError(reason), own=per_process)
         try:
-            return ocp.CheckpointManager(directory, options=options, item_handlers=_handlers())
+            return ocp.CheckpointManager(directory, options=options, item_handlers=handlers())
         except (ValueError, TypeError, KeyError):
             listed = "; ".join(reason for _, reason in damaged)
             raise CheckpointCorruptError(f"{listed}; move the step out of {directory} and rerun") from err
@@ -157,23 +214,24 @@ def saved_fingerprints(mgr: ocp.CheckpointManager, step_dir: Path, step: int) ->
 QUARANTINE = "quarantine"
 
 
-def quarantine(checkpoints_dir: str | Path, step: int) -> Path:
+def quarantine(checkpoints_dir: str | Path, step: int, own: bool = False) -> Path:
     """Move an unreadable checkpoint out of the checkpoints directory (never delete it) to
-    ``<run>/quarantine/<step>-<time>``, so a later save of the same step has room."""
+    ``<run>/quarantine/<step>-<time>``, so a later save of the same step has room. Process 0 moves
+    a shared directory's step; ``own``: this process's own directory (a local tier's), moved here."""
     source = Path(checkpoints_dir) / str(step)
     target = Path(checkpoints_dir).parent / QUARANTINE / f"{step}-{int(time.time())}"
-    if jax.process_index() == 0 and os.path.lexists(source):
+    if (own or jax.process_index() == 0) and os.path.lexists(source):
         target.parent.mkdir(parents=True, exist_ok=True)
         source.rename(target)
     return target
 
 
-def set_aside(checkpoints_dir: str | Path, step: int, err: Exception) -> dict[str, Any]:
+def set_aside(checkpoints_dir: str | Path, step: int, err: Exception, own: bool = False) -> dict[str, Any]:
     """Quarantine an unreadable or corrupt step, with a one-line warning; its ``checkpoint_unreadable``
     detail. Where it cannot be moved (a read-only run), it is left in place and skipped."""
     reason = " ".join(f"{type(err).__name__}: {err}".split())
     try:
-        moved: str | None = str(quarantine(checkpoints_dir, step))
+        moved: str | None = str(quarantine(checkpoints_dir, step, own))
         where = f"moved to {moved}"
     except OSError as move_err:
         moved, where = None, f"left in place (it cannot be moved: {' '.join(str(move_err).split())})"

@@ -53,8 +53,10 @@ def save_training(
     base: dict[str, Any] | None = None,
     parameters: ParameterPlan = EVERY_PARAMETER,
     ahead: list[dict[str, Any]] | None = None,
+    per_process: bool = False,
 ) -> None:
-    """Start saving a training checkpoint (async when the manager is). ``state`` is a TrainState;
+    """Start saving a training checkpoint (async when the manager is; ``per_process``: a local
+    tier's manager, :func:`~zaya_jax.checkpoint.store.manager`, each process saving its shards). ``state`` is a TrainState;
     ``eval_loss``, the held-out loss of this step if it was evaluated, ranks it for ``keep_best``.
     With a frozen base (``parameters``) only what trains is saved, with ``base``
     (:func:`~zaya_jax.checkpoint.base.base_record`) saying which base it belongs to. ``ahead``:
@@ -69,10 +71,11 @@ def save_training(
     }
     if ahead:
         arrays["ahead"] = {str(i): _saved_weights(w, parameters) for i, w in enumerate(ahead)}
+    save = ocp.args.PyTreeSave if per_process else ocp.args.StandardSave
     mgr.save(
         step,
         args=ocp.args.Composite(
-            **{name: ocp.args.StandardSave(tree) for name, tree in arrays.items()},
+            **{name: save(tree) for name, tree in arrays.items()},
             fingerprints=ocp.args.JsonSave(array_fingerprints(arrays)),
             data=ocp.args.JsonSave(data_state),
             config=ocp.args.JsonSave(to_dict(cfg)),
@@ -113,12 +116,14 @@ class TrainingSaver:
         keep_every: int,
         keep_best: int = 0,
         parameters: ParameterPlan = EVERY_PARAMETER,
+        per_process: bool = False,
     ):
         self.dir = Path(checkpoints_dir)
-        self.parameters = parameters
+        self.parameters, self.per_process = parameters, per_process
         self.mgr = manager(
-            self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best
-        )
+            self.dir, async_save=async_save, keep=keep, keep_every=keep_every, keep_best=keep_best,
+            per_process=per_process,
+        )  # fmt: skip
         self.pending: int | None = None  # the step of the save started last
         self._base: dict[str, Any] | None = None  # the frozen base's record, if the plan has one
         self._in_flight = False  # an async save started and not waited for yet
@@ -177,8 +182,9 @@ class TrainingSaver:
         self._in_flight = self._listener is not None
         try:
             save_training(
-                self.mgr, step, cfg, state, data_state, eval_loss, self._base, self.parameters, ahead
-            )
+                self.mgr, step, cfg, state, data_state, eval_loss, self._base, self.parameters, ahead,
+                self.per_process,
+            )  # fmt: skip
         except Exception as err:
             raise self._fail(err) from err
 
@@ -222,18 +228,19 @@ def restore_ahead(
     *,
     verify_arrays: bool = True,
     parameters: ParameterPlan = EVERY_PARAMETER,
+    per_process: bool = False,
 ) -> list[dict[str, Any]] | None:
     """The ``count`` weights (``{"params", "balancing"}``, in the layout of the TrainState ``like``;
     a frozen base taken from it) saved as step ``step``'s ``ahead`` item, or None when the step
-    holds another number of them or none."""
+    holds another number of them or none (``per_process``: of a local tier)."""
     step_dir = Path(checkpoints_dir) / str(step)
     if "ahead" not in saved_items(step_dir):
         return None
     weights = {"params": like.params, "balancing": like.balancing}
     abstract = {str(i): _abstract(_saved_weights(weights, parameters)) for i in range(count)}
-    mgr = manager(checkpoints_dir)
+    mgr = manager(checkpoints_dir, per_process=per_process)
     try:
-        args = ocp.args.Composite(ahead=ocp.args.StandardRestore(abstract))
+        args = ocp.args.Composite(ahead=restore_arg(abstract, per_process))
         try:
             restored = mgr.restore(step, args=args)["ahead"]
         except (ValueError, KeyError):  # saved with another rl.max_staleness: another tree
@@ -253,6 +260,15 @@ def restore_ahead(
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+
+def restore_arg(abstract: Any, per_process: bool = False) -> ocp.args.CheckpointArgs:
+    """The Orbax argument restoring the arrays ``abstract`` describes, into their shardings."""
+    if not per_process:
+        return ocp.args.StandardRestore(abstract)
+    return ocp.args.PyTreeRestore(
+        abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract)
+    )
 
 
 def restore_training(
@@ -299,25 +315,6 @@ def latest_step(checkpoints_dir: str | Path) -> int | None:
     return max(manager(checkpoints_dir).all_steps(), default=None)
 
 
-def restore_freshest(
-    tiers: list[Path], like: Any, **options: Any
-) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]], Path | None]:
-    """:func:`restore_training` of the freshest readable step over several checkpoint directories
-    (a persistent and a local tier): the tiers are tried newest first, and a tier whose damaged
-    newest steps leave an older one is beaten by another tier's newer step. Also returns the tier
-    the state came from."""
-    best, unreadable, source = None, [], None
-    newest = {Path(tier): latest_step(tier) for tier in tiers}  # each tier's listing read once
-    for tier, latest in sorted(newest.items(), key=lambda kv: -1 if kv[1] is None else kv[1], reverse=True):
-        if latest is None or (best is not None and best[2] >= latest):
-            continue
-        restored, bad = restore_training(tier, like, **options)
-        unreadable += bad
-        if restored is not None and (best is None or restored[2] > best[2]):
-            best, source = restored, tier
-    return best, unreadable, source
-
-
 def _restore_step(
     mgr: ocp.CheckpointManager,
     checkpoints_dir: str | Path,
@@ -326,20 +323,26 @@ def _restore_step(
     verify_arrays: bool,
     parameters: ParameterPlan,
 ):
-    train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
     step_dir = Path(checkpoints_dir) / str(step)
     data_states = saved_data_states(step_dir / "data")
+    state, arrays = read_state(mgr, step, like, parameters)
+    if verify_arrays:
+        verify(step_dir, saved_fingerprints(mgr, step_dir, step), arrays)
+    return state, data_states, step
+
+
+def read_state(
+    mgr: ocp.CheckpointManager, step: int, like: Any, parameters: ParameterPlan, per_process: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """Step ``step``'s train state in the layout of the TrainState ``like``, and its arrays as saved
+    (what the fingerprints describe)."""
+    train_like = {"step": like.step, "opt_state": like.opt_state, "controller": like.controller}
+    saved = {"params": parameters.saved(like.params), "balancing": like.balancing, "train": train_like}
     restored = mgr.restore(
         step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(parameters.saved(like.params))),
-            balancing=ocp.args.StandardRestore(_abstract(like.balancing)),
-            train=ocp.args.StandardRestore(_abstract(train_like)),
-        ),
+        args=ocp.args.Composite(**{k: restore_arg(_abstract(v), per_process) for k, v in saved.items()}),
     )
-    if verify_arrays:
-        arrays = {name: restored[name] for name in ("params", "balancing", "train")}
-        verify(step_dir, saved_fingerprints(mgr, step_dir, step), arrays)
+    arrays = {name: restored[name] for name in saved}
     train = restored["train"]
     state = like.replace(
         step=train["step"],
@@ -348,7 +351,7 @@ def _restore_step(
         balancing=restored["balancing"],
         controller=train["controller"],
     )
-    return state, data_states, step
+    return state, arrays
 
 
 def saved_data_states(data_dir: Path) -> list[dict[str, Any]]:

@@ -109,10 +109,11 @@ class CheckpointConfig:
     # Check every restored array against the fingerprint recorded when it was saved (a checkpoint
     # that fails is quarantined and the previous one used). Evaluation and export always verify.
     verify: bool = True
-    # A local tier beside <run>/checkpoints: saves every local_every_steps steps to fast local
-    # storage (a RAM disk or a local SSD: <local_dir>/<run>-<hash>/checkpoints), keeping local_keep;
-    # a restart restores the freshest step whose arrays verify, local or persistent. One process
-    # per run (several processes need Orbax's emergency checkpointing: docs/checkpoints.md).
+    # A local tier beside <run>/checkpoints: every process saves its own shards every
+    # local_every_steps steps to fast local storage (a RAM disk or a local SSD:
+    # <local_dir>/<run>-<hash>/process_<i>-of-<n>/checkpoints), keeping local_keep (>= 2 with
+    # several processes); a restart restores the newest step every process holds and verifies,
+    # local or persistent (docs/checkpoints.md).
     local_dir: str = ""
     local_every_steps: int = 0  # 0: no local tier
     local_keep: int = 2  # local steps kept

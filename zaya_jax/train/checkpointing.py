@@ -11,33 +11,29 @@ never waits for unfinished writes there, and every process waits at the same ste
 at Orbax's commit barrier for another's writes (:mod:`zaya_jax.checkpoint.training`).
 
 A local tier (``checkpoint.local_dir``, ``local_every_steps``, ``local_keep``) is a second saver on
-fast local storage, for one process: its steps are saved on their own cadence, committed as soon
-as their writes are done, and a restore (or rollback) takes the freshest step of either tier whose
-arrays verify (:func:`zaya_jax.checkpoint.restore_freshest`), so a restart after a fault loses only
-the steps since the last local save, and a local tier lost with its node only those since the last
-persistent one. Orbax's emergency checkpointing (0.12.8) is not used. Its ``CheckpointManager``
-needs at least two data-parallel replicas along a replica axis of the mesh: with one it drops the
-local directory and saves only the persistent checkpoint. Each slice holds a full copy of the state,
-and a restore broadcasts one replica's copy to the rest. This stack's FSDP / expert layouts over
-every device have no such axis. Its ``ReplicatorCheckpointManager`` saves each process's shards
-locally, but assumes an outside replicator service copying them to persistent storage, and has no
-persistent fallback for the model state. Several processes would each need their own tier: Orbax's
-per-process saving (``MultiprocessingOptions(primary_host=None, active_processes={process})``, as
-its ``p2p/local.py`` sets up), with the step every process holds and verifies agreed before a
-restore. That is not built: a local tier with several processes is refused."""
+fast local storage, each process saving its own shards to its own node
+(:mod:`zaya_jax.checkpoint.local`): its steps are saved on their own cadence, and a restore (or
+rollback) takes the newest local step every process holds and verifies, else the persistent tier's
+latest, so a restart after a fault loses only the steps since the last local save, and a local tier
+lost with its node only those since the last persistent one. With one process a local save is
+asynchronous and committed at the first step boundary after its writes; with several it is
+synchronous, every process committing its part before the next step. Orbax 0.12.8 announces that
+an asynchronous save's directories exist under keys of the coordination service that every
+process's own save of the same operation shares: two processes saving their own directories at
+once failed (a directory removed under another's writes) or waited 5 minutes for a key. Why not
+Orbax's emergency checkpointing: :mod:`zaya_jax.checkpoint.local`."""
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import jax
 
 from zaya_jax import checkpoint
-from zaya_jax.config import Config, ConfigError
+from zaya_jax.checkpoint.local import clear_after, local_tier, restore_local
+from zaya_jax.config import Config, ConfigError, to_dict
 from zaya_jax.lora.plan import ParameterPlan
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog
@@ -63,14 +59,15 @@ class Checkpointing:
         )
         self.local = None
         if ckpt.local_dir:
-            if jax.process_count() > 1:
+            if jax.process_count() > 1 and ckpt.local_keep < 2:
                 raise ConfigError(
-                    "checkpoint.local_dir supports one process per run for now (each process would need "
-                    "its own tier and a peer copy); drop checkpoint.local_dir or run one process"
+                    f"checkpoint.local_keep={ckpt.local_keep} with {jax.process_count()} processes: a process "
+                    "killed between the others' commit of a local step and its own would leave no step every "
+                    "process holds; set checkpoint.local_keep >= 2"
                 )
             self.local = checkpoint.TrainingSaver(
-                local_checkpoints(ckpt.local_dir, run.path), async_save=ckpt.async_save,
-                keep=ckpt.local_keep, keep_every=0, parameters=parameters,
+                local_tier(ckpt.local_dir, run.path), async_save=ckpt.async_save and jax.process_count() == 1,
+                keep=ckpt.local_keep, keep_every=0, parameters=parameters, per_process=True,
             )  # fmt: skip
         self.restored_from = run.checkpoints  # the tier of the last restore (its ahead weights)
         self.saved_step = 0  # the last step saved (or restored: it is on disk already)
@@ -82,14 +79,20 @@ class Checkpointing:
         ``checkpoint_unreadable`` event details of the ones moved to quarantine on the way)."""
         self.saver.finish()
         options = {"verify_arrays": self.cfg.checkpoint.verify, "parameters": self.parameters}
-        if self.local is None:  # one tier: no listing to compare
-            restored, unreadable = checkpoint.restore_training(self.run.checkpoints, like, **options)
-            source = None
-        else:
+        restored, unreadable, source = None, [], self.run.checkpoints
+        if self.local is not None:
             self.local.finish()
-            tiers = [self.run.checkpoints, self.local.dir]
-            restored, unreadable, source = checkpoint.restore_freshest(tiers, like, **options)
-        self.restored_from = source or self.run.checkpoints
+            restored, unreadable = restore_local(
+                self.local.dir, like, not_before=checkpoint.latest_step(self.run.checkpoints),
+                mesh=to_dict(self.cfg)["mesh"], timeout_s=self.cfg.runtime.barrier_timeout_s, **options,
+            )  # fmt: skip
+            source = self.local.dir if restored is not None else source
+        if restored is None:
+            restored, persistent = checkpoint.restore_training(self.run.checkpoints, like, **options)
+            unreadable += persistent
+        if self.local is not None:  # local steps not every process holds: saved again from here
+            clear_after(self.local.dir, 0 if restored is None else restored[2])
+        self.restored_from = source
         for saver in (self.saver, self.local):
             if saver is not None:
                 saver.reload()  # quarantined step numbers are free again
@@ -97,12 +100,17 @@ class Checkpointing:
             self.saved_step = restored[2]
         return restored, unreadable
 
+    @property
+    def restored_tier(self) -> str:
+        """The tier of the last restore: "local" or "persistent"."""
+        return "persistent" if self.restored_from == self.run.checkpoints else "local"
+
     def restore_ahead(self, like: TrainState, count: int) -> list[dict[str, Any]] | None:
         """The ``count`` weights the producer saved beside its position (``ahead_weights``) in the
         checkpoint last restored, in ``like``'s layout; None when it holds none."""
         return checkpoint.restore_ahead(
-            self.restored_from, self.saved_step, like, count,
-            verify_arrays=self.cfg.checkpoint.verify, parameters=self.parameters,
+            self.restored_from, self.saved_step, like, count, verify_arrays=self.cfg.checkpoint.verify,
+            parameters=self.parameters, per_process=self.restored_tier == "local",
         )  # fmt: skip
 
     def wants_save(self, step: int) -> bool:
@@ -154,7 +162,7 @@ class Checkpointing:
         """The local tier: commit a save whose writes are done, then save this step when due."""
         if self.local is None:
             return False
-        if self.local.written():
+        if self.local.written():  # one process: its save in flight is committed here
             self.local.finish()
         every = self.cfg.checkpoint.local_every_steps
         if record.last or record.step % every:
@@ -178,11 +186,3 @@ class Checkpointing:
         finally:
             if self.local is not None:
                 self.local.close()
-
-
-def local_checkpoints(local_dir: str, run_path: Path) -> Path:
-    """The local tier of the run at ``run_path``: ``<local_dir>/<run name>-<hash of its path>/checkpoints``
-    (two runs of one name in different places do not share it)."""
-    where = Path(run_path).absolute()
-    digest = hashlib.sha256(str(where).encode()).hexdigest()[:10]
-    return Path(local_dir).expanduser() / f"{where.name}-{digest}" / "checkpoints"

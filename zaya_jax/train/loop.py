@@ -161,7 +161,7 @@ def _open_run(
         for detail in resumed.unreadable:
             writer.event("checkpoint_unreadable", **detail)
         if after > 0:
-            writer.event("resume", from_step=after)
+            writer.event("resume", from_step=after, tier=checkpoints.restored_tier)
         if resumed.initialized:
             writer.event("init_from", **resumed.initialized)
         peak, peak_source = peak_flops(cfg.model.dtype)
