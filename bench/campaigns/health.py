@@ -7,9 +7,9 @@ file), a NIC going down (``resilience.health_sys_root`` pointing at a fake ``/sy
 interface's ``operstate`` the campaign sets to ``down``), the run directory's filesystem filling up
 (a tmpfs filled with ``fallocate``, root only: to room for one and a half checkpoints, ``low``, or
 half of one, ``full``), and a collective that never returns (process 1
-stopped with SIGSTOP: process 0 waits in the step's collectives); and, on one process (the local
-tier's scope), a SIGKILL while local-tier saves are written every step, and a node lost with its
-local tier (SIGKILL, then the local directory deleted). For each: the action the trainer
+stopped with SIGSTOP: process 0 waits in the step's collectives); a SIGKILL of both processes while
+local-tier saves are written every step, and a node lost with its local tier (SIGKILL, then process
+1's local directory deleted). For each: the action the trainer
 took, the seconds from injection to that action, the steps lost (the last step reached before the
 action minus the step the next launch resumed from; 0 where the action saved), whether anything was
 silent (an action without its event or line), and the goodput of the run over both launches.
@@ -218,25 +218,29 @@ def _inject(
 
 
 def _kill_local(trial: Trial, fault: str, run: Path, steps: int, after: int, extra: list[str]) -> Trial:
-    """One process saving its local tier every step (asynchronously), SIGKILLed after step ``after``;
-    for ``node_lost`` its local directory is deleted before the restart."""
-    (proc,) = _launch(run, steps, extra, {}, processes=1)
-    _wait_step(run, after, [proc])
-    proc.kill()
-    proc.wait()
+    """Two processes saving their local tiers every step, both SIGKILLed after step ``after`` (the
+    job killed mid-save); for ``node_lost`` process 1's local directory (its node's RAM disk) is
+    deleted before the restart, so no local step is held by every process."""
+    procs = _launch(run, steps, extra, {})
+    _wait_step(run, after, procs)
+    for proc in procs:
+        proc.kill()
+    for proc in procs:
+        proc.wait()
     trial.injected_after_step = trial.last_step = _last_step(run)
-    trial.action = "SIGKILL: the restart restores the freshest verified tier"
+    trial.action = "SIGKILL: the restart restores the newest local step both processes hold"
     if fault == "node_lost":
-        shutil.rmtree(run.parent / "ramdisk")
-        trial.action = "SIGKILL, local tier deleted: the restart restores the persistent tier"
+        for lost in (run.parent / "ramdisk").glob("*/process_1-of-2"):
+            shutil.rmtree(lost)
+        trial.action = "SIGKILL, process 1's local tier deleted: the restart restores the persistent tier"
     started = time.time()
-    (again,) = _launch(run, steps, extra, {}, processes=1)
-    codes, _, err = _ended([again])
-    if codes != [0]:
+    codes, _, err = _ended(_launch(run, steps, extra, {}))
+    if codes != [0, 0]:
         trial.note = f"the restart ended {codes}: {err[-300:]}"
         return trial
     resume = [e for e in _events(run) if e["event"] == "resume"][-1]
     trial.resumed_from = resume["detail"]["from_step"]
+    trial.action += f" (it restored step {trial.resumed_from} of the {resume['detail']['tier']} tier)"
     trial.seconds_to_action = resume["time"] - started  # the restart's restore, from its launch
     trial.silent = False
     trial.goodput = json.loads((run / "summary.json").read_text())["goodput"]["goodput"]
