@@ -105,10 +105,23 @@ def _hf_pair(**overrides):
     return hf, cfg, jax.tree.map(jnp.asarray, hf_to_variables(state_dict_numpy(hf), cfg))
 
 
-def test_greedy_generation_equals_hf_generate_with_left_padding_and_a_stop_token():
+YARN = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4}
+ROPES = {
+    "default": None,  # TINY_HF's
+    # YaRN from an original length of 4: every prompt and reply runs past it
+    "yarn": {
+        "hybrid": {"rope_theta": 1e4, "partial_rotary_factor": 0.5, **YARN},
+        "hybrid_sliding": {"rope_theta": 500.0, "partial_rotary_factor": 0.5, **YARN},
+    },
+}
+
+
+@pytest.mark.parametrize("rope", sorted(ROPES))
+def test_greedy_generation_equals_hf_generate_with_left_padding_and_a_stop_token(rope):
     from tests.hf_reference import torch
 
-    hf, cfg, variables = _hf_pair()
+    hf, cfg, variables = _hf_pair(**({"rope_parameters": ROPES[rope]} if ROPES[rope] else {}))
+    assert (cfg.rope_scaling is not None) == (rope == "yarn")
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, n).tolist() for n in (7, 3, 5)]
     new = 12
