@@ -88,6 +88,7 @@ def restore_local(
     ``mesh``: the run's mesh config; a step saved under another one is not used."""
     mgr = manager(tier, per_process=True)
     quiet_orbax_leftovers()
+    mesh = json.loads(json.dumps(mesh))  # as the saved config item reads back (lists, not tuples)
     try:
         held = [set(json.loads(s)) for s in _gather("held", json.dumps(sorted(mgr.all_steps())), timeout_s)]
         steps = sorted(
