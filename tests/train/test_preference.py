@@ -148,7 +148,9 @@ def test_dpo_scores_pairs_like_hf_starts_at_ln2_and_keeps_its_reference(tmp_path
     # (no pair_accuracy check here: with margins of 1e-7 either way, which pairs count as "right" is rounding)
 
     assert main([*args, "train.steps=2"]) == 0  # resumed: the stored reference, not a new pass
-    assert len(_events(run, "reference")) == 1 and _events(run, "resume") == [{"from_step": 1}]
+    assert len(_events(run, "reference")) == 1 and _events(run, "resume") == [
+        {"from_step": 1, "tier": "persistent"}
+    ]
     capsys.readouterr()
     assert main(["eval", str(run), "--json"]) == 0  # the run's held-out evaluation, reproduced
     evaluated = json.loads(capsys.readouterr().out)

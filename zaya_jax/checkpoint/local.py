@@ -38,6 +38,7 @@ import hashlib
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,10 @@ from zaya_jax.checkpoint.store import (
 )
 from zaya_jax.checkpoint.training import read_state
 from zaya_jax.lora.plan import EVERY_PARAMETER, ParameterPlan
-from zaya_jax.parallel.distributed import gather_strings
+
+# (name, this process's value) -> every process's value, in process order (the coordination
+# service's key-value store: zaya_jax.parallel.distributed.gather_strings); None: no such service
+Gather = Callable[[str, str], list[str] | None]
 
 
 def local_tier(local_dir: str, run_path: Path) -> Path:
@@ -77,26 +81,27 @@ def restore_local(
     *,
     not_before: int | None,
     mesh: dict[str, Any],
+    gather: Gather,
     verify_arrays: bool = True,
     parameters: ParameterPlan = EVERY_PARAMETER,
-    timeout_s: float = 3600.0,
 ) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[dict[str, Any]]]:
     """The newest local step every process holds, reads and verifies, from ``not_before`` on (the
     persistent tier's newest step: an older local one is never better), restored into the layout
     of the TrainState ``like``: ((state, every process's data position, step) or None, the
     ``checkpoint_unreadable`` details of the steps moved to quarantine). Every process calls it.
-    ``mesh``: the run's mesh config; a step saved under another one is not used."""
+    ``mesh``: the run's mesh config; a step saved under another one is not used. ``gather``: the
+    exchange between processes."""
     mgr = manager(tier, per_process=True)
     quiet_orbax_leftovers()
     mesh = json.loads(json.dumps(mesh))  # as the saved config item reads back (lists, not tuples)
     try:
-        held = [set(json.loads(s)) for s in _gather("held", json.dumps(sorted(mgr.all_steps())), timeout_s)]
+        held = [set(json.loads(s)) for s in _gather(gather, "held", json.dumps(sorted(mgr.all_steps())))]
         steps = sorted(
             (s for s in set.intersection(*held) if not_before is None or s >= not_before), reverse=True
         )
         unreadable = []
         for step in steps:
-            restored, reasons = _try(mgr, tier, step, like, mesh, verify_arrays, parameters, timeout_s)
+            restored, reasons = _try(mgr, tier, step, like, mesh, verify_arrays, parameters, gather)
             if restored is not None:
                 return restored, unreadable
             unreadable.append(set_aside(tier, step, CheckpointCorruptError("; ".join(reasons)), own=True))
@@ -121,8 +126,8 @@ def clear_after(tier: Path, step: int) -> list[int]:
     return stale
 
 
-def _gather(name: str, value: str, timeout_s: float) -> list[str]:
-    gathered = gather_strings(f"local_tier_{name}", value, timeout_s)
+def _gather(gather: Gather, name: str, value: str) -> list[str]:
+    gathered = gather(f"local_tier_{name}", value)
     if gathered is None:  # pragma: no cover - several processes without jax.distributed
         raise RuntimeError("checkpoint.local_dir with several processes needs jax.distributed")
     return gathered
@@ -136,7 +141,7 @@ def _try(
     mesh: dict[str, Any],
     verify_arrays: bool,
     parameters: ParameterPlan,
-    timeout_s: float,
+    gather: Gather,
 ) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[str]]:
     """(state, data positions, step) of ``step`` when every process read (and verified) its part,
     else (None, the reasons: "process i: why")."""
@@ -162,16 +167,16 @@ def _try(
         raise
     except Exception as err:  # Orbax and TensorStore raise many types for unreadable files
         why = f"{type(err).__name__}: {one_line(err)}"[:600]
-    reasons = _reasons(_gather(f"read_{step}", why, timeout_s))
+    reasons = _reasons(_gather(gather, f"read_{step}", why))
     if not reasons and verify_arrays:  # every process holds its arrays: the fingerprints, together
         try:
             verify(step_dir, saved, arrays)
         except CheckpointCorruptError as err:
             why = one_line(err)[:600]
-        reasons = _reasons(_gather(f"verify_{step}", why, timeout_s))
+        reasons = _reasons(_gather(gather, f"verify_{step}", why))
     if reasons:
         return None, reasons
-    data_states = [json.loads(d) for d in _gather(f"data_{step}", json.dumps(data), timeout_s)]
+    data_states = [json.loads(d) for d in _gather(gather, f"data_{step}", json.dumps(data))]
     return (state, data_states, step), []
 
 

@@ -35,6 +35,7 @@ from zaya_jax import checkpoint
 from zaya_jax.checkpoint.local import clear_after, local_tier, restore_local
 from zaya_jax.config import Config, ConfigError, to_dict
 from zaya_jax.lora.plan import ParameterPlan
+from zaya_jax.parallel.distributed import gather_strings
 from zaya_jax.programs import TrainState
 from zaya_jax.resilience import Watchdog
 from zaya_jax.train.record import StepRecord
@@ -84,7 +85,7 @@ class Checkpointing:
             self.local.finish()
             restored, unreadable = restore_local(
                 self.local.dir, like, not_before=checkpoint.latest_step(self.run.checkpoints),
-                mesh=to_dict(self.cfg)["mesh"], timeout_s=self.cfg.runtime.barrier_timeout_s, **options,
+                mesh=to_dict(self.cfg)["mesh"], gather=self._gather, **options,
             )  # fmt: skip
             source = self.local.dir if restored is not None else source
         if restored is None:
@@ -99,6 +100,9 @@ class Checkpointing:
         if restored is not None:
             self.saved_step = restored[2]
         return restored, unreadable
+
+    def _gather(self, name: str, value: str) -> list[str] | None:
+        return gather_strings(name, value, self.cfg.runtime.barrier_timeout_s)
 
     @property
     def restored_tier(self) -> str:
