@@ -94,6 +94,8 @@ def restore_local(
     mgr = manager(tier, per_process=True)
     quiet_orbax_leftovers()
     mesh = json.loads(json.dumps(mesh))  # as the saved config item reads back (lists, not tuples)
+    frozen = parameters.frozen(like.params)  # a collective: before any process can fail alone
+    base = digest({"params": frozen}) if frozen is not None else None
     try:
         held = [set(json.loads(s)) for s in _gather(gather, "held", json.dumps(sorted(mgr.all_steps())))]
         steps = sorted(
@@ -101,7 +103,7 @@ def restore_local(
         )
         unreadable = []
         for step in steps:
-            restored, reasons = _try(mgr, tier, step, like, mesh, verify_arrays, parameters, gather)
+            restored, reasons = _try(mgr, tier, step, like, (mesh, base), verify_arrays, parameters, gather)
             if restored is not None:
                 return restored, unreadable
             unreadable.append(set_aside(tier, step, CheckpointCorruptError("; ".join(reasons)), own=True))
@@ -138,20 +140,19 @@ def _try(
     tier: Path,
     step: int,
     like: Any,
-    mesh: dict[str, Any],
+    expected: tuple[dict[str, Any], str | None],
     verify_arrays: bool,
     parameters: ParameterPlan,
     gather: Gather,
 ) -> tuple[tuple[Any, list[dict[str, Any]], int] | None, list[str]]:
     """(state, data positions, step) of ``step`` when every process read (and verified) its part,
-    else (None, the reasons: "process i: why")."""
-    step_dir = tier / str(step)
+    else (None, the reasons: "process i: why"). ``expected``: the run's mesh and frozen base digest."""
+    (mesh, base), step_dir = expected, tier / str(step)
     state = arrays = data = saved = None
     try:
         check_step(step_dir, (*MODEL_ITEMS, "train"))
-        frozen = parameters.frozen(like.params)
-        if frozen is not None:  # adapters of another base: a config error on every process
-            check_base(step_dir, digest({"params": frozen}))
+        if base is not None:  # adapters of another base: a config error on every process
+            check_base(step_dir, base)
         records = mgr.restore(
             step, args=ocp.args.Composite(config=ocp.args.JsonRestore(), data=ocp.args.JsonRestore())
         )
