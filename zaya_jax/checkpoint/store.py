@@ -118,8 +118,8 @@ def manager(
     """An Orbax manager over ``checkpoints_dir`` keeping the ``keep`` latest steps (None: all), every
     ``keep_every``-th step and the ``keep_best`` steps of lowest saved ``eval_loss``; only committed
     (complete) steps are listed. ``per_process``: this process's own directory of a local tier
-    (:mod:`zaya_jax.checkpoint.local`), holding its shards only; the unfinished saves a killed
-    process left there are removed when the manager starts (they would fill a RAM disk)."""
+    (:mod:`zaya_jax.checkpoint.local`), holding its shards only. The unfinished saves a killed
+    process leaves there (``<step>.orbax-checkpoint-tmp``) are not listed, and not removed."""
     keeping: list[policies.PreservationPolicy] = [policies.LatestN(n=keep)]
     if keep_every:
         keeping.append(policies.EveryNSteps(interval_steps=keep_every))
@@ -135,7 +135,7 @@ def manager(
         directory.mkdir(parents=True, exist_ok=True)
         handlers, alone = (
             _per_process_handlers,
-            {"multiprocessing_options": _alone(), "cleanup_tmp_directories": False},
+            {"multiprocessing_options": _alone()},
         )
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=async_save,
