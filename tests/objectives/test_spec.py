@@ -70,7 +70,7 @@ class Counting:
 def _held_out(setup, prepared):
     batch = {k: jnp.asarray(v) for k, v in Counting(setup.cfg.train.batch_size)()[1].items()}
 
-    def evaluate(step, state):
+    def evaluate(step, state, stage):
         return average([setup.programs.eval_step(state.params, state.balancing, batch)])[0]
 
     return evaluate

@@ -29,7 +29,15 @@ from zaya_jax.config.run import (
     RuntimeConfig,
 )
 from zaya_jax.config.schema import Config
-from zaya_jax.config.training import NS_COEFFS, BalancingConfig, OptimConfig, RampPoint, Stage, TrainConfig
+from zaya_jax.config.training import (
+    NS_COEFFS,
+    BalancingConfig,
+    OptimConfig,
+    RampPoint,
+    Stage,
+    StageRope,
+    TrainConfig,
+)
 
 __all__ = [
     "EXECUTION_FIELDS",
@@ -59,6 +67,7 @@ __all__ = [
     "RunConfig",
     "RuntimeConfig",
     "Stage",
+    "StageRope",
     "TrainConfig",
     "available_presets",
     "config_dirs",

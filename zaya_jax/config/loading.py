@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import types
 import typing
 import warnings
@@ -159,9 +160,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         args = typing.get_args(tp)
         if value is None and type(None) in args:
             return None
-        for arg in args:
-            if arg is type(None):
-                continue
+        options = [arg for arg in args if arg is not type(None)]
+        if len(options) == 1:  # X | None: X's own message
+            return _coerce(value, options[0], key)
+        for arg in options:
             try:
                 return _coerce(value, arg, key)
             except ConfigError:
@@ -182,6 +184,13 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
             raise ConfigError(f"{key}={value!r} must be true or false")
         return value
     if tp is int:
+        if isinstance(value, str | float) and not isinstance(value, bool):  # token counts as 1.2e13
+            try:
+                number = float(value)
+            except ValueError:
+                number = math.nan
+            if number.is_integer():
+                return int(number)
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{key}={value!r} must be an integer")
         return value
@@ -212,6 +221,15 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str = "") -> Any:
             hint = f"; did you mean {prefix + '.' if prefix else ''}{close[0]}?" if close else ""
             raise ConfigError(f"unknown config key {full!r}{hint} (valid: {', '.join(names)})")
         kwargs[key] = _coerce(value, hints[key], full)
+    required = [
+        f.name
+        for f in dataclasses.fields(cls)
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
+    missing = [name for name in required if name not in kwargs]
+    if missing:
+        where = f"{prefix}." if prefix else ""
+        raise ConfigError(f"{', '.join(where + name for name in missing)} must be given (no default)")
     return cls(**kwargs)
 
 

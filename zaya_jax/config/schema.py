@@ -27,7 +27,7 @@ from zaya_jax.config.run import (
     RunConfig,
     RuntimeConfig,
 )
-from zaya_jax.config.training import BalancingConfig, OptimConfig, TrainConfig
+from zaya_jax.config.training import BalancingConfig, OptimConfig, StageRope, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +99,36 @@ class Config:
                     f"{len(self.data.sources)} data.sources; give one weight per source"
                 )
         self.validate_layout(self.mesh.sizes())
+
+    def stage_model(self, stage: int) -> ModelConfig:
+        """The model trained in curriculum ``stage``: ``model`` with the stage's RoPE
+        (``train.stages[stage].rope``; the ``model`` section's when it sets none)."""
+        rope = self.train.stages[stage].rope if self.train.stages else None
+        if rope is None:
+            return self.model
+        return dataclasses.replace(
+            self.model,
+            rope_theta=rope.theta,
+            rope_theta_sliding=rope.theta_sliding,
+            rope_scaling=rope.scaling,
+            rope_scaling_sliding=rope.scaling_sliding,
+        )
+
+    def at_stage(self, stage: int) -> Config:
+        """This config as a checkpoint of curriculum ``stage`` records it: ``model`` is the model in
+        force (:meth:`stage_model`: what ``zaya convert``, ``zaya eval``, ``zaya sample`` and
+        ``train.init_from`` load), and every stage states its RoPE, so the curriculum reads the same."""
+        if not self.train.stages:
+            return self
+        stages = tuple(
+            dataclasses.replace(s, rope=s.rope or StageRope(
+                self.model.rope_theta, self.model.rope_theta_sliding, self.model.rope_scaling,
+                self.model.rope_scaling_sliding,
+            ))
+            for s in self.train.stages
+        )  # fmt: skip
+        train = dataclasses.replace(self.train, stages=stages)
+        return dataclasses.replace(self, model=self.stage_model(stage), train=train)
 
     def validate_layout(self, sizes: Mapping[str, int]) -> None:
         """The parallel layout's divisibility rules for mesh axis ``sizes`` (-1 entries are skipped:

@@ -5,9 +5,11 @@ router's bias controller)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
+from zaya_jax.config.model import RopeScaling
 
 # Keller Jordan's quintic Newton-Schulz coefficients (a, b, c): f(X) = a X + b (X X^T) X + c (X X^T)^2 X.
 NS_COEFFS: tuple[float, float, float] = (3.4445, -4.775, 2.0315)
@@ -118,13 +120,58 @@ class RampPoint:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageRope:
+    """The RoPE of a curriculum stage, complete (what context extension changes): the bases of
+    full-attention and sliding-window layers and their scaling (``model.rope_*`` of the same names)."""
+
+    theta: float  # RoPE base of full-attention layers in this stage (model.rope_theta)
+    theta_sliding: float  # RoPE base of sliding-window layers (model.rope_theta_sliding)
+    scaling: RopeScaling | None = None  # scaling of full-attention layers (null: none)
+    scaling_sliding: RopeScaling | None = None  # scaling of sliding-window layers (null: none)
+
+    def validate(self, key: str) -> None:
+        for name in ("theta", "theta_sliding"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{key}.{name}={getattr(self, name)} must be > 0")
+        for name in ("scaling", "scaling_sliding"):
+            if getattr(self, name) is not None:
+                getattr(self, name).validate(f"{key}.{name}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Stage:
     """One curriculum stage: ``tokens`` of training at ``seq_len`` with per-source ``mixture`` weights
-    (one per ``data.sources`` entry; null keeps the sources' own weights)."""
+    (one per ``data.sources`` entry; null keeps the sources' own weights), the model's RoPE from
+    this stage on (``rope``; null: the ``model`` section's) and the learning rate's multiplier over
+    the stage (``lr_scale``)."""
 
     tokens: int  # tokens trained in this stage
     seq_len: int  # row length in this stage
     mixture: tuple[float, ...] | None = None  # one weight per data source (null: the sources' weights)
+    # The RoPE in this stage, {theta, theta_sliding, scaling, scaling_sliding} (null: model.rope_*):
+    # context extension raises the base or adds yarn/linear scaling; parameters and optimizer carry over.
+    rope: StageRope | None = None
+    # The learning rate's multiplier at the stage's first and last token, linear between (null: 1
+    # throughout), on top of optim.schedule: [1.0, 0.1] anneals over the stage.
+    lr_scale: tuple[float, float] | None = None
+
+    def validate(self, key: str) -> None:
+        if self.tokens < 1 or self.seq_len < 1:
+            raise ConfigError(f"{key} needs positive tokens and seq_len")
+        if self.rope is not None:
+            self.rope.validate(f"{key}.rope")
+        if self.lr_scale is not None and (len(self.lr_scale) != 2 or min(self.lr_scale) < 0):
+            raise ConfigError(
+                f"{key}.lr_scale={list(self.lr_scale)} must be two multipliers >= 0: [at the stage's first "
+                "token, at its last]"
+            )
+
+    def lr_multiplier(self, into: int) -> float:
+        """The learning rate's multiplier ``into`` tokens after the stage began."""
+        if self.lr_scale is None:
+            return 1.0
+        first, last = self.lr_scale
+        return first + (last - first) * min(max(into / self.tokens, 0.0), 1.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,9 +232,57 @@ class TrainConfig:
         if thresholds != sorted(thresholds) or len(set(thresholds)) != len(thresholds):
             raise ConfigError(f"train.batch_ramp token thresholds must increase strictly, got {thresholds}")
         for i, stage in enumerate(self.stages):
-            if stage.tokens < 1 or stage.seq_len < 1:
-                raise ConfigError(f"train.stages[{i}] needs positive tokens and seq_len")
+            stage.validate(f"train.stages[{i}]")
 
     @property
     def max_seq_len(self) -> int:
         return max([self.seq_len, *(s.seq_len for s in self.stages)])
+
+    def curriculum(self) -> tuple[Stage, ...]:
+        """The stages as trained: ``stages``, or without any one stage of ``seq_len`` rows."""
+        return self.stages or (Stage(tokens=1, seq_len=self.seq_len),)
+
+    def stage_at(self, tokens_seen: int) -> tuple[int, int]:
+        """(index, first token) of the stage the step after ``tokens_seen`` tokens trains in; the last
+        stage goes on until ``steps``."""
+        start = 0
+        for index, stage in enumerate(self.stages[:-1]):
+            if tokens_seen < start + stage.tokens:
+                return index, start
+            start += stage.tokens
+        return max(len(self.stages) - 1, 0), start
+
+    def spans(self) -> list[tuple[Stage, int, float]]:
+        """(stage, first token, end) of every stage of :meth:`curriculum`; the last one never ends."""
+        stages, start, out = self.curriculum(), 0, []
+        for i, stage in enumerate(stages):
+            end = math.inf if i == len(stages) - 1 else start + stage.tokens
+            out.append((stage, start, end))
+            start = end
+        return out
+
+    def history_change(self, before: TrainConfig, tokens_seen: int) -> str | None:
+        """How this curriculum trains the first ``tokens_seen`` tokens (those a resumed run has
+        trained) differently from ``before``'s, in words; None when it trains them the same way.
+        Every stage begun keeps its fields and its start; one that ended keeps its end; the one in
+        progress may end elsewhere after ``tokens_seen``, unless its learning rate changes along it."""
+        ours = self.spans()
+        for i, (old, start, end) in enumerate(before.spans()):
+            if start >= tokens_seen:
+                break
+            key = f"train.stages[{i}]" if self.stages or before.stages else "train"
+            if i >= len(ours):
+                return f"{key} was removed"
+            new, _, new_end = ours[i]
+            for field in dataclasses.fields(Stage):
+                was, now = getattr(old, field.name), getattr(new, field.name)
+                if field.name != "tokens" and was != now:
+                    return f"{key}.{field.name} changed from {was} to {now}"
+            sloped = old.lr_scale is not None and old.lr_scale[0] != old.lr_scale[1]
+            if (
+                new_end < min(end, tokens_seen)
+                or (end < tokens_seen and new_end != end)
+                or (sloped and new.tokens != old.tokens)
+            ):
+                return f"{key}.tokens changed from {old.tokens} to {new.tokens}"
+        return None

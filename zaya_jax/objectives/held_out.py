@@ -29,20 +29,23 @@ class HeldOut:
     """A run's held-out evaluation while it trains: ``eval.batches`` batches of the held-out split,
     placed on the mesh once; calling it returns the objective's held-out metrics (``loss``: the
     mean cross-entropy per target token for ``lm``; per pair, with ``pair_accuracy`` and the
-    rewards, for the preference objectives)."""
+    rewards, for the preference objectives), by the model of the stage in force (its RoPE)."""
 
     def __init__(self, setup: RunSetup, references: Mapping[str, np.ndarray] | None = None):
         self.programs, self.beat = setup.programs, setup.beat
-        self._compiled: jax.stages.Compiled | None = None
+        self._compiled: dict[Any, jax.stages.Compiled] = {}  # per stage model
         self.batches = setup.programs.held_out_batches(setup.tokenizer, references)
 
-    def __call__(self, step: int, state: TrainState) -> dict[str, float]:
-        self.beat(step, "eval" if self._compiled else "compile")
-        if self._compiled is None:
-            lowered = self.programs.eval_step.lower(state.params, state.balancing, self.batches[0])
-            self._compiled = lowered.compile()
-            barrier("eval", self.programs.cfg.runtime.barrier_timeout_s)
-        return average(self._compiled(state.params, state.balancing, batch) for batch in self.batches)[0]
+    def __call__(self, step: int, state: TrainState, stage: int = 0) -> dict[str, float]:
+        programs = self.programs.at_stage(stage)
+        model = programs.cfg.model
+        self.beat(step, "eval" if model in self._compiled else "compile")
+        if model not in self._compiled:
+            lowered = programs.eval_step.lower(state.params, state.balancing, self.batches[0])
+            self._compiled[model] = lowered.compile()
+            barrier("eval", programs.cfg.runtime.barrier_timeout_s)
+        run = self._compiled[model]
+        return average(run(state.params, state.balancing, batch) for batch in self.batches)[0]
 
 
 def checked_tokenizer(tokenizer: Tokenizer | str, model: Evaluable) -> Tokenizer:

@@ -24,7 +24,8 @@ from zaya_jax.programs import TrainState
 
 
 def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
-    """The batch ramp and curriculum stage in force after ``tokens_seen`` training tokens."""
+    """The batch ramp and curriculum stage in force after ``tokens_seen`` training tokens (with the
+    stage's learning-rate multiplier at that token)."""
     train = cfg.train
     batch_size = train.batch_size
     thresholds = [p.tokens for p in train.batch_ramp]
@@ -33,9 +34,9 @@ def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
         batch_size = train.batch_ramp[index].batch_size
     if not train.stages:
         return StepPlan(batch_size, train.seq_len, 0, None)
-    boundaries = np.cumsum([s.tokens for s in train.stages])
-    stage = min(int(np.searchsorted(boundaries, tokens_seen, side="right")), len(train.stages) - 1)
-    return StepPlan(batch_size, train.stages[stage].seq_len, stage, train.stages[stage].mixture)
+    stage, start = train.stage_at(tokens_seen)
+    s = train.stages[stage]
+    return StepPlan(batch_size, s.seq_len, stage, s.mixture, s.lr_multiplier(tokens_seen - start))
 
 
 class BatchProducer:

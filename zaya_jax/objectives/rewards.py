@@ -244,8 +244,8 @@ class HeldOutReward:
         self.cfg, self.tokenizer, self.prompts, self.beat = cfg, tokenizer, prompts, beat
         self.reward = reward_function(cfg)
 
-    def __call__(self, step: int, state: TrainState) -> dict[str, float]:
-        self.beat(step, "eval")
+    def __call__(self, step: int, state: TrainState, stage: int = 0) -> dict[str, float]:
+        self.beat(step, "eval")  # a grpo run has no stages
         variables = process_local({"params": state.params, "balancing": state.balancing})  # each process: all
         if self.cfg.rl.eval_samples:
             return sampled_held_out(self.cfg, variables, self.tokenizer, self.prompts.held_out, self.reward)

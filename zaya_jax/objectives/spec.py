@@ -28,12 +28,14 @@ DataPosition = dict[str, Any]  # JSON-able: saved in every checkpoint, one per p
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-    """What one step trains on: ``batch_size`` rows of ``seq_len`` from curriculum ``stage``."""
+    """What one step trains on: ``batch_size`` rows of ``seq_len`` from curriculum ``stage`` (the
+    model of that stage: its RoPE), at ``lr_scale`` times the learning rate (the stage's segment)."""
 
     batch_size: int
     seq_len: int
     stage: int
     mixture: tuple[float, ...] | None
+    lr_scale: float = 1.0
 
     @property
     def tokens(self) -> int:
@@ -73,7 +75,9 @@ class Producer(Protocol):
     def __call__(self) -> tuple[StepPlan, HostBatch, DataPosition]: ...
 
 
-Evaluator = Callable[[int, TrainState], dict[str, float]]  # (step, state) -> held-out metrics ("loss" first)
+# (step, state, stage) -> held-out metrics ("loss" first); stage: the curriculum stage whose model
+# the state trains (its RoPE: Programs.at_stage), 0 without stages.
+Evaluator = Callable[[int, TrainState, int], dict[str, float]]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,18 @@ class Programs:
     moe: MoeChoice | None = None  # how model.moe_impl was resolved (auto: measured or cached)
 
     @functools.cached_property
+    def _stages(self) -> dict[Any, Programs]:
+        return {self.cfg.model: self}
+
+    def at_stage(self, stage: int) -> Programs:
+        """These programs with the model of curriculum ``stage`` (its RoPE, ``train.stages[i].rope``):
+        the same state, layout and objective. Stages with the same model share one."""
+        model = self.cfg.stage_model(stage)
+        if model not in self._stages:
+            self._stages[model] = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, model=model))
+        return self._stages[model]
+
+    @functools.cached_property
     def bound(self) -> Objective:
         """The objective with the run's settings bound (what the train step minimises)."""
         return self.objective(self.cfg)

@@ -139,9 +139,8 @@ class Checkpointing:
 
     def save(self, record: StepRecord) -> None:
         self.watchdog.beat(record.step, "save")
-        self.saver.save(
-            record.step, self.cfg, record.state, record.data_state, record.eval_loss, record.ahead
-        )
+        cfg = self.cfg.at_stage(record.plan.stage)  # the model in force: its stage's RoPE
+        self.saver.save(record.step, cfg, record.state, record.data_state, record.eval_loss, record.ahead)
         self.saved_step, self.last_save = record.step, self.clock()
 
     def written(self) -> bool:
@@ -173,7 +172,8 @@ class Checkpointing:
             self.local.check()
             return False
         self.watchdog.beat(record.step, "save")
-        self.local.save(record.step, self.cfg, record.state, record.data_state, None, record.ahead)
+        cfg = self.cfg.at_stage(record.plan.stage)
+        self.local.save(record.step, cfg, record.state, record.data_state, None, record.ahead)
         return True
 
     def end_run(self, record: StepRecord) -> None:

@@ -31,12 +31,13 @@ class Evaluation:
     def due(self, step: int) -> bool:
         return step % self.cfg.eval.every == 0 or step == self.cfg.train.steps
 
-    def __call__(self, step: int, state: TrainState | None) -> dict[str, float] | None:
-        """The held-out metrics after ``step`` (``loss`` first), or None when it is not due."""
+    def __call__(self, step: int, state: TrainState | None, stage: int = 0) -> dict[str, float] | None:
+        """The held-out metrics after ``step`` of curriculum ``stage`` (``loss`` first), or None
+        when it is not due."""
         if not self.due(step):
             return None
         started = time.perf_counter()
-        metrics = self.held_out(step, state)
+        metrics = self.held_out(step, state, stage)
         self.meter.pause(time.perf_counter() - started)  # tokens/s counts training only
         self.timed("evaluation", time.perf_counter() - started)  # the run's goodput
         return metrics
@@ -46,5 +47,5 @@ class Evaluation:
         every run's curve shows where it began (a GRPO run's ``eval_reward`` before its first update)."""
         if self.cfg.eval.at_start:
             started = time.perf_counter()
-            writer.write(eval_record(0, self.held_out(0, state)))
+            writer.write(eval_record(0, self.held_out(0, state, 0)))
             self.timed("evaluation", time.perf_counter() - started)

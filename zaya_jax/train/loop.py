@@ -46,7 +46,7 @@ from zaya_jax.train.init import initialize_from, starting_weights
 from zaya_jax.train.metrics import MetricsWriter
 from zaya_jax.train.pipeline import StepPipeline
 from zaya_jax.train.rundir import RunDir
-from zaya_jax.train.schedule import check_run, final_batch_size
+from zaya_jax.train.schedule import check_run, largest_step
 from zaya_jax.train.startup import start_event
 from zaya_jax.train.steps import Collaborators, TrainingSteps
 from zaya_jax.train.throughput import Throughput
@@ -145,9 +145,7 @@ def _open_run(
         )  # fmt: skip
         cleanup.callback(watchdog.close)  # a watchdog left running would end this process later
         train_step = TrainStep(programs, watchdog)
-        train_step.compile(
-            final_batch_size(cfg), cfg.train.max_seq_len
-        )  # the run's largest step fits, or stop
+        train_step.compile(*largest_step(cfg))  # the run's largest step fits, or stop
         watchdog.beat(0, "restore" if resuming else "init")
         checkpoints = Checkpointing(cfg, run, watchdog, programs.layout.parameters)
         cleanup.callback(checkpoints.close)
@@ -223,6 +221,8 @@ def _resume(
         based = initialize_from(cfg.train.init_from, fresh, parameters)
         fresh = based[0]
     restored, unreadable = checkpoints.restore(fresh) if resuming else (None, [])
+    if resuming:  # refused when the curriculum changed where the run has trained
+        run.continue_with(cfg, restored and int(restored[1][0].get("tokens_seen", 0)))
     if restored is not None:
         state, data_states, restored_step = restored
         if jax.process_index() == 0:

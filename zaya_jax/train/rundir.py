@@ -114,8 +114,27 @@ class RunDir:
                 f"{', '.join('model.' + f for f in EXECUTION_FIELDS)}) or choose another run.name"
             )
         self.path.mkdir(parents=True, exist_ok=True)
-        save_config(cfg, self.config)
+        if not resuming:  # a resumed run's is saved once its history is checked (:meth:`continue_with`)
+            save_config(cfg, self.config)
         return resuming
+
+    def continue_with(self, cfg: Config, tokens_seen: int | None) -> None:
+        """A resumed run's config, once its checkpoint is restored (``tokens_seen``: the tokens it has
+        trained; None: nothing restored): refused when its curriculum would have trained those
+        tokens otherwise than the saved config (:meth:`~zaya_jax.config.TrainConfig.history_change`),
+        else saved as the run's config (by the first process)."""
+        if tokens_seen and self.config.is_file():
+            before = load_config(self.config)
+            change = cfg.train.history_change(before.train, tokens_seen)
+            if change is not None:
+                raise ConfigError(
+                    f"{self.path} has trained {tokens_seen} tokens under the curriculum of its config.yaml and "
+                    f"{change} over them; keep train.stages as they were over those tokens (changes may begin "
+                    "after them: a later stage, or where the current one ends) or start a new run from its "
+                    "weights (train.init_from)"
+                )
+        if jax.process_index() == 0:
+            save_config(cfg, self.config)
 
     def _crashed_before_first_checkpoint(self, cfg: Config) -> bool:
         """A run of this very config that died before saving anything: only its logs are there, so

@@ -43,3 +43,11 @@ def plan_warnings(cfg: Config) -> list[str]:
 def final_batch_size(cfg: Config) -> int:
     """The batch size at the end of the ramp (the one the learning rates are set for)."""
     return cfg.train.batch_ramp[-1].batch_size if cfg.train.batch_ramp else cfg.train.batch_size
+
+
+def largest_step(cfg: Config) -> tuple[int, int, int]:
+    """(rows, sequence length, curriculum stage) of the run's largest step: the final batch size at
+    the longest sequence (the first stage that trains at it)."""
+    seq = cfg.train.max_seq_len
+    stage = next((i for i, s in enumerate(cfg.train.stages) if s.seq_len == seq), 0)
+    return final_batch_size(cfg), seq, stage

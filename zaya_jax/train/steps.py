@@ -130,13 +130,13 @@ class TrainingSteps:
         r, host_batch = self.run, drawn.host_batch
         for hook in r.hooks:
             host_batch = hook.before_step(step, host_batch)
-        lr_scale = batch_lr_scale(
-            drawn.plan.batch_size, final_batch_size(r.cfg), r.cfg.optim.lr_batch_scaling
+        plan = drawn.plan
+        lr_scale = plan.lr_scale * batch_lr_scale(
+            plan.batch_size, final_batch_size(r.cfg), r.cfg.optim.lr_batch_scaling
         )
         limit = self.guard.limit(step)
-        state, metrics = r.train_step(
-            step, state, put_batch(host_batch, r.programs.layout.batch), lr_scale, limit
-        )
+        batch = put_batch(host_batch, r.programs.layout.batch)
+        state, metrics = r.train_step(step, state, batch, lr_scale, limit, plan.stage)
         Outcome.prefetch(metrics)
         r.watchdog.beat(step)
         return state, Dispatched(step, drawn, metrics, limit)
@@ -245,7 +245,7 @@ class TrainingSteps:
     def notify(self, record: StepRecord) -> StepRecord:
         """Evaluate (when due), save (when due), then every hook with the one complete record."""
         r = self.run
-        record = dataclasses.replace(record, eval=r.evaluation(record.step, record.state))
+        record = dataclasses.replace(record, eval=r.evaluation(record.step, record.state, record.plan.stage))
         started = time.perf_counter()
         record = dataclasses.replace(record, saved=r.checkpoints.after_step(record))
         r.goodput.add("checkpoint", time.perf_counter() - started)
