@@ -4,6 +4,7 @@ for a run, a checkpoint or a Hugging Face directory."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -51,7 +52,26 @@ def _add_eval_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
     _add_reasoning_options(evaluate)
+    _add_long_context_options(evaluate)
     evaluate.set_defaults(func=_cmd_eval)
+
+
+def _add_long_context_options(evaluate: argparse.ArgumentParser) -> None:
+    """``zaya eval PATH --passkey 512,2048`` and ``--by-position 8`` (zaya_jax.eval.long_context)."""
+    group = evaluate.add_argument_group("long-context checks: did a context extension work")
+    group.add_argument(
+        "--passkey", help="passkey retrieval at these lengths in tokens, comma-separated (e.g. 4096,16384)"
+    )
+    group.add_argument(
+        "--depths", default="0,0.25,0.5,0.75,1", help="where the key is hidden, fractions of the filler"
+    )
+    group.add_argument("--passkey-prompts", type=int, default=10, help="checks per length and depth")
+    group.add_argument(
+        "--by-position",
+        type=int,
+        metavar="BUCKETS",
+        help="the held-out loss by position in the document, in this many spans of --seq-len",
+    )
 
 
 def _add_reasoning_options(evaluate: argparse.ArgumentParser) -> None:
@@ -111,6 +131,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 
     if args.task:
         return _cmd_reasoning(args)
+    if args.passkey or args.by_position:
+        return _cmd_long_context(args)
     if args.checkpoints:
         raise ValueError("--checkpoints evaluates a --task over a run's steps; give --task FILE_OR_NAME")
     result = evaluate_path(
@@ -138,6 +160,54 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         print(
             f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"
         )
+    return 0
+
+
+def _cmd_long_context(args: argparse.Namespace) -> int:
+    from zaya_jax.config import DataConfig
+    from zaya_jax.data.sources import source_for_path
+    from zaya_jax.eval.long_context import loss_by_position, passkey_accuracy
+    from zaya_jax.lm import load
+
+    lengths = [int(x) for x in args.passkey.split(",")] if args.passkey else []
+    depths = [float(x) for x in args.depths.split(",")]
+    lm = load(args.path, args.tokenizer)
+    if lm.tokenizer is None:
+        raise ValueError(f"{lm.tokenizer_problem}; pass the model's tokenizer (--tokenizer PATH or 'byte')")
+    result: dict[str, Any] = {"step": lm.step}
+    batch = args.batch_size or 8
+    if lengths:
+        result["passkey"] = [
+            passkey_accuracy(lm, lm.tokenizer, n, depths=depths, prompts=args.passkey_prompts,
+                             batch_size=batch, seed=args.seed)
+            for n in lengths
+        ]  # fmt: skip
+    if args.by_position:
+        data = lm.run_config.data if lm.run_config is not None else DataConfig()
+        split = "held_out"
+        if args.data:
+            data, split = (
+                dataclasses.replace(data, sources=tuple(source_for_path(p) for p in args.data)),
+                "all",
+            )
+        result["loss"] = loss_by_position(
+            lm, data, buckets=args.by_position, seq_len=args.seq_len or 512, batch_size=batch,
+            max_batches=args.batches or 16, tokenizer=lm.tokenizer, split=split,
+        )  # fmt: skip
+    if args.json:
+        print_json(result)
+        return 0
+    for check in result.get("passkey", []):
+        depths_line = ", ".join(f"{d} {acc:.0%}" for d, acc in check["by_depth"].items())
+        print(
+            f"passkey at {check['length']:,} tokens: {check['accuracy']:.1%} of {check['checks']} ({depths_line})"
+        )
+    if "loss" in result:
+        for span in result["loss"]["by_position"]:
+            loss = "-" if span["loss"] is None else f"{span['loss']:.4f}"
+            print(
+                f"positions {span['from']:>7,}-{span['to'] - 1:<7,} loss {loss} over {span['tokens']:,} tokens"
+            )
     return 0
 
 

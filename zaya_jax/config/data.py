@@ -7,12 +7,16 @@ from typing import Literal
 
 from zaya_jax.config.errors import ConfigError
 
+BUILT_IN = ("stdlib", "passkey")  # kinds whose documents come with zaya-jax (no path)
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSource:
     """One input of the data mixture.
 
     ``kind``: ``stdlib`` (the built-in corpus: the running interpreter's standard-library source;
+    ``path`` unused), ``passkey`` (built-in synthetic long-context documents: a pass key hidden in
+    filler text and asked for at the end, 112 to 2,048 characters, :mod:`zaya_jax.data.passkey`;
     ``path`` unused), ``text`` (a file, directory or glob of UTF-8 text files, one document per
     file), ``jsonl`` (one document per line, field ``text_field``), ``parquet`` (column
     ``text_field``), ``chat`` (JSONL conversations, one ``{"messages": [...]}`` per line, rendered
@@ -23,9 +27,11 @@ class DataSource:
     """
 
     name: str = "stdlib"  # unique name (events, mixture order)
-    # stdlib, text, jsonl, parquet, chat, preference or arrayrecord (see above).
-    kind: Literal["stdlib", "text", "jsonl", "parquet", "chat", "preference", "arrayrecord"] = "stdlib"
-    path: str | None = None  # file, directory or glob (unused for stdlib)
+    # stdlib, passkey, text, jsonl, parquet, chat, preference or arrayrecord (see above).
+    kind: Literal["stdlib", "passkey", "text", "jsonl", "parquet", "chat", "preference", "arrayrecord"] = (
+        "stdlib"
+    )
+    path: str | None = None  # file, directory or glob (unused for stdlib and passkey)
     weight: float = 1.0  # sampling weight in the mixture
     text_field: str = "text"  # JSONL field / Parquet column holding the text
     # chat, preference: a Jinja chat-template file; unset: the tokenizer's own (chat_template.jinja beside
@@ -64,7 +70,7 @@ class DataConfig:
         if len(set(names)) != len(names):
             raise ConfigError(f"data.sources names must be unique, got {names}")
         for i, source in enumerate(self.sources):
-            if source.kind != "stdlib" and not source.path:
+            if source.kind not in BUILT_IN and not source.path:
                 raise ConfigError(f"data.sources[{i}] ({source.name}) of kind {source.kind!r} needs a path")
             if not source.weight > 0:
                 raise ConfigError(f"data.sources[{i}].weight={source.weight} must be > 0")

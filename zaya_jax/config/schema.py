@@ -86,7 +86,7 @@ class Config:
                 f"{self.model.max_position_embeddings}; lower train.seq_len or raise the limit"
             )
         streams = self.data.streams
-        for size in (self.train.batch_size, *(p.batch_size for p in self.train.batch_ramp)):
+        for size in self.train.batch_sizes:
             if streams and size % streams:
                 raise ConfigError(
                     f"batch size {size} is not divisible by data.streams={streams}; make every batch size a "
@@ -147,7 +147,7 @@ def check_layout(cfg: Config, sizes: Mapping[str, int]) -> None:
         )
     shards = [axis for axis in ("data", "fsdp", "expert") if axis in known]
     split = math.prod(known[axis] for axis in shards)
-    batch_sizes = {cfg.train.batch_size, *(p.batch_size for p in cfg.train.batch_ramp)}
+    batch_sizes = set(cfg.train.batch_sizes)
     for size in sorted(batch_sizes):
         per_micro = size // cfg.train.micro_batches
         if per_micro % split:

@@ -141,13 +141,14 @@ class StageRope:
 @dataclasses.dataclass(frozen=True)
 class Stage:
     """One curriculum stage: ``tokens`` of training at ``seq_len`` with per-source ``mixture`` weights
-    (one per ``data.sources`` entry; null keeps the sources' own weights), the model's RoPE from
-    this stage on (``rope``; null: the ``model`` section's) and the learning rate's multiplier over
+    (one per ``data.sources`` entry; null keeps the sources' own weights), its own global batch
+    (``batch_size``; null: the batch ramp's), the model's RoPE in this stage (``rope``; null: the ``model`` section's) and the learning rate's multiplier over
     the stage (``lr_scale``)."""
 
     tokens: int  # tokens trained in this stage
     seq_len: int  # row length in this stage
     mixture: tuple[float, ...] | None = None  # one weight per data source (null: the sources' weights)
+    batch_size: int | None = None  # global batch in rows in this stage (null: train.batch_ramp's)
     # The RoPE in this stage, {theta, theta_sliding, scaling, scaling_sliding} (null: model.rope_*):
     # context extension raises the base or adds yarn/linear scaling; parameters and optimizer carry over.
     rope: StageRope | None = None
@@ -156,8 +157,8 @@ class Stage:
     lr_scale: tuple[float, float] | None = None
 
     def validate(self, key: str) -> None:
-        if self.tokens < 1 or self.seq_len < 1:
-            raise ConfigError(f"{key} needs positive tokens and seq_len")
+        if self.tokens < 1 or self.seq_len < 1 or (self.batch_size is not None and self.batch_size < 1):
+            raise ConfigError(f"{key} needs positive tokens, seq_len and batch_size")
         if self.rope is not None:
             self.rope.validate(f"{key}.rope")
         if self.lr_scale is not None and (len(self.lr_scale) != 2 or min(self.lr_scale) < 0):
@@ -221,8 +222,7 @@ class TrainConfig:
             raise ConfigError(f"train.z_loss={self.z_loss} must be >= 0")
         if self.loss_chunk < 0:
             raise ConfigError(f"train.loss_chunk={self.loss_chunk} must be >= 0 (0: automatic)")
-        sizes = [self.batch_size, *(p.batch_size for p in self.batch_ramp)]
-        for size in sizes:
+        for size in self.batch_sizes:
             if size % self.micro_batches:
                 raise ConfigError(
                     f"batch size {size} is not divisible by train.micro_batches={self.micro_batches}; "
@@ -233,6 +233,12 @@ class TrainConfig:
             raise ConfigError(f"train.batch_ramp token thresholds must increase strictly, got {thresholds}")
         for i, stage in enumerate(self.stages):
             stage.validate(f"train.stages[{i}]")
+
+    @property
+    def batch_sizes(self) -> tuple[int, ...]:
+        """Every global batch size the run may train at (``batch_size``, the ramp's, the stages')."""
+        stages = (s.batch_size for s in self.stages if s.batch_size is not None)
+        return tuple(dict.fromkeys((self.batch_size, *(p.batch_size for p in self.batch_ramp), *stages)))
 
     @property
     def max_seq_len(self) -> int:

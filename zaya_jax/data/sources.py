@@ -38,7 +38,9 @@ except ImportError:  # the optional [zst] extra
 
 
 from zaya_jax.config import DataSource
+from zaya_jax.config.data import BUILT_IN
 from zaya_jax.data import corpus
+from zaya_jax.data.passkey import passkey_documents
 
 logger = logging.getLogger(__name__)
 
@@ -404,12 +406,17 @@ def stdlib_documents(bad: BadDocuments) -> Iterator[tuple[str, str]]:
     yield from zip(keys, texts, strict=True)
 
 
+def built_in_documents(source: DataSource, bad: BadDocuments) -> Iterator[tuple[str, str]]:
+    """The documents of a built-in kind (``stdlib``, ``passkey``: no path)."""
+    return stdlib_documents(bad) if source.kind == "stdlib" else passkey_documents()
+
+
 def iter_documents(source: DataSource, bad: BadDocuments | None = None) -> Iterator[tuple[str, str]]:
     """(key, text) for every document of ``source``, in order; bad documents go to ``bad``
     (default: raise). Raises :class:`DataError` at the end when the source held no document."""
     bad = BadDocuments() if bad is None else bad
-    if source.kind == "stdlib":
-        documents = stdlib_documents(bad)
+    if source.kind in BUILT_IN:
+        documents = built_in_documents(source, bad)
     elif source.kind == "text":
         documents = text_documents(resolve_files(source), bad)
     elif source.kind == "jsonl":
@@ -456,8 +463,8 @@ def read_documents(source: DataSource, on_bad_document: OnBadDocument = "error")
 def file_signature(source: DataSource) -> tuple[tuple[str, int, int], ...]:
     """(path, size, mtime_ns) of every file of ``source``: changes when its files change, so an
     in-memory cache of tokenized documents can tell when it is stale."""
-    if source.kind == "stdlib":
-        return (("stdlib", 0, 0),)  # the interpreter's own files do not change under a running process
+    if source.kind in BUILT_IN:  # the interpreter's files and generated ones do not change in a process
+        return ((source.kind, 0, 0),)
     signature = []
     for _, path in resolve_files(source):
         try:

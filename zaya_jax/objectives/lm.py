@@ -36,7 +36,8 @@ def plan_for(cfg: Config, tokens_seen: int) -> StepPlan:
         return StepPlan(batch_size, train.seq_len, 0, None)
     stage, start = train.stage_at(tokens_seen)
     s = train.stages[stage]
-    return StepPlan(batch_size, s.seq_len, stage, s.mixture, s.lr_multiplier(tokens_seen - start))
+    rows = s.batch_size or batch_size
+    return StepPlan(rows, s.seq_len, stage, s.mixture, s.lr_multiplier(tokens_seen - start))
 
 
 class BatchProducer:
@@ -63,7 +64,7 @@ class BatchProducer:
             self.tokenizer,
             seq_len=plan.seq_len,
             seed=train.seed + plan.stage,
-            batch_sizes=[train.batch_size, *(p.batch_size for p in train.batch_ramp)],
+            batch_sizes=train.batch_sizes,
             mixture=plan.mixture,
             process_index=jax.process_index(),
             process_count=jax.process_count(),

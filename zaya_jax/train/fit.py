@@ -98,7 +98,7 @@ def _plan(programs: Programs, cfg: Config, shape: tuple[int, int]) -> int:
 def _micro_batch_choices(cfg: Config, rows: int, shards: int) -> list[int]:
     """Power-of-two multiples of the current count that every batch size of the run divides into
     micro-batches the mesh splits evenly."""
-    sizes = {rows, cfg.train.batch_size, *(p.batch_size for p in cfg.train.batch_ramp)}
+    sizes = {rows, *cfg.train.batch_sizes}
     choices, m = [], cfg.train.micro_batches * 2
     while all(size % m == 0 and (size // m) % shards == 0 for size in sizes):
         choices.append(m)

@@ -46,8 +46,9 @@ def final_batch_size(cfg: Config) -> int:
 
 
 def largest_step(cfg: Config) -> tuple[int, int, int]:
-    """(rows, sequence length, curriculum stage) of the run's largest step: the final batch size at
-    the longest sequence (the first stage that trains at it)."""
-    seq = cfg.train.max_seq_len
-    stage = next((i for i, s in enumerate(cfg.train.stages) if s.seq_len == seq), 0)
-    return final_batch_size(cfg), seq, stage
+    """(rows, sequence length, curriculum stage) of the run's largest step in tokens: the final
+    batch size (or a stage's own) at each stage's row length, the longest rows among the largest."""
+    final = final_batch_size(cfg)
+    shapes = [(final, cfg.train.seq_len, 0)] if not cfg.train.stages else []
+    shapes += [(s.batch_size or final, s.seq_len, i) for i, s in enumerate(cfg.train.stages)]
+    return max(shapes, key=lambda shape: (shape[0] * shape[1], shape[1], -shape[2]))

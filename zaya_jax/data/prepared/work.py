@@ -42,6 +42,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from zaya_jax.config import DataSource
+from zaya_jax.config.data import BUILT_IN
 from zaya_jax.data.chat import ChatEncoder, encode_records
 from zaya_jax.data.prepared.format import READER_OPTIONS, WRITER_OPTIONS
 from zaya_jax.data.sources import (
@@ -49,11 +50,11 @@ from zaya_jax.data.sources import (
     PROBLEMS_KEPT,
     BadDocuments,
     DataError,
+    built_in_documents,
     iter_record_range,
     parquet_documents,
     record_texts,
     resolve_files,
-    stdlib_documents,
     text_documents,
 )
 from zaya_jax.data.tokenizers import Tokenizer
@@ -84,7 +85,7 @@ def plan_units(sources: Sequence[DataSource], chunk_bytes: int = CHUNK_BYTES) ->
         raise DataError(f"a unit of {chunk_bytes} bytes is too small; give at least 1")
     units = []
     for i, source in enumerate(sources):
-        if source.kind == "stdlib":
+        if source.kind in BUILT_IN:
             units.append(Unit(i))
             continue
         for key, path in resolve_files(source):
@@ -120,8 +121,8 @@ def unit_arrays(
 ) -> Iterator[np.ndarray]:
     """The unit's documents as token arrays (a chat's as (2, n) ids and trained flags)."""
     files = [(unit.key, Path(unit.path))]
-    if source.kind == "stdlib":
-        texts = (text for _, text in stdlib_documents(bad))
+    if source.kind in BUILT_IN:
+        texts = (text for _, text in built_in_documents(source, bad))
     elif source.kind == "text":
         texts = (text for _, text in text_documents(files, bad))
     elif source.kind == "parquet":

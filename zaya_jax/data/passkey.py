@@ -1,0 +1,74 @@
+"""Passkey retrieval, the synthetic long-context check (Mohtashami & Jaggi's landmark-attention
+format): a five-digit pass key hidden at a chosen depth of repeated filler text, asked for at the
+end. A model that uses its whole context answers at any depth; one whose positions stop at the
+length it was trained on does not, which is what a context extension is meant to change.
+
+- :func:`passkey_text`: one document (text), the format the ``passkey`` data source trains on;
+- :func:`passkey_documents`: that source's documents (``data.sources`` kind ``passkey``): 8,192
+  documents of 112 to 2,048 characters (log-uniform), each its key at a uniform depth;
+- :func:`passkey_prompt`: one check of exactly ``length`` tokens in token space, its answer's
+  tokens last (:mod:`zaya_jax.eval.long_context` scores it).
+
+The prompt is built from the pieces' token ids (intro, filler cut to length, needle, filler,
+question, answer), so its length is exact with any tokenizer; with the byte tokenizer the ids are
+those of :func:`passkey_text`'s text, byte for byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:  # tokenizers imports sources, which imports this module
+    from zaya_jax.data.tokenizers import Tokenizer
+
+INTRO = "Remember the pass key.\n"
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
+QUESTION = "What is the pass key? The pass key is "
+DOCUMENTS = 8192  # in the passkey source
+SHORTEST, LONGEST = 112, 2048  # characters of a passkey source document
+
+
+def needle(key: str) -> str:
+    return f"The pass key is {key}. Remember it.\n"
+
+
+def random_key(rng: np.random.Generator) -> str:
+    return str(int(rng.integers(10_000, 100_000)))
+
+
+def passkey_text(length: int, depth: float, key: str) -> str:
+    """A document of about ``length`` characters (at least its fixed parts) hiding ``key`` after
+    ``depth`` (0 to 1) of its filler, asking for it at the end and answering."""
+    fixed = len(INTRO) + len(needle(key)) + len(QUESTION) + len(key) + 1
+    filler = max(length - fixed, 0)
+    before = round(filler * depth)
+    text = FILLER * (filler // len(FILLER) + 1)
+    return INTRO + text[:before] + needle(key) + text[: filler - before] + QUESTION + key + "."
+
+
+def passkey_documents(count: int = DOCUMENTS, seed: int = 0) -> Iterator[tuple[str, str]]:
+    """(key, text) of the ``passkey`` source: ``count`` documents, lengths log-uniform in
+    [SHORTEST, LONGEST] characters, depths uniform, keys random (all from ``seed``)."""
+    rng = np.random.default_rng([seed, 0x9A55])
+    for i in range(count):
+        length = int(np.exp(rng.uniform(np.log(SHORTEST), np.log(LONGEST))))
+        yield f"passkey/{i:05d}", passkey_text(length, float(rng.uniform()), random_key(rng))
+
+
+def passkey_prompt(tokenizer: Tokenizer, length: int, depth: float, key: str) -> tuple[np.ndarray, int]:
+    """(ids, answer tokens): a check of exactly ``length`` tokens whose last ``answer tokens`` ids
+    are the key, hidden after ``depth`` (0 to 1) of the filler. Raises ``ValueError`` when
+    ``length`` cannot hold the fixed parts."""
+    intro, question = tokenizer.encode(INTRO), tokenizer.encode(QUESTION)
+    hidden, answer = tokenizer.encode(needle(key)), tokenizer.encode(key)
+    filler = length - len(intro) - len(hidden) - len(question) - len(answer)
+    if filler < 0:
+        raise ValueError(f"a passkey check needs at least {length - filler} tokens; give a longer length")
+    unit = tokenizer.encode(FILLER)
+    text = np.tile(np.asarray(unit, np.int64), filler // len(unit) + 1)
+    before = round(filler * depth)
+    ids = np.concatenate([intro, text[:before], hidden, text[: filler - before], question, answer])
+    return ids.astype(np.int32), len(answer)
