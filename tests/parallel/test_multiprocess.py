@@ -62,7 +62,7 @@ def test_signals_to_each_process_and_one_clock_due_both_save_stop_and_resume_exa
     # process 1's save clock runs 10^5 s ahead: a time-based save is due by its clock after every
     # step and never by process 0's; SIGINT goes to process 0 and SIGTERM to process 1 at step 3
     # (step by step: dispatched ahead, an odd step's agreed save would land on the next, even step,
-    # which saves anyway; tests/train/test_resume.py covers that placement)
+    # which saves anyway; tests/train/test_resume.py::test_time_based_checkpoints_and_keep_policy covers that placement)
     procs = start_two_processes(
         run, STEPS, "checkpoint.every_minutes=60", "train.dispatch_ahead=false", clock_skew=100000,
         fault=("pause_at_step=3",),

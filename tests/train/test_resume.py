@@ -1,6 +1,7 @@
-"""Nothing is lost: a run killed with SIGKILL resumes from its last complete checkpoint with the
-exact data position and reproduces the uninterrupted run's losses bit for bit; SIGTERM saves a
-checkpoint and exits cleanly."""
+"""Nothing is lost: SIGTERM saves a checkpoint and exits cleanly; a save failing in the background
+stops the run and the rerun resumes from the last complete one; resuming with another model is
+refused. (A run killed with SIGKILL resumes bit-identical: tests/train/test_stages.py, across a
+curriculum boundary, the first kill during a background save.)"""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures import MINI
-from tests.resilience import faults
 
 STEPS = 8
 COMMON = [
@@ -45,23 +45,6 @@ def _losses(run: Path) -> dict[int, float]:
     steps = [line["step"] for line in lines if "loss" in line]
     assert len(steps) == len(set(steps)), "a resumed run must not log a step twice"
     return {line["step"]: line["loss"] for line in lines if "loss" in line}
-
-
-def test_resume_after_sigkill_matches_the_uninterrupted_run(tmp_path):
-    reference = tmp_path / "reference"
-    _train(reference)
-
-    run = tmp_path / "killed"
-    crashed = _train(run, check=False, prefix=faults.command("crash_at_step=5"))
-    assert crashed.returncode == -signal.SIGKILL
-    assert max(_losses(run)) == 5
-    _train(run)  # the same command again: resumes from the last complete checkpoint
-
-    assert _losses(run) == _losses(reference)  # bit-identical, step for step
-    events = [json.loads(line)["event"] for line in (run / "events.jsonl").read_text().splitlines()]
-    assert "resume" in events
-    steps = sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit())
-    assert steps[-1] == STEPS and len(steps) <= 3  # keep policy: the last 3
 
 
 def test_sigterm_saves_a_checkpoint_and_exits_cleanly(tmp_path):

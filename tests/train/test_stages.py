@@ -135,12 +135,19 @@ def _records(run: Path) -> list[dict]:
 
 
 def test_a_run_killed_before_at_and_after_the_boundary_resumes_bit_identical(tmp_path):
+    """SIGKILLed three times: after step 3 while saving in the background (the default: it resumes
+    from step 2 or 3, whichever save was committed), then with synchronous saves after step 4 (the
+    last of stage 0) and step 5 (the first with the extended RoPE), each resuming from that step;
+    a resume that changes stage 0 in between is refused. The losses, learning rates and shapes of
+    every step equal the uninterrupted run's, bit for bit."""
     reference = tmp_path / "reference"
     assert _train(reference).returncode == 0
     run = tmp_path / "killed"
-    for step in (3, 4, 5):  # resumes at stage 0, at its last step, in stage 1 (the extended RoPE)
+    for step, saves in ((3, "true"), (4, "false"), (5, "false")):
         (run / faults.FIRED).unlink(missing_ok=True)
-        crashed = _train(run, prefix=faults.command(f"crash_at_step={step}"))
+        crashed = _train(
+            run, f"checkpoint.async_save={saves}", prefix=faults.command(f"crash_at_step={step}")
+        )
         assert crashed.returncode == -9, crashed.stderr[-3000:]
     changed = _train(run, STAGES.replace("seq_len: 32", "seq_len: 16"))
     assert changed.returncode == 2, changed.stderr[-3000:]
@@ -156,10 +163,11 @@ def test_a_run_killed_before_at_and_after_the_boundary_resumes_bit_identical(tmp
             r["step"]: (r["loss"], r["lr"], r["seq_len"], r["stage"]) for r in _records(path) if "loss" in r
         }
 
-    assert trained(run) == trained(reference)  # bit-identical, step for step
+    assert trained(run) == trained(reference)  # bit-identical, step for step, nothing logged twice
     assert [trained(run)[s][2:] for s in (4, 5)] == [(32, 0), (64, 1)]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
-    assert [e["detail"]["from_step"] for e in events if e["event"] == "resume"] == [3, 4, 5]
+    resumed = [e["detail"]["from_step"] for e in events if e["event"] == "resume"]
+    assert resumed[0] in (2, 3) and resumed[1:] == [4, 5]
     from zaya_jax.checkpoint import read_config
 
     assert read_config(run / "checkpoints" / "4")[0].model.rope_theta == 10000.0

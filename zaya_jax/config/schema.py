@@ -116,7 +116,7 @@ class Config:
 
     def at_stage(self, stage: int) -> Config:
         """This config as a checkpoint of curriculum ``stage`` records it: ``model`` is the model in
-        force (:meth:`stage_model`: what ``zaya convert``, ``zaya eval``, ``zaya sample`` and
+        force (:meth:`stage_model`: what ``zaya convert``, ``zaya eval``, ``zaya generate`` and
         ``train.init_from`` load), and every stage states its RoPE, so the curriculum reads the same."""
         if not self.train.stages:
             return self

@@ -122,7 +122,7 @@ class RampPoint:
 @dataclasses.dataclass(frozen=True)
 class StageRope:
     """The RoPE of a curriculum stage, complete (what context extension changes): the bases of
-    full-attention and sliding-window layers and their scaling (``model.rope_*`` of the same names)."""
+    full-attention and sliding-window layers and their scaling (``model.rope_theta``, ``rope_theta_sliding``, ``rope_scaling``, ``rope_scaling_sliding``)."""
 
     theta: float  # RoPE base of full-attention layers in this stage (model.rope_theta)
     theta_sliding: float  # RoPE base of sliding-window layers (model.rope_theta_sliding)
@@ -149,7 +149,7 @@ class Stage:
     seq_len: int  # row length in this stage
     mixture: tuple[float, ...] | None = None  # one weight per data source (null: the sources' weights)
     batch_size: int | None = None  # global batch in rows in this stage (null: train.batch_ramp's)
-    # The RoPE in this stage, {theta, theta_sliding, scaling, scaling_sliding} (null: model.rope_*):
+    # The RoPE in this stage, {theta, theta_sliding, scaling, scaling_sliding} (null: the model section's):
     # context extension raises the base or adds yarn/linear scaling; parameters and optimizer carry over.
     rope: StageRope | None = None
     # The learning rate's multiplier at the stage's first and last token, linear between (null: 1

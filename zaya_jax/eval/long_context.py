@@ -23,7 +23,7 @@ import numpy as np
 
 from zaya_jax.config import DataConfig, ModelConfig
 from zaya_jax.data import make_row_iterator
-from zaya_jax.data.passkey import passkey_prompt, random_key
+from zaya_jax.data.passkey import passkey_prompt, random_filler, random_key
 from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.loss import token_nll
 from zaya_jax.model import BALANCING, Zaya
@@ -72,7 +72,9 @@ def passkey_accuracy(
         raise ValueError(f"passkey depths are fractions of the filler in [0, 1]; got {list(depths)}")
     rng = np.random.default_rng([seed, length])
     checks = [
-        (d, *passkey_prompt(tokenizer, length, d, random_key(rng))) for d in depths for _ in range(prompts)
+        (d, *passkey_prompt(tokenizer, length, d, random_key(rng), random_filler(rng)))
+        for d in depths
+        for _ in range(prompts)
     ]
     passed = answered(lm, [(ids, n) for _, ids, n in checks], batch_size)
     by_depth = {

@@ -11,6 +11,7 @@ a vector and goes to ``metrics.jsonl`` under its own name
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,8 +98,6 @@ def make_train_step(
             shares = parameters.split(update_shardings)[0]
             grads = jax.lax.with_sharding_constraint(grads, shares)
             trained = jax.lax.with_sharding_constraint(trained, shares)
-        updates, opt_state = tx.update(grads, opt_state, trained)
-        trained = optax.apply_updates(trained, updates)  # all-gathered into the parameters' layout on exit
 
         balancing, controller = state.balancing, state.controller
         biases = state.balancing["layers"]["router"]["biases"]
@@ -114,10 +113,24 @@ def make_train_step(
         metrics["routing"] = _routing_health(cfg, stats, load, biases, state.controller.base)
         if parameters.guards_inert_adapters:  # the guard's input (zaya_jax.train.steps, first step)
             metrics[B_GRAD_NORMS] = parameters.b_grad_norms(grads)
+
+        def update(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            grads, opt_state, trained, _, _ = operands
+            updates, opt_state = tx.update(grads, opt_state, trained)
+            return optax.apply_updates(
+                trained, updates
+            ), opt_state  # all-gathered into the parameters' layout
+
+        operands = (grads, opt_state, trained, state.opt_state, trained)
+        if loss_limit is None:
+            trained, opt_state = update(operands)
+        else:  # the update runs only on an accepted step (a select over two states would hold both)
+            accept = _accepted(cfg, objective, metrics, grad_norm, loss_limit)
+            trained, opt_state = jax.lax.cond(accept, update, lambda ops: (ops[4], ops[3]), operands)
+            keep = functools.partial(jnp.where, accept)
+            balancing = jax.tree.map(keep, balancing, state.balancing)
+            controller = jax.tree.map(keep, controller, state.controller)
         new_state = TrainState(state.step + 1, trained, opt_state, balancing, controller)
-        if loss_limit is not None:
-            old = state.replace(params=parameters.split(state.params)[0])  # the frozen base: as it is
-            new_state = _guarded(cfg, objective, old, new_state, metrics, grad_norm, loss_limit)
         new_state = new_state.replace(params=parameters.join(new_state.params, frozen))
         rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
         metrics["lr"], metrics["muon_lr"] = rates["adam_lr"], rates["muon_lr"]
@@ -126,20 +139,18 @@ def make_train_step(
     return under_axis_rules(step, axis_rules)
 
 
-def _guarded(
+def _accepted(
     cfg: Config,
     objective: Objective,
-    state: TrainState,
-    new_state: TrainState,
     metrics: dict[str, jax.Array],
     grad_norm: jax.Array,
     loss_limit: jax.Array,
-) -> TrainState:
-    """``new_state``, or ``state`` (the previous trained parameters, optimizer and balancing state;
-    the step counted) when the loss or gradient norm is not finite or the loss exceeds ``loss_limit`` (metrics
-    ``skipped``, ``nonfinite``), when a metric passes its objective's bound (``bound_rejected``),
-    and with ``resilience.on_routing_alarm: skip`` when its routing is past a limit
-    (``routing_rejected``)."""
+) -> jax.Array:
+    """Whether the step is applied (else the previous trained parameters, optimizer and balancing
+    state are kept, the step counted): not when the loss or gradient norm is not finite or the loss
+    exceeds ``loss_limit`` (metrics ``skipped``, ``nonfinite``), when a metric passes its
+    objective's bound (``bound_rejected``), and with ``resilience.on_routing_alarm: skip`` when its
+    routing is past a limit (``routing_rejected``)."""
     finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
     accept = finite & (metrics["loss"] <= loss_limit)
     if objective.bounds:  # NaN is past any bound
@@ -150,10 +161,9 @@ def _guarded(
         healthy = within_limits(cfg, metrics["routing"])
         accept = accept & healthy
         metrics["routing_rejected"] = 1.0 - healthy.astype(jnp.float32)
-    kept = jax.tree.map(lambda new, old: jnp.where(accept, new, old), new_state, state)
     metrics["skipped"] = 1.0 - accept.astype(jnp.float32)
     metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
-    return kept.replace(step=state.step + 1)
+    return accept
 
 
 def _accumulated_grads(

@@ -26,6 +26,7 @@ from zaya_jax.ops.platform import Target, planning_for
 from zaya_jax.parallel.distributed import apply_runtime
 from zaya_jax.programs import TrainState, fingerprint
 from zaya_jax.train.fit import peak_bytes
+from zaya_jax.train.schedule import largest_step
 
 
 def gemm_tile_warnings(cfg: Config, tile: int = 64, preferred: int = 128) -> list[str]:
@@ -60,8 +61,9 @@ PLATFORM_PATHS = {
 
 
 def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = None) -> dict[str, Any]:
-    """Lower and compile the train step on the current devices (usually fake CPU devices), tracing
-    ``target``'s program ("gpu" or "cpu"). Where ``target`` is the backend's own platform, the
+    """Lower and compile the run's largest train step (the one ``zaya train`` compiles first: the
+    final batch at the longest rows, with that stage's model) on the current devices (usually fake
+    CPU devices), tracing ``target``'s program ("gpu" or "cpu"). Where ``target`` is the backend's own platform, the
     program is exactly the one ``zaya train`` compiles for the same config and layout: the report's
     ``train_step_fingerprint`` equals the ``compiled`` event's in the run's ``events.jsonl``.
     ``gpu_kind`` (e.g. "H200"): plan the MoE path ``moe_impl: auto`` chose on that GPU (its cached
@@ -70,8 +72,9 @@ def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = Non
     apply_runtime(cfg.runtime)
     native = (target == "cpu") == (jax.default_backend() == "cpu")
     with contextlib.nullcontext() if native else planning_for(target, gpu_kind):
-        programs = build_programs(cfg)
-        lowered = programs.lower_train_step()
+        rows, seq, stage = largest_step(cfg)  # the step training compiles first (its fit check)
+        programs = build_programs(cfg).at_stage(stage)
+        lowered = programs.lower_train_step(rows, seq)
         compiled = lowered.compile()
     memory = compiled.memory_analysis()
     hlo = compiled.as_text()
@@ -88,6 +91,8 @@ def compile_plan(cfg: Config, target: Target = "gpu", gpu_kind: str | None = Non
         "platform": jax.devices()[0].platform,
         "planned_program": target,
         "train_step_fingerprint": fingerprint(lowered),
+        "batch": [rows, seq],
+        **({"stage": stage} if cfg.train.stages else {}),
         "platform_paths": {name: about for name, about in PLATFORM_PATHS.items() if name in hlo},
         "moe_impl": programs.moe.record() if programs.moe is not None else None,
         "mesh": dict(programs.layout.mesh.shape),
