@@ -115,21 +115,25 @@ def make_train_step(
             metrics[B_GRAD_NORMS] = parameters.b_grad_norms(grads)
 
         def update(operands: tuple[Any, ...]) -> tuple[Any, Any]:
-            grads, opt_state, trained, _, _ = operands
+            grads, opt_state, trained, _ = operands
             updates, opt_state = tx.update(grads, opt_state, trained)
-            return optax.apply_updates(
-                trained, updates
-            ), opt_state  # all-gathered into the parameters' layout
+            # all-gathered into the parameters' layout on exit (ZeRO-1's shares)
+            trained = optax.apply_updates(trained, updates)
+            return trained, opt_state
 
-        operands = (grads, opt_state, trained, state.opt_state, trained)
+        def keep(operands: tuple[Any, ...]) -> tuple[Any, Any]:
+            _, _, trained, old_opt_state = operands
+            return trained, old_opt_state
+
+        operands = (grads, opt_state, trained, state.opt_state)
         if loss_limit is None:
             trained, opt_state = update(operands)
         else:  # the update runs only on an accepted step (a select over two states would hold both)
             accept = _accepted(cfg, objective, metrics, grad_norm, loss_limit)
-            trained, opt_state = jax.lax.cond(accept, update, lambda ops: (ops[4], ops[3]), operands)
-            keep = functools.partial(jnp.where, accept)
-            balancing = jax.tree.map(keep, balancing, state.balancing)
-            controller = jax.tree.map(keep, controller, state.controller)
+            trained, opt_state = jax.lax.cond(accept, update, keep, operands)
+            chosen = functools.partial(jnp.where, accept)
+            balancing = jax.tree.map(chosen, balancing, state.balancing)
+            controller = jax.tree.map(chosen, controller, state.controller)
         new_state = TrainState(state.step + 1, trained, opt_state, balancing, controller)
         new_state = new_state.replace(params=parameters.join(new_state.params, frozen))
         rates = current_learning_rates(new_state.opt_state)  # a metric: logging never reads the state
