@@ -20,12 +20,9 @@ those of :func:`passkey_text`'s text, byte for byte.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-
-if TYPE_CHECKING:  # tokenizers imports sources, which imports this module
-    from zaya_jax.data.tokenizers import Tokenizer
 
 INTRO = "Remember the key.\n"
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.\n"
@@ -78,9 +75,11 @@ def passkey_documents(count: int = DOCUMENTS, seed: int = 0) -> Iterator[tuple[s
 
 
 def passkey_prompt(
-    tokenizer: Tokenizer, length: int, depth: float, key: str, filler_text: str = FILLER
+    tokenizer: Any, length: int, depth: float, key: str, filler_text: str = FILLER
 ) -> tuple[np.ndarray, int]:
-    """(ids, answer tokens): a check of exactly ``length`` tokens whose last ``answer tokens`` ids
+    """(ids, answer tokens): a check of exactly ``length`` tokens (``tokenizer``: a
+    :class:`zaya_jax.data.tokenizers.Tokenizer`, not imported here: it imports the sources, which
+    import this module) whose last ``answer tokens`` ids
     are the key, hidden after ``depth`` (0 to 1) of the filler (``filler_text`` repeated). Raises
     ``ValueError`` when ``length`` cannot hold the fixed parts."""
     intro, question = tokenizer.encode(INTRO), tokenizer.encode(QUESTION)

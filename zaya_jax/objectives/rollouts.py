@@ -225,8 +225,8 @@ class Rollouts:
         batch_rows = self.pending.pop(0)
         batch = local_rows({k: np.stack([row[k] for row in batch_rows]) for k in batch_rows[0]})
         read = sum(int((row["segment_ids"] > 0).sum()) for row in batch_rows)
-        plan = RolloutPlan(len(batch_rows), self.cfg.train.seq_len, 0, None,
-                           (*self.stats, ("row_fill", read / (len(batch_rows) * self.cfg.train.seq_len))))  # fmt: skip
+        fill = ("row_fill", read / (len(batch_rows) * self.cfg.train.seq_len))
+        plan = RolloutPlan(len(batch_rows), self.cfg.train.seq_len, 0, None, rollout=(*self.stats, fill))
         self.position["tokens_seen"] += plan.tokens
         return plan, batch, self.get_state()
 

@@ -114,23 +114,9 @@ def make_train_step(
         if parameters.guards_inert_adapters:  # the guard's input (zaya_jax.train.steps, first step)
             metrics[B_GRAD_NORMS] = parameters.b_grad_norms(grads)
 
-        def update(operands: tuple[Any, ...]) -> tuple[Any, Any]:
-            grads, opt_state, trained, _ = operands
-            updates, opt_state = tx.update(grads, opt_state, trained)
-            # all-gathered into the parameters' layout on exit (ZeRO-1's shares)
-            trained = optax.apply_updates(trained, updates)
-            return trained, opt_state
-
-        def keep(operands: tuple[Any, ...]) -> tuple[Any, Any]:
-            _, _, trained, old_opt_state = operands
-            return trained, old_opt_state
-
-        operands = (grads, opt_state, trained, state.opt_state)
-        if loss_limit is None:
-            trained, opt_state = update(operands)
-        else:  # the update runs only on an accepted step (a select over two states would hold both)
-            accept = _accepted(cfg, objective, metrics, grad_norm, loss_limit)
-            trained, opt_state = jax.lax.cond(accept, update, keep, operands)
+        accept = None if loss_limit is None else _accepted(cfg, objective, metrics, grad_norm, loss_limit)
+        trained, opt_state = _optimizer_update(tx, grads, opt_state, trained, state.opt_state, accept)
+        if accept is not None:  # a rejected step keeps the balancing state too
             chosen = functools.partial(jnp.where, accept)
             balancing = jax.tree.map(chosen, balancing, state.balancing)
             controller = jax.tree.map(chosen, controller, state.controller)
@@ -141,6 +127,32 @@ def make_train_step(
         return new_state, metrics
 
     return under_axis_rules(step, axis_rules)
+
+
+def _optimizer_update(
+    tx: optax.GradientTransformation,
+    grads: Any,
+    opt_state: optax.OptState,
+    trained: Any,
+    old_opt_state: optax.OptState,
+    accept: jax.Array | None,
+) -> tuple[Any, optax.OptState]:
+    """(trained, optimizer state) after the optimizer's update; with ``accept`` (a traced bool) the
+    update runs under ``lax.cond`` only when it holds, else ``trained`` and ``old_opt_state`` come
+    back as they were (selecting between the two states after the update would hold both: 2 GB a
+    device of ZAYA1-8B's 4k plan)."""
+
+    def update(operands: tuple[Any, ...]) -> tuple[Any, optax.OptState]:
+        grads, opt_state, trained, _ = operands
+        updates, opt_state = tx.update(grads, opt_state, trained)
+        # all-gathered into the parameters' layout on exit (ZeRO-1's shares)
+        return optax.apply_updates(trained, updates), opt_state
+
+    def keep(operands: tuple[Any, ...]) -> tuple[Any, optax.OptState]:
+        return operands[2], operands[3]
+
+    operands = (grads, opt_state, trained, old_opt_state)
+    return update(operands) if accept is None else jax.lax.cond(accept, update, keep, operands)
 
 
 def _accepted(
