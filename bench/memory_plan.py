@@ -1,7 +1,7 @@
 """Per-device memory as XLA plans it (``zaya train --compile-only``), for the shapes of issue 15:
 the ``tiny`` train step on one device at 4k and 8k tokens, ``tiny`` with ZAYA1's 262k vocabulary,
 the chunked loss against full logits, ``zaya1-8b`` on 64 devices at 4k and at 32k with context
-parallelism, and ``zaya1-8b`` in ZeRO-1 on 8 and 64 devices at 4k and 32k. Each plan runs in its own process (the fake device count is fixed at JAX start-up).
+parallelism, ``zaya1-8b`` in ZeRO-1 on 8 and 64 devices at 4k and 32k, and on 8 devices at 65k and 131k. Each plan runs in its own process (the fake device count is fixed at JAX start-up).
 
 ``--repo PATH`` plans with another checkout of zaya-jax (e.g. the commit before a change), so the
 same script measures before and after. Prints one JSON object; bytes per device.
@@ -37,6 +37,10 @@ ZAYA_32K = [
 # optimizer state split over data. One row per device per micro-batch, as in the cases above.
 ZERO1 = ["mesh.optimizer_sharding=zero1", "mesh.fsdp=1", "mesh.expert=1"]
 ZERO1_32K = [*ZERO1, "train.seq_len=32768", "train.batch_size=32", "mesh.context=8"]
+# Past 32k on 8 devices (one MI300X node): context 8, ZeRO-1 over the context axis, one row per
+# micro-batch, the 32k stage's 1M tokens per step (16 rows of 65,536, 8 of 131,072).
+ZERO1_65K = [*ZERO1, "mesh.data=1", "mesh.context=8", "train.seq_len=65536", "train.batch_size=16"]
+ZERO1_131K = [*ZERO1, "mesh.data=1", "mesh.context=8", "train.seq_len=131072", "train.batch_size=8"]
 
 CASES = {
     "tiny_4k": ("tiny", 1, [*TINY_LONG, "train.seq_len=4096"]),
@@ -49,6 +53,10 @@ CASES = {
     "zaya1_8b_4k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1, "mesh.data=64", "train.micro_batches=4"]),
     "zaya1_8b_32k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_32K, "mesh.data=1", "train.micro_batches=32"]),
     "zaya1_8b_32k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1_32K, "mesh.data=8", "train.micro_batches=4"]),
+    "zaya1_8b_65k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_65K, "train.micro_batches=16"]),
+    "zaya1_8b_131k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_131K, "train.micro_batches=8"]),
+    "zaya1_8b_131k_cp8_8dev": ("zaya1-8b", 8, [*ZERO1_131K[1:], "train.micro_batches=8"]),  # without ZeRO-1
+    "zaya1_8b_131k_zero1_8dev_remat_full": ("zaya1-8b", 8, [*ZERO1_131K, "train.micro_batches=8", "model.remat=full"]),
 }
 
 

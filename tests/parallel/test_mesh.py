@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import jax
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import zaya_jax
 from zaya_jax.config import ConfigError
 from zaya_jax.parallel import DEFAULT_RULES, logical_rules, make_mesh, mesh_sizes
+from zaya_jax.parallel.rules import zero1_shardings
 
 
 def test_one_axis_is_filled_with_the_devices_left():
@@ -44,6 +47,38 @@ def test_rules_override_the_default_table():
     rules = dict(logical_rules(cfg.mesh))
     assert rules["vocab"] == ("fsdp",) and rules["embed"] == ("fsdp",)
     assert dict(DEFAULT_RULES)["vocab"] == ()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "experts", "dense"),
+    [
+        # ZeRO-1 on one node at 131k: context 8 alone splits the layer stack (distributed Muon
+        # keeps whole matrices); before, data=1 left the optimizer state whole on every device.
+        ((1, 1, 1, 8), P("context", None, None, None), P("context", None, None)),
+        # 64 devices, data 8 x context 8: data takes the layers (40 / 8), context the experts
+        # (16 / 8); a dense weight's context share falls on its first matrix axis.
+        ((8, 1, 1, 8), P("data", "context", None, None), P("data", "context", None)),
+        # an axis that already splits the parameter (expert) is left as it is
+        ((2, 1, 2, 2), P(("data", "context"), "expert", None, None), P(("data", "context"), None, None)),
+    ],
+)
+def test_zero1_splits_the_optimizer_state_over_data_and_context(sizes, experts, dense):
+    mesh = jax.sharding.AbstractMesh(sizes, ("data", "fsdp", "expert", "context"))
+    expert_spec = P(None, "expert") if sizes[2] > 1 else P()
+    params = {
+        "wi": jax.ShapeDtypeStruct((40, 16, 64, 128), "float32"),
+        "o_proj": jax.ShapeDtypeStruct((40, 64, 32), "float32"),
+        "norm": jax.ShapeDtypeStruct((3,), "float32"),  # no dimension divides: left as stored
+    }
+    stored = {
+        "wi": NamedSharding(mesh, expert_spec),
+        "o_proj": NamedSharding(mesh, P()),
+        "norm": NamedSharding(mesh, P()),
+    }
+    shares = zero1_shardings(params, stored, mesh)
+    assert shares["wi"].spec == experts
+    assert shares["o_proj"].spec == dense
+    assert shares["norm"] is stored["norm"]
 
 
 def test_runtime_flags_are_applied_to_xla_flags_and_recorded(tmp_path, capsys):

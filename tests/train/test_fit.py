@@ -130,8 +130,9 @@ def test_an_allocation_failure_in_the_step_names_the_runs_settings():
     def failing(*args):
         raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 9.1GiB")
 
-    step = TrainStep(Programs(), watchdog=None, event=None)
-    step._compiled[(Programs.cfg.model, 8, 32)] = failing
+    programs = Programs()
+    step = TrainStep(programs, watchdog=None, event=None)
+    step._compiled[(id(programs), 8, 32)] = failing
     with pytest.raises(OutOfMemoryError, match=r"train\.micro_batches=2.*9\.1GiB"):
         step(1, None, {"inputs": np.zeros((8, 32))}, 1.0, np.inf)
 

@@ -25,7 +25,7 @@ class MeshConfig:
     which may be -1 (all devices left over). The global batch is split over data x fsdp x expert,
     the sequence over context, expert weights over expert and the residual width of every weight
     (and its optimizer state) over fsdp; with ``optimizer_sharding: zero1`` the optimizer state is
-    also split over data. ``rules`` override entries of the logical-axis table
+    also split over data and context. ``rules`` override entries of the logical-axis table
     (``zaya_jax.parallel.rules.DEFAULT_RULES``)."""
 
     data: int = -1  # data-parallel replicas (-1: the devices left over)
@@ -43,8 +43,9 @@ class MeshConfig:
     # (jax.lax.ragged_all_to_all, only routed rows; GPU/TPU) or "auto" (ragged unless on CPU).
     expert_exchange: Literal["auto", "padded", "ragged"] = "auto"
     # Where the optimizer state lives: "none" (like its parameter) or "zero1" (ZeRO-1, ZAYA1's
-    # layout: also split over the data axis; gradients reduce-scattered, the update computed on each
-    # device's share, the new parameters all-gathered once per step).
+    # layout: also split over the data and context axes, whose devices hold the same parameters;
+    # gradients reduce-scattered, the update computed on each device's share, the new parameters
+    # all-gathered once per step).
     optimizer_sharding: Literal["none", "zero1"] = "none"
     rules: tuple[AxisRule, ...] = ()  # overrides of the logical-axis table (see below)
 

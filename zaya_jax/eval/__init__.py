@@ -17,7 +17,7 @@ from zaya_jax.data.tokenizers import Tokenizer
 from zaya_jax.objectives import Evaluable, spec_for
 from zaya_jax.objectives.held_out import checked_tokenizer, evaluate_held_out, loss_over
 
-__all__ = ["Evaluable", "evaluate", "evaluate_held_out"]
+__all__ = ["Evaluable", "evaluate", "evaluate_held_out", "ordered_batches"]
 
 
 def evaluate(
@@ -34,17 +34,28 @@ def evaluate(
     """Mean next-token loss (nats per token) over up to ``max_batches`` batches of ``split``, read
     in order without shuffling. ``tokenizer``: a tokenizer or its spec (default ``data.tokenizer``).
     Returns ``{"loss", "perplexity", "tokens"}``."""
+    rows = ordered_batches(lm, data, tokenizer, split, seq_len, batch_size, max_batches)
+    cfg = Config(model=lm.config, data=data)
+    return loss_over(lm, cfg, spec_for("lm").loss, rows, progress)
+
+
+def ordered_batches(
+    lm: Evaluable,
+    data: DataConfig,
+    tokenizer: Tokenizer | str | None,
+    split: str,
+    seq_len: int,
+    batch_size: int,
+    max_batches: int,
+) -> Iterator[dict[str, np.ndarray]]:
+    """Up to ``max_batches`` host batches of ``split``'s packed rows, read in order without
+    shuffling, tokenized by ``tokenizer`` (default ``data.tokenizer``, checked against ``lm``). A
+    short last batch is filled with empty rows (loss_mask 0): one compiled shape throughout."""
     tok = checked_tokenizer(tokenizer if tokenizer is not None else data.tokenizer, lm)
     rows = make_row_iterator(data, tok, seq_len=seq_len, seed=0, split=split, shuffle=False, repeat=False)
-
-    def batches() -> Iterator[dict[str, np.ndarray]]:
-        for _ in range(max_batches):
-            taken = list(itertools.islice(rows, batch_size))
-            if not taken:
-                return
-            # A short last batch is filled with empty rows (loss_mask 0): one compiled shape throughout.
-            taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (batch_size - len(taken))
-            yield {k: np.stack([row[k] for row in taken]) for k in taken[0]}
-
-    cfg = Config(model=lm.config, data=data)
-    return loss_over(lm, cfg, spec_for("lm").loss, batches(), progress)
+    for _ in range(max_batches):
+        taken = list(itertools.islice(rows, batch_size))
+        if not taken:
+            return
+        taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (batch_size - len(taken))
+        yield {k: np.stack([row[k] for row in taken]) for k in taken[0]}

@@ -13,7 +13,6 @@ answer's positions go through the LM head, so a long check at a 262k vocabulary 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,14 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from zaya_jax.config import DataConfig, ModelConfig
-from zaya_jax.data import make_row_iterator
 from zaya_jax.data.passkey import passkey_prompt, random_filler, random_key
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.eval import ordered_batches
 from zaya_jax.loss import token_nll
 from zaya_jax.model import BALANCING, Zaya
 from zaya_jax.model.transformer import lm_head_weights
 from zaya_jax.objectives import Evaluable
-from zaya_jax.objectives.held_out import checked_tokenizer
 
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -127,17 +125,10 @@ def loss_by_position(
     tokens has loss None). A model that uses a longer context has a lower loss late in a document."""
     if buckets < 1 or buckets > seq_len:
         raise ValueError(f"--by-position takes 1 to seq_len={seq_len} buckets, got {buckets}")
-    tok = checked_tokenizer(tokenizer if tokenizer is not None else data.tokenizer, lm)
-    rows = make_row_iterator(data, tok, seq_len=seq_len, seed=0, split=split, shuffle=False, repeat=False)
     edges = np.linspace(0, seq_len, buckets + 1).astype(int)
     sums, counts = np.zeros(buckets), np.zeros(buckets, np.int64)
     program = _nll_program(lm.config)
-    for _ in range(max_batches):
-        taken = list(itertools.islice(rows, batch_size))
-        if not taken:
-            break
-        taken += [{k: np.zeros_like(v) for k, v in taken[0].items()}] * (batch_size - len(taken))
-        batch = {k: np.stack([row[k] for row in taken]) for k in taken[0]}
+    for batch in ordered_batches(lm, data, tokenizer, split, seq_len, batch_size, max_batches):
         nll = np.asarray(program(lm.variables, {k: jnp.asarray(v) for k, v in batch.items()}))
         kept = batch["loss_mask"] > 0
         where = np.searchsorted(edges, batch["positions"][kept], side="right") - 1

@@ -28,6 +28,9 @@ if TYPE_CHECKING:
 
 # The default table, from the registry (zaya_jax.model.axes): logical name -> mesh axes.
 DEFAULT_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple((axis.name, axis.mesh) for axis in AXES)
+# The mesh axes over which ZeRO-1 splits the optimizer state: those whose devices hold the same
+# parameters and see different tokens (rows over data, positions of the same rows over context).
+ZERO1_AXES = ("data", "context")
 
 
 def logical_rules(mesh_cfg: MeshConfig) -> tuple[tuple[str, Any], ...]:
@@ -117,31 +120,41 @@ def matching_shardings(
 
 
 def zero1_shardings(
-    params: dict[str, Any], param_shardings: dict[str, Any], mesh: Mesh, axis: str = "data"
+    params: dict[str, Any],
+    param_shardings: dict[str, Any],
+    mesh: Mesh,
+    axes: Sequence[str] = ZERO1_AXES,
 ) -> dict[str, Any]:
-    """ZeRO-1: each parameter's sharding with the ``axis`` mesh axis added to its first dimension
-    that the combined split divides (the stacked layers or experts of a weight before its matrix
-    axes, so distributed Muon keeps whole matrices per device); a leaf no dimension of which
-    divides stays as its parameter is. The optimizer state, gradients and update take these."""
-    size = mesh.shape[axis]
+    """ZeRO-1: each parameter's sharding with the mesh ``axes`` that hold replicas of it on
+    different tokens (``data``, and ``context``: its devices hold other positions of the same rows)
+    added, one at a time, each to the first dimension that the split so far times the axis divides
+    (the stacked layers or experts of a weight before its matrix axes, so distributed Muon keeps
+    whole matrices per device). An axis that no dimension takes, or that already splits the
+    parameter, is left out. The optimizer state, gradients and update take these."""
 
     def split(param: jax.ShapeDtypeStruct, sharding: NamedSharding) -> NamedSharding:
         spec = list(sharding.spec) + [None] * (len(param.shape) - len(sharding.spec))
         entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in spec]
-        if size == 1 or any(axis in names for names in entries):  # nothing to add, or split already
+        added = False
+        for axis in axes:
+            size = mesh.shape[axis]
+            if size == 1 or any(axis in names for names in entries):  # nothing to add, or split already
+                continue
+            for dim, names in enumerate(entries):
+                held = int(np.prod([mesh.shape[n] for n in names])) if names else 1
+                if param.shape[dim] % (held * size) == 0:
+                    entries[dim], added = (*names, axis), True
+                    break
+        if not added:
             return sharding
-        for dim, names in enumerate(entries):
-            held = int(np.prod([mesh.shape[n] for n in names])) if names else 1
-            if param.shape[dim] % (held * size) == 0:
-                spec[dim] = (*names, axis)
-                return NamedSharding(mesh, PartitionSpec(*spec))
-        return sharding
+        return NamedSharding(mesh, PartitionSpec(*(names or None for names in entries)))
 
     return jax.tree.map(split, params, param_shardings)
 
 
 __all__ = [
     "DEFAULT_RULES",
+    "ZERO1_AXES",
     "batch_spec",
     "logical_rules",
     "logical_to_spec",

@@ -66,13 +66,21 @@ class Programs:
     def _stages(self) -> dict[Any, Programs]:
         return {self.cfg.model: self}
 
+    @functools.cached_property
+    def _stage_index(self) -> dict[int, Programs]:
+        return {}
+
     def at_stage(self, stage: int) -> Programs:
         """These programs with the model of curriculum ``stage`` (its RoPE, ``train.stages[i].rope``):
-        the same state, layout and objective. Stages with the same model share one."""
-        model = self.cfg.stage_model(stage)
-        if model not in self._stages:
-            self._stages[model] = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, model=model))
-        return self._stages[model]
+        the same state, layout and objective. Stages with the same model share one object; each
+        stage's is looked up by its index after the first call (the trainer asks every step)."""
+        hit = self._stage_index.get(stage)
+        if hit is None:
+            model = self.cfg.stage_model(stage)
+            if model not in self._stages:
+                self._stages[model] = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, model=model))
+            hit = self._stage_index[stage] = self._stages[model]
+        return hit
 
     @functools.cached_property
     def bound(self) -> Objective:

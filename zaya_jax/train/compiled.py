@@ -58,7 +58,7 @@ class TrainStep:
         and check that its plan fits the device (:func:`~zaya_jax.train.fit.check_fit`: stops with
         settings that would)."""
         shape, programs = (rows, seq), self.programs.at_stage(stage)
-        key = (programs.cfg.model, *shape)
+        key = (id(programs), *shape)  # stages with the same model share one programs object
         if key in self._compiled:
             return
         self.watchdog.beat(after_step, "compile")
@@ -97,7 +97,7 @@ class TrainStep:
         stage: int = 0,
     ):
         args = self.programs.step_arguments(state, batch, lr_scale, loss_limit)
-        key = (self.programs.at_stage(stage).cfg.model, *batch["inputs"].shape)
+        key = (id(self.programs.at_stage(stage)), *batch["inputs"].shape)
         if key not in self._compiled:
             self.compile(*key[1:], after_step=step - 1, stage=stage)
         try:
