@@ -56,7 +56,11 @@ CASES = {
     "zaya1_8b_65k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_65K, "train.micro_batches=16"]),
     "zaya1_8b_131k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_131K, "train.micro_batches=8"]),
     "zaya1_8b_131k_cp8_8dev": ("zaya1-8b", 8, [*ZERO1_131K[1:], "train.micro_batches=8"]),  # without ZeRO-1
-    "zaya1_8b_131k_zero1_8dev_remat_full": ("zaya1-8b", 8, [*ZERO1_131K, "train.micro_batches=8", "model.remat=full"]),
+    "zaya1_8b_131k_zero1_8dev_remat_full": (
+        "zaya1-8b",
+        8,
+        [*ZERO1_131K, "train.micro_batches=8", "model.remat=full"],
+    ),
 }
 
 

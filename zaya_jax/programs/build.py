@@ -78,7 +78,9 @@ class Programs:
         if hit is None:
             model = self.cfg.stage_model(stage)
             if model not in self._stages:
-                self._stages[model] = dataclasses.replace(self, cfg=dataclasses.replace(self.cfg, model=model))
+                self._stages[model] = dataclasses.replace(
+                    self, cfg=dataclasses.replace(self.cfg, model=model)
+                )
             hit = self._stage_index[stage] = self._stages[model]
         return hit
 
