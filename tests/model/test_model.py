@@ -3,17 +3,21 @@ non-gradient balancing collection, mixed precision and the two MOD-skip semantic
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.ad_checkpoint import print_saved_residuals
 
 from tests.random_model import random_variables, tiny_config
 from zaya_jax.model import BALANCING, Zaya, init_variables
+from zaya_jax.model.layers import Dense
 
 LOGICAL_AXES = {
     "vocab", "embed", "heads", "kv", "kv_heads", "qk", "qk_heads", "head_dim", "conv", "router",
@@ -156,6 +160,30 @@ def test_remat_policies_keep_gradients_and_cut_saved_activations():
             np.testing.assert_allclose(a, b, atol=1e-5 * float(jnp.max(jnp.abs(b))) + 1e-12, rtol=0)
     # Fewer activations kept across the scan: the compiled temporaries shrink.
     assert results["full"][1] < results["minimal"][1] < temp_none
+
+
+def test_remat_minimal_keeps_weight_matmul_outputs_but_recomputes_o_proj():
+    # remat "minimal" keeps the outputs of weight matmuls across the layer scan, except o_proj's,
+    # which only the residual scale's gradient reads (a stacked copy per layer, held twice in
+    # ZAYA1-8B's 4k plan): the other (layers, rows, seq, hidden) arrays kept are the ones named here.
+    cfg = dataclasses.replace(tiny_config(), remat="minimal")
+    variables = random_variables(cfg, seed=0)
+    tokens = jax.random.randint(jax.random.key(1), (2, 64), 0, cfg.vocab_size)
+
+    def loss(params):
+        logits, _ = Zaya(cfg).apply({**variables, "params": params}, tokens)
+        return jnp.mean(logits)
+
+    def kept_hidden_width(recompute_o_proj: bool) -> int:
+        out = io.StringIO()
+        with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(out):
+            if not recompute_o_proj:  # the plain weight matmul, as before
+                patch.setattr(Dense, "recomputed", property(lambda self: False, lambda self, v: None))
+            print_saved_residuals(loss, variables["params"])  # one line per kept array: "dtype[shape] ..."
+        stacked = f"[{cfg.num_layers},2,64,{cfg.hidden_size}]"
+        return sum(line.split(" ")[0].endswith(stacked) for line in out.getvalue().splitlines())
+
+    assert kept_hidden_width(recompute_o_proj=False) == kept_hidden_width(recompute_o_proj=True) + 1
 
 
 def test_unrolled_layer_scan_gives_the_same_gradients_without_a_loop():

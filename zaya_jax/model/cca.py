@@ -395,4 +395,11 @@ class CCAAttention(nn.Module):
             out = self.hooks.context.attention(q, k, v, segments, real, mask.window)
         else:
             out, new_cache = self._attend_local(q, k, v, mask, cache, index, new_cache, window, window_mask)
-        return dense("o_proj", cfg.hidden_size, ("heads", "embed"))(out), new_cache
+        # o_proj's output is recomputed under remat "minimal" (from the attention output, which the
+        # backward pass recomputes anyway): kept, it is a (rows, seq, embed) array per layer that only
+        # the residual scale's gradient reads, and XLA:CPU's plan held the 40 layers' stack twice
+        # (1.1 GB of ZAYA1-8B's 4k plan on 64 devices, bench/RESULTS.md).
+        o_proj = Dense(
+            cfg.hidden_size, ("heads", "embed"), cfg.attention_bias, std, dtype, pdtype, True, name="o_proj"
+        )
+        return o_proj(out), new_cache

@@ -50,6 +50,9 @@ class Dense(nn.Module):
     init_std: float = 0.02
     dtype: jnp.dtype = jnp.float32
     param_dtype: jnp.dtype = jnp.float32
+    # Under remat "minimal" (which keeps the outputs of weight matmuls, dots without batch
+    # dimensions), recompute this one's output instead: written as a dot with a batch of one.
+    recomputed: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -61,7 +64,10 @@ class Dense(nn.Module):
             self.axes,
             self.param_dtype,
         )
-        y = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+        if self.recomputed:  # a batch of one: not a plain weight matmul to the remat policy
+            y = jnp.einsum("z...i,zio->z...o", x.astype(self.dtype)[None], kernel.astype(self.dtype)[None])[0]
+        else:
+            y = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
         if self.use_bias:
             bias = param_with_axes(
                 self, "bias", nn.initializers.zeros, (self.features,), self.axes[1:], self.param_dtype
