@@ -8,8 +8,8 @@ norms, the router-probability spread that sets the controller's gain, and the ba
 writes, so a statistic that depends on the layout (as the spread once did, through float32
 cancellation: 92% off on a data-parallel mesh) cannot hide behind a loose loss tolerance.
 
-First-step gradients are compared leaf by leaf for the layouts of ``GRADIENT_LAYOUTS`` (fsdp, and
-the combined layout splitting every axis at once; the others step by step). Tolerances, with what was measured: gradients of the same
+First-step gradients are compared leaf by leaf for the layouts of ``GRADIENT_LAYOUTS`` (the
+combined layout, splitting fsdp, expert and context at once; the others step by step). Tolerances, with what was measured: gradients of the same
 parameters on the same batch agree to 1e-5 of each leaf's largest entry (~1e-6, float32 summation
 order); per-step losses to 1e-6 relative (2.6e-7); gradient norms to 1e-5 (8e-8); spreads to 1e-4
 (2.9e-6); biases to 1e-9 absolute (1e-11; the controller moves them by ~1e-6 per step at

@@ -105,7 +105,8 @@ class ModelConfig:
     # of two of blocks of about this length). 128 was fastest on CPU (bench/attention.py).
     attention_block: int = 128
     # Activation rematerialisation per block in training: "none" keeps every activation, "minimal"
-    # keeps the weight-matmul outputs and recomputes the rest, "full" keeps only each block's input.
+    # keeps the weight-matmul outputs (but o_proj's) and recomputes the rest, "full" keeps only each
+    # block's input.
     remat: Literal["none", "minimal", "full"] = "none"
     # Layers per iteration of the scan over blocks: 1 keeps one compiled block (compile time and
     # program size independent of depth); num_layers unrolls the loop, which lets XLA skip stacking

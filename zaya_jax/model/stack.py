@@ -41,7 +41,7 @@ REMAT_POLICIES = {
     # Recompute the whole block: only each layer's input carry is kept for the backward pass.
     "full": jax.checkpoint_policies.nothing_saveable,
     # Keep the outputs of weight matmuls (dots without batch dimensions), recompute the rest
-    # (norms, activations, convolutions, attention scores).
+    # (norms, activations, convolutions, attention scores, and o_proj's output: zaya_jax.model.cca).
     "minimal": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
