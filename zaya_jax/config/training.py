@@ -199,7 +199,7 @@ class TrainConfig:
     z_loss: float = 0.0  # weight of the log-partition z-loss (0: off)
     # Sequence positions per chunk of the cross-entropy (the LM head is applied chunk by chunk, so
     # one chunk's float32 logits are rows per device x loss_chunk x vocab x 4 bytes); 0: automatic
-    # (the largest multiple of 16 keeping one row's chunk under 2^25 logits: 112 at ZAYA1's vocabulary).
+    # (the largest multiple of 16 keeping one row's chunk under 2^24 logits: 48 at ZAYA1's vocabulary).
     loss_chunk: int = 0
     batch_ramp: tuple[RampPoint, ...] = ()  # batch-size schedule by tokens seen (see below)
     stages: tuple[Stage, ...] = ()  # curriculum stages: sequence length and mixture by tokens (see below)

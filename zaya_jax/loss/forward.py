@@ -41,6 +41,15 @@ def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
     return nn.with_logical_constraint(x, tuple(names))
 
 
+def _vocab_split() -> bool:
+    """Whether the step's logical-axis rules split the LM head's vocabulary (``vocab_parallel``)
+    over mesh axes of more than one device; False outside the step's rules."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = dict(nn.get_logical_axis_rules()).get("vocab_parallel") or ()
+    axes = (axes,) if isinstance(axes, str) else axes
+    return not mesh.empty and any(mesh.shape.get(axis, 1) > 1 for axis in axes)
+
+
 def token_nll(
     model: Zaya,
     params: dict[str, Any],
@@ -78,6 +87,7 @@ def token_nll(
         shard_vocab=_shard_vocab,
         distribution=distribution,
         vocab_limit=batch.get("vocab_limit"),
+        vocab_tiling=not _vocab_split(),
     )
     return ce, log_z, routing_stats(batch, aux)
 

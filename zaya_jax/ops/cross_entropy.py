@@ -4,12 +4,15 @@ backward (spec §2.1's tied head; with ZAYA1's 262,144-token vocabulary one 4,09
 logits is 4.3 GB).
 
 A ``lax.scan`` walks over chunks of sequence positions; each step computes one chunk's logits in
-float32, its log-partition and the target logit. The ``custom_vjp`` keeps only the per-token
-log-partition and recomputes each chunk's logits in the backward pass, where
-``d logits = softmax * (g_ce + g_lse) - onehot(target) * g_ce`` gives the chunk's share of the
-hidden-state gradient and accumulates the head's weight (and bias) gradient. Chunks take every
-``n_chunks``-th position of every row, so the batch axis (and a contiguous context split of the
-sequence) keeps its sharding inside each step.
+float32, its log-partition and the target logit. Chunks take every ``n_chunks``-th position of
+every row, so the batch axis (and a contiguous context split of the sequence) keeps its sharding
+inside each step. The ``custom_vjp`` keeps only the per-token log-partition; the backward pass
+recomputes the logits tile by tile of the vocabulary (:func:`vocab_tiles`), where
+``d logits = softmax * (g_ce + g_lse) - onehot(target) * g_ce`` gives each tile's share of the
+hidden-state gradient and its rows of the head's weight (and bias) gradient, written in place: a
+position chunk's share of the head's gradient would be one more head-sized buffer. A sampler's
+top-k or top-p filter needs whole rows of logits; under one the backward pass walks the forward's
+position chunks instead, accumulating the head's gradient.
 
 With a sampling ``distribution`` (temperature, top-k, top-p) and a vocabulary limit the same scan
 gives each target's negative log-probability under the distribution a sampler drew it from
@@ -35,13 +38,13 @@ from zaya_jax.ops.sampling_filter import processed_logits
 MODEL_DISTRIBUTION = (1.0, 0, 1.0)
 """(temperature, top_k, top_p) of the model's own distribution: plain cross-entropy."""
 
-LOGITS_BUDGET = 2**25
-"""Float32 logits per chunk that ``auto_chunk`` aims for (128 MiB) per sequence row."""
+LOGITS_BUDGET = 2**24
+"""Float32 logits per chunk that ``auto_chunk`` aims for (64 MiB) per sequence row."""
 
 
 def auto_chunk(vocab_size: int) -> int:
     """Positions per chunk when the config says 0: the largest multiple of 16 whose logits for one
-    row stay within :data:`LOGITS_BUDGET` elements (112 for ZAYA1's 262,272-token vocabulary),
+    row stay within :data:`LOGITS_BUDGET` elements (48 for ZAYA1's 262,272-token vocabulary),
     at least 16."""
     return max(16, LOGITS_BUDGET // vocab_size // 16 * 16)
 
@@ -69,9 +72,9 @@ def _unchunk(x: jax.Array, seq: int) -> jax.Array:
     return x.reshape(x.shape[0], -1, *x.shape[3:])[:, :seq]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
-def _cross_entropy(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution):
-    return _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _cross_entropy(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution, tiled):
+    return _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution, tiled)[0]
 
 
 def _sampled(logits, targets, limit, distribution):
@@ -94,7 +97,7 @@ def _layout(seq: int, chunk: int) -> tuple[int, int]:
     return n_chunks, -(-seq // n_chunks)
 
 
-def _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution):
+def _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, distribution, tiled):
     seq = h.shape[1]
     n_chunks, length = _layout(seq, chunk)
     weight_c = shard_vocab(weight.astype(h.dtype), vocab_axis)  # the matmul runs in the compute dtype
@@ -113,7 +116,94 @@ def _forward(h, weight, bias, targets, limit, vocab_axis, chunk, shard_vocab, di
     return (ce, log_z), (h, weight, bias, targets, limit, log_z)
 
 
-def _backward(vocab_axis, chunk, shard_vocab, distribution, residuals, cotangents):
+def _backward(vocab_axis, chunk, shard_vocab, distribution, tiled, residuals, cotangents):
+    h, weight = residuals[:2]
+    n_chunks, _ = _layout(h.shape[1], chunk)
+    tiles = vocab_tiles(weight.shape[vocab_axis], n_chunks) if tiled else None
+    if tiles is not None and distribution[1:] == MODEL_DISTRIBUTION[1:]:  # no filter needs a whole row
+        return _tiled_backward(vocab_axis, tiles, shard_vocab, distribution[0], residuals, cotangents)
+    return _chunked_backward(vocab_axis, chunk, shard_vocab, distribution, residuals, cotangents)
+
+
+TILES_PER_CHUNK = 4
+"""Vocabulary tiles per position chunk that :func:`vocab_tiles` aims for: a tile's logits at every
+position are a quarter of a chunk's (tiles are recomputed, transposed and differentiated at once)."""
+
+
+def vocab_tiles(vocab: int, n_chunks: int) -> int | None:
+    """How many tiles the backward pass splits the vocabulary into: a divisor of ``vocab`` between
+    ``n_chunks`` and 16 x ``n_chunks``, the smallest from ``TILES_PER_CHUNK`` x ``n_chunks`` on, else
+    the largest below it (one tile when one chunk holds the sequence); None when there is none (the
+    backward pass then walks position chunks)."""
+    if n_chunks == 1:  # the whole sequence in one chunk: one tile, the whole vocabulary
+        return 1
+    divisors = [t for t in range(n_chunks, 16 * n_chunks + 1) if vocab % t == 0]
+    above = [t for t in divisors if t >= TILES_PER_CHUNK * n_chunks]
+    return above[0] if above else divisors[-1] if divisors else None
+
+
+def _tiled_backward(vocab_axis, tiles, shard_vocab, temperature, residuals, cotangents):
+    """The backward pass over vocabulary tiles instead of position chunks: each step recomputes one
+    tile's logits at every position, adds its share of the hidden-state gradient to a (batch, seq,
+    embed) float32 accumulator and writes its rows of the head's gradient in place. A position
+    chunk's share of the head's gradient is a (vocab, embed) product added to the accumulator, one
+    more head-sized buffer (134 MB at 262,144 x 128); a tile's is (vocab / tiles, embed).
+
+    Tile j holds the ids j, j + tiles, j + 2 x tiles, ...: a vocabulary split over devices in
+    contiguous blocks (``vocab_parallel``) gives every device an equal part of each tile."""
+    h, weight, bias, targets, limit, log_z = residuals
+    g_ce, g_lse = cotangents
+    vocab, embed = weight.shape[vocab_axis], weight.shape[1 - vocab_axis]
+    per_tile = vocab // tiles
+    # (vocab, embed) -> (vocab / tiles, tiles, embed), or (embed, vocab) -> (embed, vocab / tiles, tiles)
+    stacked = (per_tile, tiles, embed) if vocab_axis == 0 else (embed, per_tile, tiles)
+    tile_axis = 1 if vocab_axis == 0 else 2
+    weight_t = shard_vocab(weight.astype(h.dtype).reshape(stacked), vocab_axis)
+    bias_t = None if bias is None else bias.reshape(per_tile, tiles)
+    limit_b = None if limit is None else limit[..., None]
+    g_sum = (g_ce + g_lse)[..., None]
+
+    def one_tile(carry, j):
+        d_h, d_weight, d_bias = carry
+        w_j = shard_vocab(jax.lax.dynamic_index_in_dim(weight_t, j, tile_axis, keepdims=False), vocab_axis)
+        b_j = None if bias_t is None else jax.lax.dynamic_index_in_dim(bias_t, j, 1, keepdims=False)
+        logits = head_logits(h, w_j, b_j, vocab_axis)
+        if temperature != 1:
+            logits = logits / temperature
+        ids = jnp.arange(per_tile, dtype=targets.dtype) * tiles + j
+        is_target = ids == targets[..., None]
+        if limit_b is not None:  # ids the sampler could not draw (the target always kept)
+            logits = jnp.where((ids < limit_b) | is_target, logits, -jnp.inf)
+        d_logits = jnp.exp(logits - log_z[..., None]) * g_sum - jnp.where(is_target, g_ce[..., None], 0.0)
+        if temperature != 1:  # through logits / temperature
+            d_logits = d_logits / temperature
+        d_logits_c = d_logits.astype(h.dtype)
+        spec_h = "btv,ve->bte" if vocab_axis == 0 else "btv,ev->bte"
+        d_h = d_h + jnp.einsum(spec_h, d_logits_c, w_j, preferred_element_type=jnp.float32)
+        spec_w = "btv,bte->ve" if vocab_axis == 0 else "bte,btv->ev"
+        operands = (d_logits_c, h) if vocab_axis == 0 else (h, d_logits_c)
+        d_w_j = jnp.einsum(spec_w, *operands, preferred_element_type=jnp.float32)
+        d_weight = jax.lax.dynamic_update_index_in_dim(d_weight, d_w_j, j, tile_axis)
+        if d_bias is not None:
+            d_bias = jax.lax.dynamic_update_index_in_dim(d_bias, jnp.sum(d_logits, axis=(0, 1)), j, 1)
+        return (d_h, d_weight, d_bias), None
+
+    carry = (
+        jnp.zeros(h.shape, jnp.float32),
+        shard_vocab(jnp.zeros(stacked, jnp.float32), vocab_axis),
+        None if bias is None else jnp.zeros((per_tile, tiles), jnp.float32),
+    )
+    (d_h, d_weight, d_bias), _ = jax.lax.scan(one_tile, carry, jnp.arange(tiles, dtype=jnp.int32))
+    return (
+        d_h.astype(h.dtype),
+        d_weight.reshape(weight.shape).astype(weight.dtype),
+        None if bias is None else d_bias.reshape(bias.shape).astype(bias.dtype),
+        None,
+        None,
+    )
+
+
+def _chunked_backward(vocab_axis, chunk, shard_vocab, distribution, residuals, cotangents):
     h, weight, bias, targets, limit, log_z = residuals
     g_ce, g_lse = cotangents
     seq = h.shape[1]
@@ -175,6 +265,7 @@ def chunked_cross_entropy(
     shard_vocab: Callable[[jax.Array, int], jax.Array] | None = None,
     distribution: tuple[float, int, float] = MODEL_DISTRIBUTION,
     vocab_limit: jax.Array | None = None,
+    vocab_tiling: bool = True,
 ) -> tuple[jax.Array, jax.Array]:
     """Per-token cross-entropy and log-partition of the logits ``h @ weight (+ bias)``.
 
@@ -187,8 +278,11 @@ def chunked_cross_entropy(
     step passes one built from the logical-axis rules). ``distribution``: (temperature, top_k,
     top_p) of a sampler, and ``vocab_limit`` (batch, seq) int: the ids it could draw (below the
     limit); then ``ce`` is each target's negative log-probability under that distribution and
-    ``log_z`` its log-partition. Returns (ce, log_z), both (batch, seq) float32, equal to
-    ``zaya_jax.loss.token_losses`` of the full (processed) logits in value and gradient.
+    ``log_z`` its log-partition. ``vocab_tiling``: the backward pass walks tiles of the vocabulary
+    (:func:`vocab_tiles`); pass False where ``shard_vocab`` splits the vocabulary over devices (each
+    tile's hidden-state gradient would then be reduced over them, tile after tile). Returns (ce,
+    log_z), both (batch, seq) float32, equal to ``zaya_jax.loss.token_losses`` of the full
+    (processed) logits in value and gradient.
     """
     if vocab_axis not in (0, 1):
         raise ValueError(f"vocab_axis must be 0 or 1, got {vocab_axis}")
@@ -213,4 +307,5 @@ def chunked_cross_entropy(
         chunk,
         shard_vocab or _no_constraint,
         distribution,
+        vocab_tiling,
     )
