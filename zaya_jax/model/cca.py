@@ -340,8 +340,8 @@ class CCAAttention(nn.Module):
         std = cfg.initializer_range
         mode = "decode" if cache is not None else "context" if self.hooks.context is not None else "plain"
 
-        def dense(name: str, features: int, axes: tuple[str, str]) -> Dense:
-            return Dense(features, axes, cfg.attention_bias, std, dtype, pdtype, name=name)
+        def dense(name: str, features: int, axes: tuple[str, str], recomputed: bool = False) -> Dense:
+            return Dense(features, axes, cfg.attention_bias, std, dtype, pdtype, recomputed, name=name)
 
         # Steps 0-1: padded positions become exact zeros, then the projections into the compressed latent.
         if token_mask is not None:
@@ -395,11 +395,5 @@ class CCAAttention(nn.Module):
             out = self.hooks.context.attention(q, k, v, segments, real, mask.window)
         else:
             out, new_cache = self._attend_local(q, k, v, mask, cache, index, new_cache, window, window_mask)
-        # o_proj's output is recomputed under remat "minimal" (from the attention output, which the
-        # backward pass recomputes anyway): kept, it is a (rows, seq, embed) array per layer that only
-        # the residual scale's gradient reads, and XLA:CPU's plan held the 40 layers' stack twice
-        # (1.1 GB of ZAYA1-8B's 4k plan on 64 devices, bench/RESULTS.md).
-        o_proj = Dense(
-            cfg.hidden_size, ("heads", "embed"), cfg.attention_bias, std, dtype, pdtype, True, name="o_proj"
-        )
-        return o_proj(out), new_cache
+        # recomputed under remat "minimal": only the residual scale's gradient reads the output
+        return dense("o_proj", cfg.hidden_size, ("heads", "embed"), recomputed=True)(out), new_cache
