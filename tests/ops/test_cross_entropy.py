@@ -105,7 +105,7 @@ def test_vocabulary_tiles_divide_the_vocabulary_near_four_per_chunk():
     assert vocab_tiles(262_144, 64) == 256  # 4,096 positions in chunks of 64: 256 tiles of 1,024 ids
     assert vocab_tiles(262_272, 86) == 384  # ZAYA1's 2^7 x 3 x 683 ids: 683 per tile
     assert vocab_tiles(50_257, 13) == 29  # 29 x 1,733: fewer tiles than 4 per chunk, none above
-    assert vocab_tiles(50, 1) == 1  # one chunk holds the sequence
+    assert vocab_tiles(50, 1) is None  # one chunk holds the sequence: nothing to tile
     assert vocab_tiles(7_919, 3) is None  # a prime: position chunks in the backward pass
 
 

@@ -133,10 +133,10 @@ position are a quarter of a chunk's (tiles are recomputed, transposed and differ
 def vocab_tiles(vocab: int, n_chunks: int) -> int | None:
     """How many tiles the backward pass splits the vocabulary into: a divisor of ``vocab`` between
     ``n_chunks`` and 16 x ``n_chunks``, the smallest from ``TILES_PER_CHUNK`` x ``n_chunks`` on, else
-    the largest below it (one tile when one chunk holds the sequence); None when there is none (the
-    backward pass then walks position chunks)."""
-    if n_chunks == 1:  # the whole sequence in one chunk: one tile, the whole vocabulary
-        return 1
+    the largest below it; None when there is none or one chunk holds the sequence (the backward
+    pass then walks position chunks: a byte vocabulary's one chunk planned 0.7% less than one tile)."""
+    if n_chunks == 1:  # one chunk holds the sequence: its product is the head's whole gradient
+        return None
     divisors = [t for t in range(n_chunks, 16 * n_chunks + 1) if vocab % t == 0]
     above = [t for t in divisors if t >= TILES_PER_CHUNK * n_chunks]
     return above[0] if above else divisors[-1] if divisors else None
