@@ -127,15 +127,17 @@ def test_position_chunks_in_the_backward_pass_give_the_same_gradients(vocab_axis
         assert float(np.max(np.abs(got - want))) <= 1e-5 * float(np.max(np.abs(want)))
 
 
-@pytest.mark.parametrize(("fsdp", "split"), [(1, False), (4, True)])
-def test_the_step_tiles_the_vocabulary_unless_its_rules_split_it(fsdp, split):
-    from zaya_jax.loss.forward import _vocab_split
+@pytest.mark.parametrize(
+    ("sizes", "tiled"), [((1, 1, 1, 1), True), ((2, 1, 1, 1), False), ((1, 4, 1, 1), False)]
+)
+def test_the_step_tiles_the_vocabulary_on_one_device_only(sizes, tiled):
+    from zaya_jax.loss.forward import _vocab_tiling
     from zaya_jax.parallel import DEFAULT_RULES
 
-    mesh = jax.sharding.AbstractMesh((2, fsdp, 1, 1), ("data", "fsdp", "expert", "context"))
-    assert not _vocab_split()  # outside the step's rules
+    mesh = jax.sharding.AbstractMesh(sizes, ("data", "fsdp", "expert", "context"))
+    assert _vocab_tiling()  # outside a step's mesh
     with nn.logical_axis_rules(DEFAULT_RULES), jax.sharding.use_abstract_mesh(mesh):
-        assert _vocab_split() is split  # vocab_parallel -> fsdp
+        assert _vocab_tiling() is tiled
 
 
 def test_the_backward_pass_holds_no_head_sized_product():

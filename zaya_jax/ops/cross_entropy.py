@@ -279,8 +279,8 @@ def chunked_cross_entropy(
     top_p) of a sampler, and ``vocab_limit`` (batch, seq) int: the ids it could draw (below the
     limit); then ``ce`` is each target's negative log-probability under that distribution and
     ``log_z`` its log-partition. ``vocab_tiling``: the backward pass walks tiles of the vocabulary
-    (:func:`vocab_tiles`); pass False where ``shard_vocab`` splits the vocabulary over devices (each
-    tile's hidden-state gradient would then be reduced over them, tile after tile). Returns (ce,
+    (:func:`vocab_tiles`); False: position chunks (the step passes False on a mesh, where a split
+    vocabulary would reduce each tile's hidden-state gradient over devices, tile after tile). Returns (ce,
     log_z), both (batch, seq) float32, equal to ``zaya_jax.loss.token_losses`` of the full
     (processed) logits in value and gradient.
     """
