@@ -6,13 +6,13 @@ logits is 4.3 GB).
 A ``lax.scan`` walks over chunks of sequence positions; each step computes one chunk's logits in
 float32, its log-partition and the target logit. Chunks take every ``n_chunks``-th position of
 every row, so the batch axis (and a contiguous context split of the sequence) keeps its sharding
-inside each step. The ``custom_vjp`` keeps only the per-token log-partition; the backward pass
-recomputes the logits tile by tile of the vocabulary (:func:`vocab_tiles`), where
-``d logits = softmax * (g_ce + g_lse) - onehot(target) * g_ce`` gives each tile's share of the
-hidden-state gradient and its rows of the head's weight (and bias) gradient, written in place: a
-position chunk's share of the head's gradient would be one more head-sized buffer. A sampler's
-top-k or top-p filter needs whole rows of logits; under one the backward pass walks the forward's
-position chunks instead, accumulating the head's gradient.
+inside each step. The ``custom_vjp`` keeps only the per-token log-partition and recomputes the
+logits in the backward pass, where ``d logits = softmax * (g_ce + g_lse) - onehot(target) * g_ce``
+gives the hidden-state gradient and the head's weight (and bias) gradient. On one device it walks
+tiles of the vocabulary (:func:`vocab_tiles`), each writing its own rows of the head's gradient in
+place; on a mesh (the step passes ``vocab_tiling=False``), under a sampler's top-k or top-p (which
+need whole rows of logits) or with the sequence in one chunk, it walks the forward's position
+chunks, each adding a (vocab, embed) product to the head's gradient: one more head-sized buffer.
 
 With a sampling ``distribution`` (temperature, top-k, top-p) and a vocabulary limit the same scan
 gives each target's negative log-probability under the distribution a sampler drew it from
