@@ -43,9 +43,9 @@ def _shard_vocab(x: jax.Array, axis: int) -> jax.Array:
 
 def _vocab_tiling() -> bool:
     """Whether the loss's backward pass walks vocabulary tiles: on one device (or outside a step's
-    mesh). On a mesh, where the vocabulary may be split (each tile's hidden-state gradient then
-    reduced over its devices) and the rows are, the measured plans gained nothing from tiles
-    (ZAYA1-8B at 32k with expert 8 x context 8: +0.88 GB; ZeRO-1 at 4k on 8: +0.07 GB)."""
+    mesh). On a mesh the rows are split and the vocabulary may be (each tile's hidden-state
+    gradient would then be reduced over its devices); there the measured plans gained nothing from
+    tiles (ZAYA1-8B at 32k with expert 8 x context 8: +0.88 GB; ZeRO-1 at 4k on 8: +0.07 GB)."""
     mesh = jax.sharding.get_abstract_mesh()
     return mesh.empty or mesh.size == 1
 
