@@ -40,7 +40,15 @@ ZERO1_32K = [*ZERO1, "train.seq_len=32768", "train.batch_size=32", "mesh.context
 # Past 32k on 8 devices (one MI300X node): context 8, ZeRO-1 over the context axis, one row per
 # micro-batch, the 32k stage's 1M tokens per step (16 rows of 65,536, 8 of 131,072).
 ZERO1_65K = [*ZERO1, "mesh.data=1", "mesh.context=8", "train.seq_len=65536", "train.batch_size=16"]
-ZERO1_131K = [*ZERO1, "mesh.data=1", "mesh.context=8", "train.seq_len=131072", "train.batch_size=8"]
+CP8_131K = [
+    "mesh.fsdp=1",
+    "mesh.expert=1",
+    "mesh.data=1",
+    "mesh.context=8",
+    "train.seq_len=131072",
+    "train.batch_size=8",
+]
+ZERO1_131K = ["mesh.optimizer_sharding=zero1", *CP8_131K]
 
 CASES = {
     "tiny_4k": ("tiny", 1, [*TINY_LONG, "train.seq_len=4096"]),
@@ -55,7 +63,7 @@ CASES = {
     "zaya1_8b_32k_zero1_64dev": ("zaya1-8b", 64, [*ZERO1_32K, "mesh.data=8", "train.micro_batches=4"]),
     "zaya1_8b_65k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_65K, "train.micro_batches=16"]),
     "zaya1_8b_131k_zero1_8dev": ("zaya1-8b", 8, [*ZERO1_131K, "train.micro_batches=8"]),
-    "zaya1_8b_131k_cp8_8dev": ("zaya1-8b", 8, [*ZERO1_131K[1:], "train.micro_batches=8"]),  # without ZeRO-1
+    "zaya1_8b_131k_cp8_8dev": ("zaya1-8b", 8, [*CP8_131K, "train.micro_batches=8"]),  # without ZeRO-1
     "zaya1_8b_131k_zero1_8dev_remat_full": (
         "zaya1-8b",
         8,
