@@ -288,6 +288,7 @@ def export_hf(
     *,
     merge: bool = False,
     adapter: bool = False,
+    quantize: str | None = None,
 ) -> tuple[Path, int]:
     """``zaya convert zaya-to-hf``: a run or checkpoint as an HF ``save_pretrained`` directory
     (config, generation config, weights) with the run's tokenizer when it is a ``tokenizer.json``
@@ -302,12 +303,16 @@ def export_hf(
     A LoRA run (``lora.rank > 0``) is exported ``merge``d (one HF model whose weights are
     ``W + s A B``, for ``transformers`` and vLLM, whose ZAYA model takes no adapters) or as an
     ``adapter`` (a PEFT directory, :func:`zaya_jax.lora.peft.save_peft_adapter`, for
-    ``PeftModel.from_pretrained`` on the HF export of its base); one of the two must be chosen."""
+    ``PeftModel.from_pretrained`` on the HF export of its base); one of the two must be chosen, except
+    with ``quantize`` (``fp8-experts``, ``mxfp4-experts``: the experts in that compressed-tensors
+    format, :func:`zaya_jax.interop.hf.save_hf_directory`), which merges the adapters first."""
     destination = Path(destination)
     if destination.exists() and not is_empty_dir(destination) and not (destination / "config.json").is_file():
         raise FileExistsError(f"{destination} exists and is not empty; choose a new destination")
     if model_format(path) == "hf":
         raise ValueError(f"{path} is a Hugging Face directory already; give a zaya-jax run or step directory")
+    if quantize not in (None, "none") and adapter:
+        raise ValueError("--quantize exports a whole model; an adapter (--adapter) is not quantized")
     if merge and adapter:
         raise ValueError(
             "give --merge (one merged HF model) or --adapter (a PEFT adapter directory), not both"
@@ -324,7 +329,7 @@ def export_hf(
             parameters.save_adapter(staged.path, files.model, variables["params"], base_model=base)
             staged.publish_or_match(same_files)
         return destination, files.step
-    elif not merge:
+    elif not merge and quantize in (None, "none"):
         raise ValueError(
             f"{path} is a LoRA run: give --merge for one HF model with the adapters merged into its weights "
             "(transformers, vLLM), or --adapter for a PEFT adapter directory to load on the HF export of "
@@ -339,7 +344,7 @@ def export_hf(
         if tok is not None:  # generation stops where the run's rollouts and zaya's sampling stop
             chat = ChatEncoder(tok, template) if template is not None else None
             model = dataclasses.replace(model, eos_token_ids=stop_ids(model.stop_token_ids, tok, chat))
-        save_hf_directory(staged.path, model, variables, dtype=dtype)
+        save_hf_directory(staged.path, model, variables, dtype=dtype, quantize=quantize)
         if isinstance(tok, HFTokenizer):
             write_atomic(staged.path / "tokenizer.json", Path(tok.path).read_bytes())
             names = {

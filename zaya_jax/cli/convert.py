@@ -29,7 +29,16 @@ def _add_convert_command(sub: argparse._SubParsersAction[argparse.ArgumentParser
     )
     convert.add_argument("dst", help="new directory: a zaya run (hf-to-zaya) or an HF save_pretrained dir")
     convert.add_argument(
-        "--dtype", default="float32", choices=["float32", "bfloat16"], help="zaya-to-hf weight dtype"
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        help="zaya-to-hf weight dtype (default float32; bfloat16 outside the experts with --quantize)",
+    )
+    convert.add_argument(
+        "--quantize",
+        choices=["none", "fp8-experts", "mxfp4-experts"],
+        help="zaya-to-hf: the experts in compressed-tensors' FP8 (e4m3, a scale per output channel) or "
+        "MXFP4 (e2m1, a scale per 32 inputs) format, the rest in --dtype (default: the model's own "
+        "model.expert_quantization); a LoRA run is merged first",
     )
     convert.add_argument(
         "--merge",
@@ -87,11 +96,16 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     if args.direction == "zaya-to-hf":
         from zaya_jax.lm import export_hf
 
-        _, step = export_hf(args.src, args.dst, dtype=args.dtype, merge=args.merge, adapter=args.adapter)
+        quantized = args.quantize not in (None, "none")
+        dtype = args.dtype or ("bfloat16" if quantized else "float32")
+        _, step = export_hf(
+            args.src, args.dst, dtype=dtype, merge=args.merge, adapter=args.adapter, quantize=args.quantize
+        )
+        experts = f", experts {args.quantize.removesuffix('-experts')}" if quantized else ""
         what = (
             "a PEFT adapter"
             if args.adapter
-            else f"HF format ({args.dtype}{', merged' if args.merge else ''})"
+            else f"HF format ({dtype}{experts}{', merged' if args.merge else ''})"
         )
         print(f"{args.dst}: step {step} of {args.src} as {what}")
         return 0

@@ -89,6 +89,12 @@ class ModelConfig:
     # What a token routed to the MOD skip class receives from the MoE (spec §7 Q1):
     # "zero" (HF >= 5.13, ZAYA1-8B) or "scaled_input" (p_skip * normed input; legacy fork, SGLang).
     mod_skip_output: Literal["zero", "scaled_input"] = "zero"
+    # The experts' weights read through quantize-dequantize, as a quantized export stores them
+    # (zaya_jax.ops.quantization): "fp8" (e4m3, a scale per output channel) or "mxfp4" (e2m1, a
+    # power-of-two scale per 32 inputs); "none": as held. To measure a quantized model (zaya eval
+    # --quantize), sample with one (rl.sampler_quantization) or train against one (gradients pass
+    # straight through the rounding). A quantized export read back sets it.
+    expert_quantization: Literal["none", "fp8", "mxfp4"] = "none"
     # MoE compute: "auto" (the fastest dropless path on the live device, measured once per device
     # kind and shapes and cached), "sorted" (grouped matmul), "dense" (every expert on every token)
     # or "capacity" (capacity_factor slots per expert per sequence; drops the overflow).
@@ -235,6 +241,12 @@ class ModelConfig:
             value = getattr(self, name)
             if not 0 <= value < self.vocab_size:
                 raise ConfigError(f"model.{name}={value} must be in [0, model.vocab_size={self.vocab_size})")
+        if self.expert_quantization == "mxfp4" and (self.hidden_size % 32 or self.moe_intermediate_size % 32):
+            raise ConfigError(
+                f"model.expert_quantization=mxfp4 shares a scale over 32 inputs: model.hidden_size="
+                f"{self.hidden_size} and model.moe_intermediate_size={self.moe_intermediate_size} must be "
+                "multiples of 32; use fp8 (a scale per output channel)"
+            )
         if any(not 0 <= t < self.vocab_size for t in self.eos_token_ids):
             raise ConfigError(
                 f"model.eos_token_ids={list(self.eos_token_ids)} must be in [0, {self.vocab_size})"

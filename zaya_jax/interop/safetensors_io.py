@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 from pathlib import Path
 
-import ml_dtypes  # noqa: F401 (registers bfloat16 with NumPy for safetensors.numpy)
+import ml_dtypes  # registers bfloat16 with NumPy for safetensors.numpy; float8 (_ML_DTYPES)
 import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
@@ -28,13 +29,38 @@ class SafetensorsError(ValueError):
     """A file that is not a readable safetensors file, or a directory without one."""
 
 
+# safetensors' NumPy API looks its dtypes up in ``numpy``, which has no float8: tensors of these
+# types are read here from the file's header and bytes, as ml_dtypes' types.
+_ML_DTYPES = {
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu,
+}
+
+
 def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
-    """Every tensor of one ``.safetensors`` file as a NumPy array."""
+    """Every tensor of one ``.safetensors`` file as a NumPy array (float8 as ml_dtypes' types)."""
     try:
         with safe_open(str(path), framework="numpy") as f:
-            return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+            codes = {name: f.get_slice(name).get_dtype() for name in f.keys()}  # noqa: SIM118
+            return {
+                name: _read_ml_dtype(path, name) if code in _ML_DTYPES else f.get_tensor(name)
+                for name, code in codes.items()
+            }
     except (SafetensorError, OSError, ValueError) as err:
         raise SafetensorsError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def _read_ml_dtype(path: str | Path, name: str) -> np.ndarray:
+    """One tensor of an ``_ML_DTYPES`` type, read at the offsets the file's header gives (safe_open
+    has checked the header and the offsets already)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        entry = json.loads(f.read(size))[name]
+        start, end = entry["data_offsets"]
+        f.seek(8 + size + start)
+        data = np.frombuffer(f.read(end - start), np.uint8)
+    return data.view(_ML_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def tensor_shapes(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -52,7 +78,8 @@ def tensor_shapes(directory: str | Path) -> dict[str, tuple[tuple[int, ...], str
 
 
 def _dtype_name(code: str) -> str:
-    return {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}.get(code, code.lower())
+    names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64", "U8": "uint8"}
+    return names.get(code) or (np.dtype(_ML_DTYPES[code]).name if code in _ML_DTYPES else code.lower())
 
 
 def safetensors_files(directory: str | Path) -> list[Path]:

@@ -25,6 +25,7 @@ from zaya_jax.model.layers import param_with_axes
 from zaya_jax.model.mesh_hooks import MoeDispatch
 from zaya_jax.ops import grouped_matmul as cpu_grouped
 from zaya_jax.ops.platform import platform_branch
+from zaya_jax.ops.quantization import quantize_dequantize
 
 _ACTIVATIONS = {
     "silu": jax.nn.silu,
@@ -198,7 +199,9 @@ class Experts(nn.Module):
         wo = param_with_axes(
             self, "wo", init, (experts, inner, embed), ("experts", "expert_mlp", "embed"), pdtype
         )
-        wi, wo = wi.astype(dtype), wo.astype(dtype)
+        # as a quantized export holds them (inputs: wi's embed axis, wo's expert_mlp axis)
+        wi = quantize_dequantize(wi, cfg.expert_quantization, axis=1).astype(dtype)
+        wo = quantize_dequantize(wo, cfg.expert_quantization, axis=1).astype(dtype)
         m, weight = m.astype(dtype), weight.astype(dtype)
         batch, seq, _ = m.shape
 

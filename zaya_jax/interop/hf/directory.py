@@ -18,6 +18,15 @@ from zaya_jax.config import ConfigError, ModelConfig
 from zaya_jax.files import read_json, write_atomic
 from zaya_jax.interop.hf.config import hf_config_to_model, hf_eos, model_to_hf_config, token_id_list
 from zaya_jax.interop.hf.legacy import is_legacy_layout, legacy_to_hf
+from zaya_jax.interop.hf.quantized import (
+    KINDS,
+    check_unquantized,
+    compress_experts,
+    dequantize_experts,
+    expert_quantization_of,
+    is_expert,
+    quantization_config,
+)
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
 from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
 from zaya_jax.model.lowrank import has_adapters
@@ -61,6 +70,10 @@ def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
         raise ConversionError(
             f"{path}: a field has the wrong type ({err}); is it a ZAYA config.json?"
         ) from None
+    stored = expert_quantization_of(hf, path)
+    if stored != "none" and "expert_quantization" not in overrides:  # the model the file holds
+        cfg = dataclasses.replace(cfg, expert_quantization=stored)
+        cfg.validate()
     # generation_config.json may hold the full EOS list where config.json has one id
     generation = Path(directory) / "generation_config.json"
     if not cfg.eos_token_ids and "eos_token_ids" not in overrides and os.path.lexists(generation):
@@ -81,6 +94,11 @@ def load_hf_directory(directory: str | Path, **overrides: Any) -> tuple[ModelCon
     """Read an HF ``save_pretrained`` directory (new or legacy layout) -> (ModelConfig, variables)."""
     cfg = hf_directory_model(directory, **overrides)
     tensors = read_directory(directory)
+    stored = expert_quantization_of(read_hf_config(directory), Path(directory) / "config.json")
+    if stored == "none":
+        check_unquantized(tensors, directory)
+    else:
+        tensors = dequantize_experts(tensors, stored, directory)
     if is_legacy_layout(tensors):
         tensors = legacy_to_hf(tensors, cfg.num_layers)
     _warn_unanchored_skip_biases(directory, tensors)
@@ -128,6 +146,7 @@ def save_hf_directory(
     variables: Mapping[str, Any],
     dtype: str = "float32",
     max_shard_bytes: int = SHARD_BYTES,
+    quantize: str | None = None,
 ) -> Path:
     """Write a ``save_pretrained``-compatible directory: config.json, generation_config.json (the
     special ids; generation stops on every id of the EOS list) and the weights (tied head omitted)
@@ -144,6 +163,12 @@ def save_hf_directory(
     balancing controller of a run started from it moves and clamps the biases relative to where they
     started (:mod:`zaya_jax.model.balancing`), so it trains as from ``variables``.
 
+    ``quantize`` (``fp8-experts``, ``mxfp4-experts``) stores the experts in that compressed-tensors
+    format (:mod:`zaya_jax.interop.hf.quantized`), quantized from ``variables``' own values, and every
+    other tensor in ``dtype``; None: the format the model reads its experts in
+    (``model.expert_quantization``). A model that reads them quantized is refused another format
+    (``none`` included): its float experts are not the model it computes.
+
     ``transformers`` implements only the ``zero`` MOD-skip semantics, so ``scaled_input`` models are refused.
     """
     if cfg.mod_skip_output != "zero":
@@ -153,6 +178,17 @@ def save_hf_directory(
         )
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    own = next((k for k, v in KINDS.items() if v == cfg.expert_quantization), "none")
+    quantize = own if quantize is None else quantize
+    if quantize != "none" and quantize not in KINDS:
+        raise ConversionError(f"quantize {quantize!r} is not one of none, {', '.join(KINDS)}")
+    expert_quantization = KINDS.get(quantize, "none")
+    if cfg.expert_quantization not in ("none", expert_quantization):
+        raise ConversionError(
+            f"the model reads its experts as {cfg.expert_quantization} (model.expert_quantization), "
+            f"so an export with quantize {quantize!r} would not be the model it computes; export it with "
+            f"quantize {own!r}"
+        )
     if has_adapters(variables["params"]):
         raise ConversionError(
             "the parameters carry LoRA adapters, which an HF model has no place for: merge them first "
@@ -164,9 +200,13 @@ def save_hf_directory(
     directory.mkdir(parents=True, exist_ok=True)
     numpy_dtype = np.float32 if dtype == "float32" else ml_dtypes.bfloat16
     tensors = {
-        name: anchor_skip_bias(value) if name.endswith("balancing_biases") else value.astype(numpy_dtype)
+        name: anchor_skip_bias(value)
+        if name.endswith("balancing_biases")
+        else value.astype(np.float32 if is_expert(name) and expert_quantization != "none" else numpy_dtype)
         for name, value in variables_to_hf(variables, cfg).items()
     }
+    if expert_quantization != "none":  # from the float32 values: not rounded to dtype first
+        tensors = compress_experts(tensors, expert_quantization)
     write_directory(directory, tensors, max_shard_bytes)
     generation = {
         "bos_token_id": cfg.bos_token_id,
@@ -180,6 +220,8 @@ def save_hf_directory(
         "dtype": dtype,
         **model_to_hf_config(cfg),
     }
+    if expert_quantization != "none":
+        config["quantization_config"] = quantization_config(expert_quantization)
     # Last: a directory with config.json holds every file (transformers and zaya_jax.load look for it).
     write_atomic(directory / "config.json", json.dumps(config, indent=2) + "\n")
     return directory
