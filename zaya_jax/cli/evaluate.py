@@ -51,6 +51,12 @@ def _add_eval_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="at most this many batches (default: the run's eval.batches, else 16)",
     )
     evaluate.add_argument("--json", action="store_true", help='print {"loss", "perplexity", "tokens"}')
+    evaluate.add_argument(
+        "--quantize",
+        choices=["fp8-experts", "mxfp4-experts"],
+        help="what that quantized export changes against the bfloat16 one: size, held-out loss, greedy "
+        "agreement, and the share of tokens each layer routes elsewhere (zaya_jax.eval.quantization)",
+    )
     _add_reasoning_options(evaluate)
     _add_long_context_options(evaluate)
     evaluate.set_defaults(func=_cmd_eval)
@@ -133,6 +139,8 @@ def _cmd_eval(args: argparse.Namespace) -> int:
         return _cmd_reasoning(args)
     if args.passkey or args.by_position:
         return _cmd_long_context(args)
+    if args.quantize:
+        return _cmd_quantized(args)
     if args.checkpoints:
         raise ValueError("--checkpoints evaluates a --task over a run's steps; give --task FILE_OR_NAME")
     result = evaluate_path(
@@ -159,6 +167,44 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     else:
         print(
             f"loss {result['loss']:.4f} nats/token, perplexity {result['perplexity']:.3f} over {result['tokens']:,} tokens"
+        )
+    return 0
+
+
+def _cmd_quantized(args: argparse.Namespace) -> int:
+    from zaya_jax.config import DataConfig
+    from zaya_jax.data.sources import source_for_path
+    from zaya_jax.eval.quantization import quantization_report
+    from zaya_jax.lm import load
+
+    lm = load(args.path, args.tokenizer)
+    if lm.tokenizer is None:
+        raise ValueError(f"{lm.tokenizer_problem}; pass the model's tokenizer (--tokenizer PATH or 'byte')")
+    data = lm.run_config.data if lm.run_config is not None else DataConfig()
+    split = "held_out"
+    if args.data:
+        data, split = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in args.data)), "all"
+    report = quantization_report(
+        lm, data, args.quantize, split=split, seq_len=args.seq_len or 512, batch_size=args.batch_size or 8,
+        max_batches=args.batches or 16, tokenizer=lm.tokenizer,
+    )  # fmt: skip
+    if args.json:
+        print_json(report)
+        return 0
+    kind, sizes, loss = args.quantize, report["bytes"], report["loss"]
+    print(
+        f"size {sizes[kind] / 1e6:,.1f} MB against {sizes['bfloat16'] / 1e6:,.1f} MB in bfloat16 "
+        f"({report['size_ratio']:.3f}x)"
+    )
+    print(
+        f"held-out loss {loss[kind]:.4f} against {loss['bfloat16']:.4f} ({report['loss_change']:+.4f}) over "
+        f"{report['tokens']:,} tokens; greedy agreement {report['greedy_agreement']:.2%}"
+    )
+    skips = report["skip_share_by_layer"]
+    for layer, moved in enumerate(report["route_change_by_layer"]):
+        print(
+            f"layer {layer:>3}: {moved:.2%} of tokens routed elsewhere; skip class {skips['bfloat16'][layer]:.2%} -> "
+            f"{skips[kind][layer]:.2%}"
         )
     return 0
 

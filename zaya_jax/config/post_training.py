@@ -68,6 +68,10 @@ class RLConfig:
     temperature: float = 1.0
     top_k: int = 0  # keep only the top_k most likely tokens when sampling (0: off), in the loss too
     top_p: float = 1.0  # then the smallest set reaching probability top_p (1: off), in the loss too
+    # The sampler's experts read through quantize-dequantize as a quantized export holds them ("fp8",
+    # "mxfp4": zaya_jax.ops.quantization) while the trainer's stay in full precision, as RL stacks
+    # sample with FP8 rollouts: the mismatch shows in sampler_gap, and rl.tis_cap weights it out.
+    sampler_quantization: Literal["none", "fp8", "mxfp4"] = "none"
     # Each completion's advantage is its reward minus its group's mean, divided by the group's std
     # (GRPO); false: not divided (Dr. GRPO), so a group whose rewards differ by little moves the policy little.
     scale_advantages: bool = True

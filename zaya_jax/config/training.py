@@ -192,6 +192,10 @@ class TrainConfig:
     # into a fresh run (optimizer, step and data start fresh); on the command line the model config
     # is taken from the source ("" = initialise from train.seed).
     init_from: str = ""
+    # train.init_from may name a quantized export (zaya convert --quantize, Zyphra's FP8/MXFP4
+    # experts): true starts from its experts dequantized, false refuses it (its rounding would be
+    # trained on as if it were the model's weights).
+    init_dequantized: bool = False
     steps: int = 200  # optimizer steps in the run
     batch_size: int = 8  # global batch in sequences
     micro_batches: int = 1  # gradient accumulation inside the step (batch split into this many)

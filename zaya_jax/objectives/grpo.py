@@ -4,6 +4,7 @@ function and evaluated by the mean greedy reward of held-out prompts (:mod:`.rew
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -61,6 +62,8 @@ def check_grpo(cfg: Config) -> None:
         raise ConfigError(
             "rl.kl > 0 measures the policy's distance from its starting weights: set train.init_from"
         )
+    if rl.sampler_quantization != "none":
+        dataclasses.replace(cfg.model, expert_quantization=rl.sampler_quantization).validate()
     load_reward(rl.reward)  # a module that cannot be imported stops the run here, before any compile
 
 

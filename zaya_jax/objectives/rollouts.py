@@ -145,6 +145,13 @@ class Rollouts:
                 "rl.tis_* with rl.steps_per_rollout > 1 needs the trainer's scores: see proximal_scorer"
             )
         self.cfg, self.tokenizer, self.reference, self.proximal = cfg, tokenizer, reference, proximal
+        # the model the sampler runs: the trainer's, its experts quantized with rl.sampler_quantization
+        quantized = cfg.rl.sampler_quantization
+        self.sampler_model = (
+            cfg.model
+            if quantized == "none"
+            else dataclasses.replace(cfg.model, expert_quantization=quantized)
+        )
         # packed batches' row counts: a multiple of what the step's batch splits into, and of an
         # eighth of train.batch_size, so that a run compiles its step for a few row counts, not many
         self.row_multiple = math.lcm(row_multiple, max(1, cfg.train.batch_size // 8))
@@ -296,7 +303,7 @@ class Rollouts:
         ids, mask, encoded = self.encode([r for r in records for _ in range(group)])
         low, high = _share(len(encoded))  # this process samples rows [low, high) of the rollout
         out = generate(
-            self.cfg.model,
+            self.sampler_model,
             variables,
             ids[low:high],
             attention_mask=mask[low:high],

@@ -18,6 +18,10 @@ dequantized weights are these, value for value (``tests/ops/test_quantization.py
   least 1.75), over 4 (the largest e2m1 power of two); codes ``clip(w / s, ±6)`` rounded to nearest
   even; dequantized ``code * s`` (exact in bfloat16 and float32).
 
+XLA:CPU flushes float32 subnormals to zero where torch keeps them, so a group of weights all below
+2^-124 (about 5e-38) may dequantize to zeros here and to subnormals in compressed-tensors; no
+trained weight is that small.
+
 Every function takes the input axis (the one a matmul reduces over: ``in`` of an ``(in, out)``
 kernel); the scale's shape keeps the other axes.
 """
@@ -84,9 +88,22 @@ def mx_scales(exponents: jax.Array) -> jax.Array:
 
 def mxfp4_codes(w: jax.Array, exponents: jax.Array, axis: int) -> jax.Array:
     """e2m1 values (as float32) of ``w``'s groups, shape ``(..., groups, 32)`` as :func:`_groups`."""
-    scaled = _groups(w, axis).astype(jnp.float32) / mx_scales(exponents)[..., None]
-    clipped = jnp.clip(scaled, -FP4_MAX, FP4_MAX)
-    return clipped.astype(jnp.float4_e2m1fn).astype(jnp.float32)
+    # times 2^(127 - e), exact, rather than over 2^(e - 127): that scale is subnormal for e = 0 (a
+    # zero group), which XLA:CPU flushes to 0
+    scaled = (
+        _groups(w, axis).astype(jnp.float32) * jnp.exp2(E8M0_BIAS - exponents.astype(jnp.float32))[..., None]
+    )
+    return _round_e2m1(jnp.clip(scaled, -FP4_MAX, FP4_MAX))
+
+
+def _round_e2m1(x: jax.Array) -> jax.Array:
+    """``x`` (within ±6) rounded to the nearest e2m1 value, ties to even, in float32. Not a cast to
+    ``float4_e2m1fn``: XLA:CPU converts through a wider float first, and that double rounding moves
+    values just under a tie (3.4999998 -> 4, not 3). The grid's step is 0.5 below 2, 1 below 4 and 2
+    up to 6; dividing by a power of two is exact, and ``round`` takes ties to even."""
+    magnitude = jnp.abs(x)
+    step = jnp.where(magnitude < 2, 0.5, jnp.where(magnitude < 4, 1.0, 2.0)).astype(jnp.float32)
+    return jnp.copysign(jnp.round(magnitude / step) * step, x)
 
 
 def _dequantized(w: jax.Array, kind: str, axis: int) -> jax.Array:

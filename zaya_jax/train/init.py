@@ -9,6 +9,7 @@ float32: ~35 GB of host memory per process).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,8 +27,24 @@ if TYPE_CHECKING:
 
 
 def source_model_config(path: str | Path) -> ModelConfig:
-    """The model config of ``train.init_from`` (read without loading any array)."""
-    return read_model(_given(path)).model
+    """The model config of ``train.init_from`` (read without loading any array). A quantized
+    export's ``expert_quantization`` is how it stores its experts, not what a run of them computes:
+    it is left out (``none``; a run sets ``model.expert_quantization`` to train against it)."""
+    return dataclasses.replace(read_model(_given(path)).model, expert_quantization="none")
+
+
+def check_source(cfg: Config) -> None:
+    """A quantized export as ``train.init_from`` is refused unless ``train.init_dequantized``."""
+    if not cfg.train.init_from or cfg.train.init_dequantized:
+        return
+    files = read_model(_given(cfg.train.init_from))
+    stored = files.model.expert_quantization
+    if files.format == "hf" and stored != "none":
+        raise ConfigError(
+            f"train.init_from={cfg.train.init_from} holds its experts quantized ({stored}): training from it "
+            "would start from their rounding; set train.init_dequantized=true to start from the dequantized "
+            "experts, or start from the unquantized model"
+        )
 
 
 def _given(path: str | Path) -> Path:

@@ -11,6 +11,7 @@ from zaya_jax import objectives
 from zaya_jax.config import Config, ConfigError
 from zaya_jax.data import load_tokenizer
 from zaya_jax.data.tokenizers import Tokenizer
+from zaya_jax.train.init import check_source
 
 
 def check_run(cfg: Config) -> Tokenizer:
@@ -18,6 +19,7 @@ def check_run(cfg: Config) -> Tokenizer:
     (:func:`zaya_jax.objectives.check`), an error when the tokenizer's ids do not fit the model's
     vocabulary, a warning for each of :func:`plan_warnings`."""
     objectives.check(cfg)
+    check_source(cfg)
     for warning in plan_warnings(cfg):
         warnings.warn(warning, stacklevel=3)
     tokenizer = load_tokenizer(cfg.data.tokenizer)

@@ -87,9 +87,7 @@ def quantization_config(expert_quantization: str) -> dict[str, Any]:
     return config.to_dict()
 
 
-def compress_experts(
-    tensors: Mapping[str, np.ndarray], expert_quantization: str
-) -> dict[str, np.ndarray]:
+def compress_experts(tensors: Mapping[str, np.ndarray], expert_quantization: str) -> dict[str, np.ndarray]:
     """An HF state dict with every layer's experts (float) replaced by their compressed tensors."""
     quantization = _library()
     import torch
@@ -238,3 +236,32 @@ def _check_scale(
             f"{path}: {name}.weight_scale is {scale.dtype} {list(scale.shape)}; its weight needs "
             f"{' or '.join(dtypes)} {list(shape)}"
         )
+
+
+def export_bytes(cfg: Any, expert_quantization: str = "none", dtype: str = "bfloat16") -> dict[str, int]:
+    """The bytes of the tensors ``save_hf_directory`` writes for ``cfg`` (every file's tensors;
+    headers aside), from the shapes alone: ``{"experts", "rest", "total"}``. Every tensor is in
+    ``dtype`` but the balancing biases (float32) and the experts, which a quantized export stores as
+    1-byte FP8 codes plus a float32 scale per output row, or 4-bit MXFP4 codes plus a byte per 32."""
+    from zaya_jax.model import BALANCING, abstract_variables
+
+    variables = abstract_variables(cfg)
+    expert_shapes = [variables["params"]["layers"]["experts"][name].shape for name in ("wi", "wo")]
+    expert_values = sum(int(np.prod(shape)) for shape in expert_shapes)
+    rows = sum(int(np.prod(shape)) // shape[2] for shape in expert_shapes)  # (layers, experts, in, out)
+    values = sum(int(np.prod(leaf.shape)) for leaf in _leaves(variables["params"]))
+    balancing = sum(int(np.prod(leaf.shape)) for leaf in _leaves(variables[BALANCING]))
+    width = 4 if dtype == "float32" else 2
+    experts = {
+        "none": expert_values * width,
+        "fp8": expert_values + 4 * rows,
+        "mxfp4": expert_values // 2 + expert_values // MX_GROUP,
+    }[expert_quantization]
+    rest = (values - expert_values) * width + 4 * balancing
+    return {"experts": experts, "rest": rest, "total": experts + rest}
+
+
+def _leaves(tree: Any) -> list[Any]:
+    import jax
+
+    return jax.tree.leaves(tree)
