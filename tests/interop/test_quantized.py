@@ -237,3 +237,57 @@ def test_damaged_and_mismatched_quantized_directories_are_one_line(tmp_path, mod
         save_hf_directory(tmp_path / "other", fp8, model.variables, quantize="mxfp4-experts")
     with pytest.raises(zaya_jax.ConfigError, match="multiples of 32"):
         dataclasses.replace(model.config, expert_quantization="mxfp4", moe_intermediate_size=48).validate()
+
+
+def test_a_run_exported_quantized_evaluated_and_refused_as_a_starting_point(tmp_path, capsys):
+    """zaya convert --quantize of a run (experts packed, the rest bfloat16); zaya eval --quantize
+    reports what it changes; train.init_from refuses the export unless asked to dequantize it, and
+    then starts a model that computes in full precision."""
+    from zaya_jax.cli import main
+    from zaya_jax.config import load_config
+    from zaya_jax.train.init import check_source, source_model_config
+
+    hf, run, export = tmp_path / "hf", tmp_path / "run", tmp_path / "mxfp4"
+    make_hf_model(seed=32, moe_intermediate_size=64, vocab_size=264).save_pretrained(hf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the random skip biases (see the module's fixture)
+        assert main(["convert", "hf-to-zaya", str(hf), str(run)]) == 0
+    assert main(["convert", "zaya-to-hf", str(run), str(export), "--quantize", "mxfp4-experts"]) == 0
+    tensors = read_directory(export)
+    assert str(tensors["model.embed_tokens.weight"].dtype) == "bfloat16"
+    assert tensors["model.layers.0.mlp.experts.down_proj.weight_packed"].dtype == np.uint8
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    converted = zaya_jax.load(run)
+    quantized = dataclasses.replace(
+        converted, config=dataclasses.replace(converted.config, expert_quantization="mxfp4")
+    )
+    ids = np.random.default_rng(0).integers(3, 259, size=(2, 16))
+    ours = quantized.logits(ids)
+    # the export's other weights are bfloat16: near the run's quantized forward, not equal to it
+    assert 0 < np.abs(zaya_jax.load(export).logits(ids) - ours).max() / np.abs(ours).max() < 1e-2
+
+    capsys.readouterr()
+    shape = ["--seq-len", "32", "--batch-size", "2", "--batches", "2", "--tokenizer", "byte"]
+    assert main(["eval", str(run), "--quantize", "fp8-experts", "--json", *shape]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cfg = converted.config
+    assert report["size_ratio"] == pytest.approx(
+        export_bytes(cfg, "fp8")["total"] / export_bytes(cfg)["total"]
+    )
+    assert report["route_change_by_layer"][0] == 0.0 and 0 < report["greedy_agreement"] <= 1
+    assert set(report["loss"]) == {"bfloat16", "fp8-experts"} and report["tokens"] == 2 * 2 * 32
+
+    start = [
+        "train",
+        "train.steps=1",
+        "--no-progress",
+        "--init-from",
+        str(export),
+        f"run.dir={tmp_path / 'r'}",
+    ]
+    assert main(start) == 2
+    assert "holds its experts quantized (mxfp4)" in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+    allowed = load_config("tiny", [f"train.init_from={export}", "train.init_dequantized=true"])
+    check_source(allowed)  # no error: asked for
+    assert source_model_config(export).expert_quantization == "none"  # trains in full precision

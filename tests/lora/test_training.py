@@ -5,6 +5,7 @@ refused by name; dpo and grpo train adapters; exports (merged, PEFT) are exact i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import signal
@@ -93,6 +94,18 @@ def test_a_lora_run_trains_its_adapters_saves_only_them_and_exports_exactly(base
     ).eval()
     scale = np.abs(adapted).max()
     assert np.abs(hf_logits(hf, IDS) - adapted).max() <= 1e-4 * scale  # plain from_pretrained
+    # --quantize merges the adapters first: the merged model with its experts in FP8
+    fp8 = tmp_path / "fp8"
+    assert (
+        main(["convert", "zaya-to-hf", str(run), str(fp8), "--quantize", "fp8-experts", "--dtype", "float32"])
+        == 0
+    )
+    quantized = dataclasses.replace(
+        model, config=dataclasses.replace(model.config, expert_quantization="fp8")
+    )
+    expected = _logits(quantized, merged(params))
+    assert np.abs(zaya_jax.load(fp8).logits(IDS) - expected).max() <= 1e-5 * scale
+    assert np.abs(expected - adapted).max() > 1e-4 * scale  # the experts are quantized
     assert main(["convert", "zaya-to-hf", str(base), str(tmp_path / "base_hf")]) == 0
     assert main(["convert", "zaya-to-hf", str(run), str(tmp_path / "adapter"), "--adapter"]) == 0
     base_hf = transformers.ZayaForCausalLM.from_pretrained(

@@ -6,6 +6,7 @@ completions each (segments), as packed rows will."""
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
@@ -184,3 +185,23 @@ def test_bad_correction_settings_are_refused_naming_the_key():
     for fields, key in (({"tis_cap": 0.5}, "rl.tis_cap=0.5"), ({"tis_mask": 1.0}, "tis_mask=1.0")):
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             dataclasses.replace(RLConfig(), **fields).validate()
+
+
+def test_a_sampler_with_quantized_experts_shows_in_the_mismatch_metrics(tmp_path):
+    """rl.sampler_quantization: rollouts sampled with MXFP4 experts, trained in full precision. The
+    trainer's log-probabilities then differ from the sampler's by far more than zaya's own sampler
+    (~1e-8 on this model), the mismatch metrics see it, and rl.tis_cap weights it out."""
+    from tests.fixtures import GRPO
+    from zaya_jax.cli import main
+    from zaya_jax.config import load_config
+    from zaya_jax.objectives import check
+
+    run = tmp_path / "run"
+    settings = ["train.steps=1", "eval.every=100", "rl.sampler_quantization=mxfp4", "rl.tis_cap=2"]
+    assert main(["train", *GRPO, *settings, f"run.dir={run}", "--no-progress"]) == 0
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(m for m in lines if m["step"] == 1 and "sampler_gap" in m)
+    assert first["sampler_gap"] > 1e-6 and first["mismatch_chi2"] > 0
+    assert first["max_ratio"] > 1 > first["min_ratio"]  # pi_old / pi_sampler on both sides of 1
+    with pytest.raises(ConfigError, match="multiples of 32"):
+        check(load_config("tiny", [*GRPO, "rl.sampler_quantization=mxfp4", "model.moe_intermediate_size=48"]))

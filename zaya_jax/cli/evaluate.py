@@ -174,6 +174,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_quantized(args: argparse.Namespace) -> int:
     from zaya_jax.config import DataConfig
     from zaya_jax.data.sources import source_for_path
+    from zaya_jax.eval import ordered_batches
     from zaya_jax.eval.quantization import quantization_report
     from zaya_jax.lm import load
 
@@ -184,10 +185,8 @@ def _cmd_quantized(args: argparse.Namespace) -> int:
     split = "held_out"
     if args.data:
         data, split = dataclasses.replace(data, sources=tuple(source_for_path(p) for p in args.data)), "all"
-    report = quantization_report(
-        lm, data, args.quantize, split=split, seq_len=args.seq_len or 512, batch_size=args.batch_size or 8,
-        max_batches=args.batches or 16, tokenizer=lm.tokenizer,
-    )  # fmt: skip
+    shape = (args.seq_len or 512, args.batch_size or 8, args.batches or 16)
+    report = quantization_report(lm, args.quantize, ordered_batches(lm, data, lm.tokenizer, split, *shape))
     if args.json:
         print_json(report)
         return 0

@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from zaya_jax.config import DataConfig, ModelConfig
-from zaya_jax.data.tokenizers import Tokenizer
-from zaya_jax.eval import ordered_batches
+from zaya_jax.config import ModelConfig
 from zaya_jax.interop.hf.quantized import KINDS, export_bytes
 from zaya_jax.loss import token_nll
 from zaya_jax.model import BALANCING, Zaya
@@ -93,18 +91,11 @@ def exported_variables(variables: dict[str, Any], *, keep_experts: bool) -> dict
 
 
 def quantization_report(
-    lm: Evaluable,
-    data: DataConfig,
-    quantize: str,
-    *,
-    split: str = "held_out",
-    seq_len: int = 512,
-    batch_size: int = 8,
-    max_batches: int = 16,
-    tokenizer: Tokenizer | str | None = None,
+    lm: Evaluable, quantize: str, batches: Iterable[dict[str, np.ndarray]]
 ) -> dict[str, Any]:
     """The quantized export of ``lm`` (``quantize``: ``fp8-experts`` or ``mxfp4-experts``) against
-    its bfloat16 export, over ``split`` read in order (as :func:`zaya_jax.eval.evaluate` reads it)."""
+    its bfloat16 export, over host ``batches`` (``inputs``, ``targets``, ``loss_mask``,
+    ``segment_ids``, ``positions``; :func:`zaya_jax.eval.ordered_batches` reads a split in order)."""
     if quantize not in KINDS:
         raise ValueError(f"--quantize {quantize!r} is not one of {', '.join(KINDS)}")
     if lm.config.expert_quantization != "none":
@@ -125,7 +116,7 @@ def quantization_report(
     skipped = {name: np.zeros(layers) for name in programs}
     tokens, agreed, routed_tokens = 0, 0, 0
     moved = np.zeros(layers)
-    for batch in ordered_batches(lm, data, tokenizer, split, seq_len, batch_size, max_batches):
+    for batch in batches:
         device = {k: jnp.asarray(v) for k, v in batch.items()}
         out = {name: [np.asarray(x) for x in run(v, device)] for name, (run, v) in programs.items()}
         kept = batch["loss_mask"] > 0
@@ -138,7 +129,7 @@ def quantization_report(
             loss[name] += float(nll[kept].sum())
             skipped[name] += ((choice == lm.config.num_experts) & routed).sum(axis=(1, 2))
     if not tokens:
-        raise ValueError("no evaluation tokens: the split of the data is empty")
+        raise ValueError("no evaluation tokens: the batches hold no trained target")
     return _report(lm.config, quantize, loss, skipped, moved, tokens, agreed, routed_tokens)
 
 
