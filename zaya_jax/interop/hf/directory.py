@@ -126,6 +126,22 @@ HF_SKIP_BIAS = -1.0
 router's init on that one value after reading the file, whatever the file holds."""
 
 
+def _exported_quantization(cfg: ModelConfig, quantize: str | None) -> str:
+    """The ``model.expert_quantization`` an export with ``quantize`` stores (see save_hf_directory)."""
+    own = next((k for k, v in KINDS.items() if v == cfg.expert_quantization), "none")
+    quantize = own if quantize is None else quantize
+    if quantize != "none" and quantize not in KINDS:
+        raise ConversionError(f"quantize {quantize!r} is not one of none, {', '.join(KINDS)}")
+    expert_quantization = KINDS.get(quantize, "none")
+    if cfg.expert_quantization not in ("none", expert_quantization):
+        raise ConversionError(
+            f"the model reads its experts as {cfg.expert_quantization} (model.expert_quantization), "
+            f"so an export with quantize {quantize!r} would not be the model it computes; export it with "
+            f"quantize {own!r}"
+        )
+    return expert_quantization
+
+
 def anchor_skip_bias(biases: np.ndarray) -> np.ndarray:
     """biases: (..., E+1) balancing biases, the skip class last -> float32 biases of the same shape,
     each row shifted by one constant so that its skip class's bias is exactly ``HF_SKIP_BIAS``.
@@ -178,17 +194,7 @@ def save_hf_directory(
         )
     if dtype not in ("float32", "bfloat16"):
         raise ConversionError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
-    own = next((k for k, v in KINDS.items() if v == cfg.expert_quantization), "none")
-    quantize = own if quantize is None else quantize
-    if quantize != "none" and quantize not in KINDS:
-        raise ConversionError(f"quantize {quantize!r} is not one of none, {', '.join(KINDS)}")
-    expert_quantization = KINDS.get(quantize, "none")
-    if cfg.expert_quantization not in ("none", expert_quantization):
-        raise ConversionError(
-            f"the model reads its experts as {cfg.expert_quantization} (model.expert_quantization), "
-            f"so an export with quantize {quantize!r} would not be the model it computes; export it with "
-            f"quantize {own!r}"
-        )
+    expert_quantization = _exported_quantization(cfg, quantize)
     if has_adapters(variables["params"]):
         raise ConversionError(
             "the parameters carry LoRA adapters, which an HF model has no place for: merge them first "
