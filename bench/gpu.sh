@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/ on one lent GPU, in under 10 minutes (each step has its own timeout;
-# they add up to 645 s; typical runs take less). Run from the repository root; results go to $OUT
+# they add up to 705 s; typical runs take less). Run from the repository root; results go to $OUT
 # (default ./gpu_out), ending with one markdown table for bench/RESULTS.md (bench/gpu_table.py).
 #   bash bench/gpu.sh            # on the GPU machine (ROCm or CUDA jax installed)
 #   PLUMBING=1 bash bench/gpu.sh # the CPU plumbing check: tiny sizes, 8 fake devices (every step: 3.5 min on
@@ -16,7 +16,8 @@
 #    (8 q / 2 kv of 128), bf16, forward + backward; 9. every MoE path at ZAYA1-8B's expert shapes
 #    (16 experts, hidden 2048, moe_intermediate_size 2048, top-1), bf16; 10. collective bus bandwidth;
 # 11. `zaya train` of the `small` preset, bf16, at 2k and 4k tokens per row: tokens/s and MFU with
-#    moe_impl auto's choice (its cache is kept under $OUT/cache); 12. the table.
+#    moe_impl auto's choice (its cache is kept under $OUT/cache); 12. vLLM given the quantized
+#    expert exports (bench/vllm_quantized.py: served, or what it refused); 13. the table.
 set -uo pipefail
 OUT=${OUT:-gpu_out}; mkdir -p "$OUT"
 if [ -d .whl ]; then  # packages the GPU image lacks, carried as wheels
@@ -108,6 +109,10 @@ for run in "small 2048 70" "small_4k ${SEQ4K:-4096} 60"; do
   cp /tmp/gpu_$1_$$/metrics.jsonl "$OUT/$1_metrics.jsonl" 2>/dev/null
   cp /tmp/gpu_$1_$$/events.jsonl "$OUT/$1_events.jsonl" 2>/dev/null
 done
+if want vllm; then
+step "vLLM: zaya's fp8-experts and mxfp4-experts exports"
+timeout 60 python3 bench/vllm_quantized.py --out /tmp/vllm_quantized_$$ 2>&1 | tee "$OUT/vllm_quantized.jsonl" | tail -2
+fi
 step table
 python3 bench/gpu_table.py "$OUT" | tee "$OUT/table.md"
 step done

@@ -1,7 +1,8 @@
 """One markdown table of ``bench/gpu.sh``'s results, ready for ``bench/RESULTS.md``: attention
 (every implementation per shape, ms and the ratio to the blocked kernel), every MoE path (ms,
 useful TFLOP/s, ratio to ``sorted``), collective bus bandwidth per message size, custom kernels
-against XLA, and the ``small`` train step's tokens/s and MFU with ``moe_impl: auto``'s choice.
+against XLA, the ``small`` train step's tokens/s and MFU with ``moe_impl: auto``'s choice, and
+what vLLM made of the quantized expert exports.
 Reads the files gpu.sh wrote under its output folder; a missing one is a row saying so (a step that
 timed out or failed), never an error.
 
@@ -119,6 +120,20 @@ def _moe_choice(out: Path) -> list[str]:
     return ["| moe_impl auto | (no result) | | |"]
 
 
+def _vllm(out: Path) -> list[str]:
+    try:
+        lines = [
+            json.loads(x)
+            for x in (out / "vllm_quantized.jsonl").read_text().splitlines()
+            if x.startswith("{")
+        ]
+    except (OSError, ValueError):
+        lines = []
+    if not lines:
+        return ["| vLLM, quantized expert exports | (no result) | | |"]
+    return [f"| vLLM, quantized expert exports | {line['export']} | {line['vllm']} | |" for line in lines]
+
+
 def table(out: Path) -> str:
     rows = ["| measure | variant | result | vs reference |", "|---|---|---|---|"]
     for part in (
@@ -129,6 +144,7 @@ def table(out: Path) -> str:
         _moe_choice(out),
         _train(out, "small_metrics.jsonl", "train step, small, 2k"),
         _train(out, "small_4k_metrics.jsonl", "train step, small, 4k"),
+        _vllm(out),
     ):
         rows += part
     return "\n".join(rows)

@@ -4,7 +4,8 @@ path, the collectives and the kernels against XLA run, and the closing table has
 for each, so the one lent-GPU run is not lost to a broken script. What other tests cover is left
 out with ``SKIP`` to keep CI short (the kernel build, which ``pip install`` ran and
 tests/ops/test_build.py tests; the HF comparison, Muon, checkpoint, data, decoding, the
-``zaya train`` runs; the Pallas kernel, interpreted, is tests/ops/test_pallas_attention.py);
+``zaya train`` runs, vLLM given the quantized exports (tests/interop/test_quantized.py writes
+them); the Pallas kernel, interpreted, is tests/ops/test_pallas_attention.py);
 ``PLUMBING=1 bash bench/gpu.sh`` runs them all (3.5 min on this 2-core machine)."""
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_script_plumbing_runs_every_step_and_prints_the_table(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS", "ZAYA_CACHE_DIR")}
-    skip = "build hf muon checkpoint data decoding small small_4k"  # covered by other tests
+    skip = "build hf muon checkpoint data decoding small small_4k vllm"  # covered by other tests
     env.update(
         PLUMBING="1",
         OUT=str(tmp_path / "out"),
@@ -33,5 +34,5 @@ def test_gpu_script_plumbing_runs_every_step_and_prints_the_table(tmp_path):
     for row in ("| attention 1x256", "blocked_64", "| MoE ", "| capacity |", "(8 devices)", "custom kernel",
                 "| moe_impl auto (doctor --moe) |"):  # fmt: skip
         assert row in table, (row, table)
-    assert table.count("(no result)") == 2  # the two train runs, left out
+    assert table.count("(no result)") == 3  # the two train runs and vLLM, left out
     assert (tmp_path / "out" / "cache" / "moe_auto.json").is_file()  # auto's choices come back
