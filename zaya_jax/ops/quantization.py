@@ -3,7 +3,7 @@ computed in JAX so that the model can run with quantize-dequantize experts (``mo
 
 Two formats, each with the rules of the ``compressed-tensors`` library that writes the exports
 (``calculate_qparams``, ``generate_mx_scales``, ``round_to_quantized_type_args``), so that its
-dequantized weights are these, value for value (``tests/ops/test_quantization.py``):
+dequantized weights are these, value for value (``tests/interop/test_quantized.py``):
 
 * ``fp8``: float8 e4m3 (largest 448) with one float32 scale per output channel, ``amax / 448``
   over the channel's inputs (an all-zero channel gets float32's eps); codes ``clip(w / s, ±448)``
@@ -29,12 +29,10 @@ kernel); the scale's shape keeps the other axes.
 from __future__ import annotations
 
 import functools
-from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-ExpertQuantization = Literal["none", "fp8", "mxfp4"]
 FORMATS = ("fp8", "mxfp4")
 
 FP8_MAX = 448.0  # the largest float8 e4m3fn

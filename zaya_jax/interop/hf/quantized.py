@@ -33,13 +33,13 @@ import ml_dtypes
 import numpy as np
 
 from zaya_jax.interop.hf.weights import ConversionError, format_names
+from zaya_jax.ops.quantization import E8M0_BIAS, MX_GROUP
 
 EXPERT_NAMES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 KINDS = {"fp8-experts": "fp8", "mxfp4-experts": "mxfp4"}  # --quantize -> model.expert_quantization
 FORMATS = {"fp8": "float-quantized", "mxfp4": "mxfp4-pack-quantized"}  # compressed-tensors' formats
 TARGETS = ["re:.*experts.*"]  # the modules quantized: the experts (transformers finds them by this)
 IGNORE = ["re:^(?!.*experts).*$"]  # every other module, as Zyphra's MXFP4 release lists it
-MX_GROUP = 32
 E2M1_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6], np.float32)
 _SUFFIXES = (".weight_scale", ".weight_packed", ".weight_zero_point", ".weight_global_scale", ".weight_shape")
 
@@ -224,7 +224,7 @@ def _mxfp4(name: str, parts: Mapping[str, np.ndarray], path: Any) -> np.ndarray:
     if np.any(exponents == 255):
         raise ConversionError(f"{path}: {name}.weight_scale holds 255, E8M0's NaN")
     values = E2M1_VALUES[np.stack([packed & 0x0F, packed >> 4], axis=-1)].reshape(*packed.shape[:2], -1)
-    scales = np.exp2(exponents.astype(np.float32) - 127)
+    scales = np.exp2(exponents.astype(np.float32) - E8M0_BIAS)
     return values * np.repeat(scales, MX_GROUP, axis=-1)
 
 
