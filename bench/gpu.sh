@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark of bench/ on one lent GPU, in under 10 minutes (each step has its own timeout;
-# they add up to 705 s; typical runs take less). Run from the repository root; results go to $OUT
+# they add up to 765 s; typical runs take less). Run from the repository root; results go to $OUT
 # (default ./gpu_out), ending with one markdown table for bench/RESULTS.md (bench/gpu_table.py).
 #   bash bench/gpu.sh            # on the GPU machine (ROCm or CUDA jax installed)
 #   PLUMBING=1 bash bench/gpu.sh # the CPU plumbing check: tiny sizes, 8 fake devices (every step: 3.5 min on
@@ -111,7 +111,7 @@ for run in "small 2048 70" "small_4k ${SEQ4K:-4096} 60"; do
 done
 if want vllm; then
 step "vLLM: zaya's fp8-experts and mxfp4-experts exports"
-timeout 60 python3 bench/vllm_quantized.py --out /tmp/vllm_quantized_$$ 2>&1 | tee "$OUT/vllm_quantized.jsonl" | tail -2
+timeout 120 python3 bench/vllm_quantized.py --out /tmp/vllm_quantized_$$ 2>&1 | tee "$OUT/vllm_quantized.jsonl" | tail -2
 fi
 step table
 python3 bench/gpu_table.py "$OUT" | tee "$OUT/table.md"

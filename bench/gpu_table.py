@@ -122,16 +122,18 @@ def _moe_choice(out: Path) -> list[str]:
 
 def _vllm(out: Path) -> list[str]:
     try:
-        lines = [
-            json.loads(x)
-            for x in (out / "vllm_quantized.jsonl").read_text().splitlines()
-            if x.startswith("{")
-        ]
-    except (OSError, ValueError):
-        lines = []
-    if not lines:
-        return ["| vLLM, quantized expert exports | (no result) | | |"]
-    return [f"| vLLM, quantized expert exports | {line['export']} | {line['vllm']} | |" for line in lines]
+        text = (out / "vllm_quantized.jsonl").read_text()
+    except OSError:
+        text = ""
+    rows = []
+    for line in text.splitlines():
+        try:
+            found = json.loads(line) if line.startswith("{") else None
+        except ValueError:
+            continue
+        if isinstance(found, dict) and {"export", "vllm"} <= found.keys():
+            rows.append(f"| vLLM, quantized expert exports | {found['export']} | {found['vllm']} | |")
+    return rows or ["| vLLM, quantized expert exports | (no result) | | |"]
 
 
 def table(out: Path) -> str:

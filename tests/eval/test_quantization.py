@@ -52,12 +52,14 @@ def test_experts_on_the_mxfp4_grid_change_nothing():
     experts = variables["params"]["layers"]["experts"]  # (layers, experts, in, out): inputs on axis 2
     gridded = {name: quantize_dequantize(w, "mxfp4", axis=2) for name, w in experts.items()}
     params = {**variables["params"], "layers": {**variables["params"]["layers"], "experts": gridded}}
+    # the same weights in both models; two programs, which XLA may round differently by an ulp
     report = quantization_report(LanguageModel(CFG, _with(variables, params)), "mxfp4-experts", BATCHES)
-    assert report["route_change_by_layer"] == [0.0, 0.0] and report["greedy_agreement"] == 1.0
-    assert report["loss_change"] == 0.0
+    token = 1 / report["tokens"]
+    assert report["route_change_by_layer"][0] == 0.0 and report["route_change_by_layer"][1] <= token
+    assert report["greedy_agreement"] >= 1 - token and abs(report["loss_change"]) < 1e-6
     # the same model with its experts off the grid does change: the check above has teeth
     moved = quantization_report(LanguageModel(CFG, variables), "mxfp4-experts", BATCHES)
-    assert moved["loss_change"] != 0.0
+    assert abs(moved["loss_change"]) > 1e-4
 
 
 @pytest.mark.parametrize("quantize", ["fp8-experts", "mxfp4-experts"])

@@ -68,7 +68,9 @@ def _edge_rows() -> np.ndarray:
 @pytest.mark.parametrize("kind", ["fp8", "mxfp4"])
 def test_formats_round_trip_as_the_numpy_reference(kind):
     reference = {"fp8": _fp8_reference, "mxfp4": _mxfp4_reference}[kind]
-    for w in (_edge_rows(), (np.random.default_rng(1).standard_normal((64, 96)) * 0.05).astype(np.float32)):
+    random = np.random.default_rng(1).standard_normal((64, 96)).astype(np.float32)
+    # groups far from 1 need exact powers of two (jnp.exp2 is not exact at 1e-5 or 1e5)
+    for w in (_edge_rows(), random * np.float32(0.05), random * np.float32(1e-5), random * np.float32(1e5)):
         # our kernels take (in, out) with the input axis given: here axis 0 of w.T
         ours = np.asarray(q.quantize_dequantize(jnp.asarray(w.T), kind, 0)).T
         np.testing.assert_array_equal(ours, reference(w))
@@ -102,6 +104,18 @@ def model(tmp_path_factory):
         return zaya_jax.load(path)
 
 
+def _torch(value: np.ndarray):
+    """A NumPy array (ml_dtypes' float8 and bfloat16 included) as a torch tensor, bit for bit."""
+    kinds = {
+        ml_dtypes.float8_e4m3fn: (np.uint8, torch.float8_e4m3fn),
+        ml_dtypes.bfloat16: (np.uint16, torch.bfloat16),
+    }
+    for dtype, (raw, torch_dtype) in kinds.items():
+        if value.dtype == dtype:
+            return torch.from_numpy(value.view(raw).copy()).view(torch_dtype)
+    return torch.from_numpy(np.ascontiguousarray(value))
+
+
 def _decompressed(directory) -> dict:
     """The export's tensors with its experts decompressed by compressed-tensors' own compressor,
     under the scheme its config.json gives (stacked experts as one 2-D matrix per layer)."""
@@ -121,14 +135,7 @@ def _decompressed(directory) -> dict:
             if n.split(".weight_")[0] == base
         }
         experts, rows = next(iter(parts.values())).shape[:2]
-        torch_parts = {
-            local: (
-                torch.from_numpy(v.view(np.uint8).copy()).view(torch.float8_e4m3fn)
-                if v.dtype == ml_dtypes.float8_e4m3fn
-                else torch.from_numpy(np.ascontiguousarray(v))
-            ).reshape(experts * rows, -1)
-            for local, v in parts.items()
-        }
+        torch_parts = {local: _torch(v).reshape(experts * rows, -1) for local, v in parts.items()}
         out[base] = compressor.decompress(torch_parts, scheme)["weight"].float().reshape(experts, rows, -1)
     for name, value in tensors.items():
         if ".mlp.experts." not in name:
@@ -194,6 +201,13 @@ def test_sizes_at_zaya1_8b_shapes_meet_the_goals():
     assert export_bytes(cfg, "mxfp4")["total"] / bf16 <= 0.35
 
 
+def _claims_mxfp4(config: dict) -> None:
+    """An FP8 directory's config rewritten to say MXFP4."""
+    quant = config["quantization_config"]
+    quant["format"] = "mxfp4-pack-quantized"
+    quant["config_groups"]["group_0"]["weights"].update(num_bits=4, strategy="group", group_size=32)
+
+
 def test_damaged_and_mismatched_quantized_directories_are_one_line(tmp_path, model):
     good = tmp_path / "good"
     save_hf_directory(good, model.config, model.variables, quantize="fp8-experts")
@@ -222,15 +236,32 @@ def test_damaged_and_mismatched_quantized_directories_are_one_line(tmp_path, mod
         "nan": (nan_scale, None, rf"{scale} holds values that are not finite and > 0"),
         "shape": (lambda t: {**t, scale: t[scale][:, :-1]}, None, rf"{scale} is float32 \[4, 63, 1\]; its weight needs"),
         "missing": (lambda t: {k: v for k, v in t.items() if k != scale}, None, r"down_proj is stored as .*down_proj; its format needs .*weight_scale"),
-        "mxfp4 config": (None, lambda c: c["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=4, strategy="group", group_size=32), r"is stored as .*; its format needs .*weight_packed"),
+        "mxfp4 config": (None, _claims_mxfp4, r"is stored as .*; its format needs .*weight_packed"),
         "no config": (None, lambda c: c.pop("quantization_config"), r"has no quantization_config, but .* are quantized tensors"),
         "activations": (None, lambda c: c["quantization_config"]["config_groups"]["group_0"].update(input_activations={"num_bits": 8}), "weight-only"),
     }  # fmt: skip
+    group = ("quantization_config", "config_groups", "group_0")
+
+    def in_group(**fields):
+        return lambda c: c[group[0]][group[1]][group[2]].update(fields)
+
+    cases["targets"] = (None, in_group(targets="re:.*experts.*"), "targets 're:.*experts.*' are not a list")
+    cases["format"] = (None, lambda c: c[group[0]].update(format="pack-quantized"), "format 'pack-quantized'")
     for name, (tensors_change, config_change, message) in cases.items():
         path = variant(name.replace(" ", "_"), tensors_change, config_change)
         with pytest.raises(ConversionError, match=message) as caught:
             zaya_jax.load(path)
         assert "\n" not in str(caught.value), name
+    # shards: a layer's codes and scales may sit in different files
+    sharded = tmp_path / "sharded"
+    save_hf_directory(sharded, model.config, model.variables, quantize="fp8-experts", max_shard_bytes=20_000)
+    assert len(list(sharded.glob("*.safetensors"))) > 2
+    np.testing.assert_array_equal(zaya_jax.load(sharded).logits(IDS), zaya_jax.load(good).logits(IDS))
+    # MXFP4 needs widths that are multiples of 32: refused before anything is written
+    narrow = dataclasses.replace(model.config, moe_intermediate_size=48)
+    with pytest.raises(ConversionError, match="multiples of 32"):
+        save_hf_directory(tmp_path / "narrow", narrow, model.variables, quantize="mxfp4-experts")
+    assert not (tmp_path / "narrow").exists()
     # a model that reads its experts as FP8 is not exported as another format
     fp8 = dataclasses.replace(model.config, expert_quantization="fp8")
     with pytest.raises(ConversionError, match="export it with quantize 'fp8-experts'"):
@@ -291,3 +322,22 @@ def test_a_run_exported_quantized_evaluated_and_refused_as_a_starting_point(tmp_
     allowed = load_config("tiny", [f"train.init_from={export}", "train.init_dequantized=true"])
     check_source(allowed)  # no error: asked for
     assert source_model_config(export).expert_quantization == "none"  # trains in full precision
+
+
+def test_fp8_with_bfloat16_scales_reads_as_compressed_tensors_decompresses_it(tmp_path, model):
+    """llm-compressor writes bfloat16 scales for a bfloat16 model: the code times its scale in
+    bfloat16. zaya reads those weights as they are (expert_quantization none: quantizing them again
+    with float32 scales would move most of them), equal to compressed-tensors' decompress."""
+    path = tmp_path / "bf16_scales"
+    save_hf_directory(path, model.config, model.variables, dtype="float32", quantize="fp8-experts")
+    tensors = read_directory(path)
+    for name in [n for n in tensors if n.endswith(".weight_scale")]:
+        tensors[name] = tensors[name].astype(ml_dtypes.bfloat16)
+    (path / "model.safetensors").unlink()
+    write_directory(path, tensors)
+    loaded = zaya_jax.load(path)
+    assert loaded.config.expert_quantization == "none"
+    reference = _decompressed(path)
+    ours = loaded.variables["params"]["layers"]["experts"]["wi"][1]  # (E, H, 2I): HF's transposed
+    theirs = reference["model.layers.1.mlp.experts.gate_up_proj"].numpy().transpose(0, 2, 1)
+    np.testing.assert_array_equal(np.asarray(ours), theirs)

@@ -135,6 +135,11 @@ def _add_generate_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
 def _cmd_eval(args: argparse.Namespace) -> int:
     from zaya_jax.lm import evaluate_path
 
+    if args.quantize and (args.task or args.passkey or args.by_position or args.checkpoints):
+        raise ValueError(
+            "--quantize compares a quantized export with the bfloat16 one on held-out text; give it "
+            "without --task, --passkey, --by-position or --checkpoints"
+        )
     if args.task:
         return _cmd_reasoning(args)
     if args.passkey or args.by_position:

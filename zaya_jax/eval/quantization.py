@@ -30,6 +30,7 @@ from zaya_jax.config import ModelConfig
 from zaya_jax.interop.hf.quantized import KINDS, export_bytes
 from zaya_jax.loss import token_nll
 from zaya_jax.model import BALANCING, Zaya
+from zaya_jax.model.lowrank import merged
 from zaya_jax.model.transformer import lm_head_weights
 from zaya_jax.objectives import Evaluable
 
@@ -76,8 +77,8 @@ def _greedy(cfg: ModelConfig, params: dict[str, Any], hidden: jax.Array) -> jax.
 
 
 def exported_variables(variables: dict[str, Any], *, keep_experts: bool) -> dict[str, Any]:
-    """``variables`` as a bfloat16 export holds them: every parameter rounded to bfloat16 (in its
-    own dtype), the balancing biases as they are; ``keep_experts``: the experts unrounded, as a
+    """``variables`` as a bfloat16 export holds them: low-rank adapters merged (as exports merge
+    them), every parameter rounded to bfloat16 (in its own dtype), the balancing biases as they are; ``keep_experts``: the experts unrounded, as a
     quantized export quantizes them from the model's own values."""
 
     def rounded(path: tuple[Any, ...], leaf: jax.Array) -> jax.Array:
@@ -86,7 +87,7 @@ def exported_variables(variables: dict[str, Any], *, keep_experts: bool) -> dict
             return leaf
         return jnp.asarray(leaf).astype(jnp.bfloat16).astype(leaf.dtype)
 
-    params = jax.tree_util.tree_map_with_path(rounded, variables["params"])
+    params = jax.tree_util.tree_map_with_path(rounded, merged(variables["params"]))
     return {**variables, "params": params}
 
 

@@ -19,8 +19,8 @@ dequantized weights are these, value for value (``tests/interop/test_quantized.p
   even; dequantized ``code * s`` (exact in bfloat16 and float32).
 
 XLA:CPU flushes float32 subnormals to zero where torch keeps them, so a group of weights all below
-2^-124 (about 5e-38) may dequantize to zeros here and to subnormals in compressed-tensors; no
-trained weight is that small.
+2^-124 (about 5e-38; its scale 2^-127 is subnormal) dequantizes to zeros here and may give
+subnormals in compressed-tensors; no trained weight is that small.
 
 Every function takes the input axis (the one a matmul reduces over: ``in`` of an ``(in, out)``
 kernel); the scale's shape keeps the other axes.
@@ -80,8 +80,15 @@ def mxfp4_exponents(w: jax.Array, axis: int) -> jax.Array:
 
 
 def mx_scales(exponents: jax.Array) -> jax.Array:
-    """float32 ``2 ** (e - 127)`` of E8M0 exponents."""
-    return jnp.exp2(exponents.astype(jnp.float32) - E8M0_BIAS)
+    """float32 ``2 ** (e - 127)`` of E8M0 exponents (0 for e = 0: see the module's note)."""
+    return _power_of_two(exponents.astype(jnp.int32) - E8M0_BIAS)
+
+
+def _power_of_two(k: jax.Array) -> jax.Array:
+    """Exactly ``2.0 ** k`` in float32 for integers k in [-126, 127], built from its exponent bits
+    (``jnp.exp2`` is ``exp(k ln 2)``, off for most k); 0 below -126, where it would be subnormal."""
+    field = jnp.clip(k.astype(jnp.int32) + E8M0_BIAS, 0, 254)
+    return jax.lax.bitcast_convert_type(jnp.left_shift(field, 23), jnp.float32)
 
 
 def mxfp4_codes(w: jax.Array, exponents: jax.Array, axis: int) -> jax.Array:
@@ -89,7 +96,8 @@ def mxfp4_codes(w: jax.Array, exponents: jax.Array, axis: int) -> jax.Array:
     # times 2^(127 - e), exact, rather than over 2^(e - 127): that scale is subnormal for e = 0 (a
     # zero group), which XLA:CPU flushes to 0
     scaled = (
-        _groups(w, axis).astype(jnp.float32) * jnp.exp2(E8M0_BIAS - exponents.astype(jnp.float32))[..., None]
+        _groups(w, axis).astype(jnp.float32)
+        * _power_of_two(E8M0_BIAS - exponents.astype(jnp.int32))[..., None]
     )
     return _round_e2m1(jnp.clip(scaled, -FP4_MAX, FP4_MAX))
 
@@ -118,7 +126,8 @@ def _dequantized(w: jax.Array, kind: str, axis: int) -> jax.Array:
 
 
 def quantize_dequantize(w: jax.Array, kind: str, axis: int) -> jax.Array:
-    """``w`` as its ``kind`` export dequantizes it, in ``w``'s dtype; ``kind == "none"`` returns ``w``.
+    """``w`` as its ``kind`` export dequantizes it, in float32 (as the export's dequantized weight is,
+    whatever ``w``'s dtype); ``kind == "none"`` returns ``w``.
 
     The gradient passes straight through (the derivative of the rounding taken as 1), so a model
     trained with quantized experts learns weights whose quantized form fits (quantization-aware
@@ -131,10 +140,10 @@ def quantize_dequantize(w: jax.Array, kind: str, axis: int) -> jax.Array:
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
 def _straight_through(w: jax.Array, kind: str, axis: int) -> jax.Array:
-    return _dequantized(w, kind, axis).astype(w.dtype)
+    return _dequantized(w, kind, axis)
 
 
 @_straight_through.defjvp
 def _straight_through_jvp(kind, axis, primals, tangents):
     (w,), (dw,) = primals, tangents
-    return _straight_through(w, kind, axis), dw
+    return _straight_through(w, kind, axis), dw.astype(jnp.float32)

@@ -29,15 +29,19 @@ if TYPE_CHECKING:
 def source_model_config(path: str | Path) -> ModelConfig:
     """The model config of ``train.init_from`` (read without loading any array). A quantized
     export's ``expert_quantization`` is how it stores its experts, not what a run of them computes:
-    it is left out (``none``; a run sets ``model.expert_quantization`` to train against it)."""
-    return dataclasses.replace(read_model(_given(path)).model, expert_quantization="none")
+    it is left out (``none``; a run sets ``model.expert_quantization`` to train against it). A zaya
+    run's own setting (trained against quantized experts) is kept."""
+    files = read_model(_given(path))
+    if files.format != "hf":  # a zaya run's setting is what it computes (quantization-aware training)
+        return files.model
+    return dataclasses.replace(files.model, expert_quantization="none")
 
 
 def check_source(cfg: Config) -> None:
     """A quantized export as ``train.init_from`` is refused unless ``train.init_dequantized``."""
-    if not cfg.train.init_from or cfg.train.init_dequantized:
-        return
-    files = read_model(_given(cfg.train.init_from))
+    if not cfg.train.init_from or cfg.train.init_dequantized or not os.path.lexists(cfg.train.init_from):
+        return  # (a missing source is named where it is read: a resumed run reads none)
+    files = read_model(Path(cfg.train.init_from))
     stored = files.model.expert_quantization
     if files.format == "hf" and stored != "none":
         raise ConfigError(

@@ -22,13 +22,14 @@ from zaya_jax.interop.hf.quantized import (
     KINDS,
     check_unquantized,
     compress_experts,
+    computed_quantization,
     dequantize_experts,
     expert_quantization_of,
     is_expert,
     quantization_config,
 )
 from zaya_jax.interop.hf.weights import ConversionError, hf_to_variables, variables_to_hf
-from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, write_directory
+from zaya_jax.interop.safetensors_io import INDEX, SHARD_BYTES, read_directory, tensor_shapes, write_directory
 from zaya_jax.model.lowrank import has_adapters
 
 
@@ -72,7 +73,8 @@ def hf_directory_model(directory: str | Path, **overrides: Any) -> ModelConfig:
         ) from None
     stored = expert_quantization_of(hf, path)
     if stored != "none" and "expert_quantization" not in overrides:  # the model the file holds
-        cfg = dataclasses.replace(cfg, expert_quantization=stored)
+        dtypes = {name: dtype for name, (_, dtype) in tensor_shapes(directory).items()}
+        cfg = dataclasses.replace(cfg, expert_quantization=computed_quantization(stored, dtypes))
         cfg.validate()
     # generation_config.json may hold the full EOS list where config.json has one id
     generation = Path(directory) / "generation_config.json"
@@ -133,6 +135,10 @@ def _exported_quantization(cfg: ModelConfig, quantize: str | None) -> str:
     if quantize != "none" and quantize not in KINDS:
         raise ConversionError(f"quantize {quantize!r} is not one of none, {', '.join(KINDS)}")
     expert_quantization = KINDS.get(quantize, "none")
+    try:  # MXFP4's widths, before anything is written
+        dataclasses.replace(cfg, expert_quantization=expert_quantization).validate()
+    except ConfigError as err:
+        raise ConversionError(f"quantize {quantize!r}: {err}") from None
     if cfg.expert_quantization not in ("none", expert_quantization):
         raise ConversionError(
             f"the model reads its experts as {cfg.expert_quantization} (model.expert_quantization), "

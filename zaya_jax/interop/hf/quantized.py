@@ -128,8 +128,10 @@ def expert_quantization_of(config: Mapping[str, Any], path: Any) -> str:
     if quant is None:
         return "none"
     where = f"{path}: quantization_config"
-    if not isinstance(quant, Mapping) or quant.get("quant_method") != "compressed-tensors":
-        method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+    if not isinstance(quant, Mapping):
+        raise ConversionError(f"{where} is {quant!r}, not an object")
+    if quant.get("quant_method") != "compressed-tensors":
+        method = quant.get("quant_method")
         raise ConversionError(f"{where} has quant_method {method!r}; zaya reads 'compressed-tensors' only")
     groups = quant.get("config_groups")
     if not isinstance(groups, Mapping) or len(groups) != 1:
@@ -140,17 +142,35 @@ def expert_quantization_of(config: Mapping[str, Any], path: Any) -> str:
         raise ConversionError(
             f"{where}: zaya reads weight-only quantization (a 'weights' entry, no input_activations)"
         )
-    if not any("experts" in str(t) for t in group.get("targets", [])):
-        raise ConversionError(f"{where}: the group's targets {group.get('targets')} are not the experts")
+    targets = group.get("targets")
+    if not isinstance(targets, list) or not any("experts" in str(t) for t in targets):
+        raise ConversionError(f"{where}: the group's targets {targets!r} are not a list naming the experts")
     found = (weights.get("num_bits"), weights.get("type"), weights.get("strategy"), weights.get("group_size"))
-    if found == (8, "float", "channel", None):
-        return "fp8"
-    if found == (4, "float", "group", MX_GROUP):
-        return "mxfp4"
+    kind = {(8, "float", "channel", None): "fp8", (4, "float", "group", MX_GROUP): "mxfp4"}.get(found)
+    stored_format = group.get("format") or quant.get("format")
+    formats = {"fp8": ("float-quantized", "naive-quantized"), "mxfp4": (FORMATS["mxfp4"],)}
+    if kind is not None and stored_format in formats[kind]:
+        return kind
+    if kind is not None:
+        raise ConversionError(
+            f"{where}: format {stored_format!r} does not store {kind} weights ({' or '.join(formats[kind])})"
+        )
     raise ConversionError(
         f"{where}: weights of {found[0]} bits, type {found[1]}, strategy {found[2]}, group_size {found[3]}; "
         "zaya reads 8-bit float per channel (fp8-experts) and 4-bit float in groups of 32 (mxfp4-experts)"
     )
+
+
+def computed_quantization(stored: str, dtypes: Mapping[str, str]) -> str:
+    """The ``model.expert_quantization`` that computes what a directory stores as ``stored``, given
+    its tensors' dtypes (names -> dtype names): the same, except for FP8 with scales narrower than
+    float32 (llm-compressor writes bfloat16 ones for a bfloat16 model). Those experts dequantize in
+    the scale's dtype, and quantizing them again with float32 scales would move most of them, so
+    the model computes with them as they are (``none``)."""
+    scales = [dtype for name, dtype in dtypes.items() if name.endswith(".weight_scale")]
+    if stored == "fp8" and any(dtype != "float32" for dtype in scales):
+        return "none"
+    return stored
 
 
 def check_unquantized(tensors: Mapping[str, np.ndarray], path: Any) -> None:
