@@ -62,8 +62,10 @@ def test_experts_on_the_mxfp4_grid_change_nothing():
     assert abs(moved["loss_change"]) > 1e-4
 
 
-@pytest.mark.parametrize("quantize", ["fp8-experts", "mxfp4-experts"])
-def test_a_router_tie_under_the_quantization_error_moves_tokens_in_and_out_of_the_skip_class(quantize):
+def test_a_router_tie_under_the_quantization_error_moves_tokens_in_and_out_of_the_skip_class():
+    # MXFP4 only: the report counts routes alike for both formats, and FP8's forward is checked
+    # against transformers in tests/interop/test_quantized.py
+    quantize = "mxfp4-experts"
     variables = varied_variables(CFG)
     skip = CFG.num_experts
     params = jax.tree.map(np.array, variables["params"])
@@ -74,7 +76,7 @@ def test_a_router_tie_under_the_quantization_error_moves_tokens_in_and_out_of_th
     lm = LanguageModel(CFG, _with(variables, params, {"layers": {"router": {"biases": biases}}}))
     report = quantization_report(lm, quantize, BATCHES)
 
-    kind = {"fp8-experts": "fp8", "mxfp4-experts": "mxfp4"}[quantize]
+    kind = "mxfp4"
     models = (
         (CFG, exported_variables(lm.variables, keep_experts=False)),
         (
